@@ -1,0 +1,149 @@
+//! Storage formats of weight matrices and exact conversions of their
+//! elements to f32.
+//!
+//! A weight runs as stored: f32 stays f32, f16/bf16 are widened exactly
+//! (every f16/bf16 value is an f32 value), FP8-e4m3 elements are widened
+//! exactly and multiplied by their block's f32 scale.
+
+use serde::{Deserialize, Serialize};
+
+/// How the rows of a weight matrix are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightFormat {
+    F32,
+    F16,
+    Bf16,
+    /// FP8 e4m3fn elements with one f32 scale per `block × block` tile
+    /// (DeepSeek-V3's `weight_scale_inv`).
+    F8E4M3,
+}
+
+impl WeightFormat {
+    /// Bytes one row of `cols` elements takes.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            WeightFormat::F32 => cols * 4,
+            WeightFormat::F16 | WeightFormat::Bf16 => cols * 2,
+            WeightFormat::F8E4M3 => cols,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::F8E4M3 => "fp8-e4m3",
+        }
+    }
+}
+
+/// bf16 bits to f32: exact (bf16 is the top half of an f32).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f16 bits to f32: exact.
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
+/// FP8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no
+/// infinities, S.1111.111 is NaN) to f32, exactly.
+pub const fn fp8_e4m3_to_f32_scalar(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0f32 };
+    let exp = ((b >> 3) & 0x0f) as i32;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0f && (b & 0x07) == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        // Subnormal: man/8 * 2^-6.
+        sign * man * (1.0 / 512.0)
+    } else {
+        // (1 + man/8) * 2^(exp-7), built without powi so it stays const.
+        let mut scale = 1.0f32;
+        let mut e = exp - 7;
+        while e > 0 {
+            scale *= 2.0;
+            e -= 1;
+        }
+        while e < 0 {
+            scale *= 0.5;
+            e += 1;
+        }
+        sign * (1.0 + man / 8.0) * scale
+    }
+}
+
+const fn build_fp8_table() -> [f32; 256] {
+    let mut t = [0.0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = fp8_e4m3_to_f32_scalar(i as u8);
+        i += 1;
+    }
+    t
+}
+
+/// Lookup table of every FP8 e4m3fn value.
+pub static FP8_E4M3_TABLE: [f32; 256] = build_fp8_table();
+
+#[inline(always)]
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    FP8_E4M3_TABLE[b as usize]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_matches_known_values() {
+        // Values from the OCP FP8 spec (E4M3).
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0);
+        assert_eq!(fp8_e4m3_to_f32(0x40), 2.0);
+        assert_eq!(fp8_e4m3_to_f32(0xb8), -1.0);
+        assert_eq!(fp8_e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(fp8_e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert!(fp8_e4m3_to_f32(0x7f).is_nan());
+        assert!(fp8_e4m3_to_f32(0xff).is_nan());
+    }
+
+    #[test]
+    fn fp8_matches_half_crate_bit_building() {
+        // Independent construction: every finite e4m3 value is exactly
+        // representable in f16 (5-bit exponent), so build f16 bits directly.
+        for b in 0u16..256 {
+            let v = fp8_e4m3_to_f32(b as u8);
+            if v.is_nan() {
+                continue;
+            }
+            let s = (b >> 7) & 1;
+            let e = (b >> 3) & 0xf;
+            let m = b & 7;
+            let h = if e == 0 {
+                // subnormal e4m3 -> normal or subnormal f16 via value
+                half::f16::from_f32(v).to_bits()
+            } else {
+                (s << 15) | ((e + 8) << 10) | (m << 7)
+            };
+            assert_eq!(half::f16::from_bits(h).to_f32(), v, "byte {b:#x}");
+        }
+    }
+
+    #[test]
+    fn bf16_and_f16_widen_exactly() {
+        for v in [1.5f32, -3.25, 65504.0, 1e-3, 0.0] {
+            let b = half::bf16::from_f32(v);
+            assert_eq!(bf16_to_f32(b.to_bits()), b.to_f32());
+            let h = half::f16::from_f32(v);
+            assert_eq!(f16_to_f32(h.to_bits()), h.to_f32());
+        }
+    }
+}

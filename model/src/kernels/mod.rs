@@ -1,0 +1,328 @@
+//! CPU kernels: row dot products over every weight format, and the
+//! row-partitioned matrix-vector / matrix-matrix products built on them.
+//!
+//! Determinism: each output element `y[t][r] = dot(W[r], x[t])` is computed
+//! by one call of one dot function, whatever the batch size or the thread
+//! count. Threads only decide *which* rows they compute, never how, so
+//! results are bit-identical across `--threads` and across batching.
+//!
+//! SIMD is chosen once at run time; `scalar` holds the reference of every
+//! kernel.
+
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
+use crate::tensor::QMatrix;
+
+/// The dot kernels chosen for this CPU.
+#[derive(Clone, Copy)]
+pub struct KernelSet {
+    pub name: &'static str,
+    pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    pub dot_bf16: fn(&[u16], &[f32]) -> f32,
+    pub dot_f16: fn(&[u16], &[f32]) -> f32,
+    pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
+}
+
+pub const SCALAR: KernelSet = KernelSet {
+    name: "scalar",
+    dot_f32: scalar::dot_f32,
+    dot_bf16: scalar::dot_bf16,
+    dot_f16: scalar::dot_f16,
+    dot_fp8: scalar::dot_fp8,
+};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_wrappers {
+    // SAFETY (all four): these wrappers are only installed by `select` after
+    // `is_x86_feature_detected!` confirmed avx2, fma and f16c.
+    pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+        unsafe { super::x86::dot_f32(w, x) }
+    }
+    pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+        unsafe { super::x86::dot_bf16(w, x) }
+    }
+    pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+        unsafe { super::x86::dot_f16(w, x) }
+    }
+    pub fn dot_fp8(w: &[u8], x: &[f32], s: &[f32], block: usize) -> f32 {
+        if block % 8 != 0 {
+            return super::scalar::dot_fp8(w, x, s, block);
+        }
+        unsafe { super::x86::dot_fp8(w, x, s, block) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub const AVX2: KernelSet = KernelSet {
+    name: "avx2+fma",
+    dot_f32: avx2_wrappers::dot_f32,
+    dot_bf16: avx2_wrappers::dot_bf16,
+    dot_f16: avx2_wrappers::dot_f16,
+    dot_fp8: avx2_wrappers::dot_fp8,
+};
+
+fn select() -> KernelSet {
+    if std::env::var_os("COLIBRI_SCALAR_KERNELS").is_some() {
+        return SCALAR;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return AVX2;
+        }
+    }
+    SCALAR
+}
+
+/// The kernels this process uses (chosen once).
+pub fn kernels() -> &'static KernelSet {
+    static K: OnceLock<KernelSet> = OnceLock::new();
+    K.get_or_init(select)
+}
+
+/// Dot of row `r` of `w` with `x` (`x.len() == w.cols`).
+#[inline]
+pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
+    let bytes = w.data().as_slice();
+    let c = w.cols;
+    match w.format {
+        WeightFormat::F32 => {
+            let all: &[f32] = bytemuck::cast_slice(bytes);
+            (k.dot_f32)(&all[r * c..(r + 1) * c], x)
+        }
+        WeightFormat::Bf16 => {
+            let all: &[u16] = bytemuck::cast_slice(bytes);
+            (k.dot_bf16)(&all[r * c..(r + 1) * c], x)
+        }
+        WeightFormat::F16 => {
+            let all: &[u16] = bytemuck::cast_slice(bytes);
+            (k.dot_f16)(&all[r * c..(r + 1) * c], x)
+        }
+        WeightFormat::F8E4M3 => {
+            let s = w.scales().expect("QMatrix::new checks fp8 scales");
+            let g = (r / s.block) * s.grid_cols;
+            (k.dot_fp8)(
+                &bytes[r * c..(r + 1) * c],
+                x,
+                &s.scales[g..g + s.grid_cols],
+                s.block,
+            )
+        }
+    }
+}
+
+/// Row `r` of `w` widened to f32 into `out` (exact).
+pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
+    let bytes = w.data().as_slice();
+    let c = w.cols;
+    match w.format {
+        WeightFormat::F32 => {
+            let all: &[f32] = bytemuck::cast_slice(bytes);
+            out.copy_from_slice(&all[r * c..(r + 1) * c]);
+        }
+        WeightFormat::Bf16 => {
+            let all: &[u16] = bytemuck::cast_slice(bytes);
+            for (o, &b) in out.iter_mut().zip(&all[r * c..(r + 1) * c]) {
+                *o = bf16_to_f32(b);
+            }
+        }
+        WeightFormat::F16 => {
+            let all: &[u16] = bytemuck::cast_slice(bytes);
+            for (o, &b) in out.iter_mut().zip(&all[r * c..(r + 1) * c]) {
+                *o = f16_to_f32(b);
+            }
+        }
+        WeightFormat::F8E4M3 => {
+            let s = w.scales().expect("QMatrix::new checks fp8 scales");
+            let g = (r / s.block) * s.grid_cols;
+            for (j, (o, &b)) in out
+                .iter_mut()
+                .zip(&bytes[r * c..(r + 1) * c])
+                .enumerate()
+            {
+                *o = fp8_e4m3_to_f32(b) * s.scales[g + j / s.block];
+            }
+        }
+    }
+}
+
+/// `out += alpha * W[r]`, with `W[r]` dequantized exactly as `row_to_f32`.
+pub fn row_axpy(w: &QMatrix, r: usize, alpha: f32, out: &mut [f32], scratch: &mut Vec<f32>) {
+    scratch.resize(w.cols, 0.0);
+    row_to_f32(w, r, scratch);
+    for (o, &v) in out.iter_mut().zip(scratch.iter()) {
+        *o += alpha * v;
+    }
+}
+
+/// A pool of compute threads. Work is split by output rows only, so the
+/// result never depends on how many threads there are.
+pub struct Pool {
+    inner: rayon::ThreadPool,
+}
+
+impl Pool {
+    /// A pool of `threads` workers (0 = one per available core).
+    pub fn new(threads: usize) -> Result<Self, crate::ModelError> {
+        let inner = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("colibri-cpu-{i}"))
+            .build()
+            .map_err(|e| crate::ModelError::Invalid(format!("thread pool: {e}")))?;
+        Ok(Pool { inner })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.inner.current_num_threads()
+    }
+
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.inner.install(f)
+    }
+
+    fn rows_per_task(&self, rows: usize) -> usize {
+        (rows / (self.threads() * 4)).clamp(8, 1024)
+    }
+}
+
+/// `y = W x` for one vector.
+pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), w.cols, "matvec input length");
+    assert_eq!(y.len(), w.rows, "matvec output length");
+    let k = kernels();
+    let chunk = pool.rows_per_task(w.rows);
+    pool.install(|| {
+        y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
+            let r0 = ci * chunk;
+            for (i, o) in ys.iter_mut().enumerate() {
+                *o = dot_row(k, w, r0 + i, x);
+            }
+        })
+    });
+}
+
+/// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
+/// into `y` (`n × rows`).
+pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(x.len(), n * w.cols, "matmul input length");
+    assert_eq!(y.len(), n * w.rows, "matmul output length");
+    if n == 1 {
+        return matvec(pool, w, x, y);
+    }
+    let k = kernels();
+    let chunk = pool.rows_per_task(w.rows);
+    let cols = w.cols;
+    let rows = w.rows;
+    // Each task owns a block of rows and computes it for every vector while
+    // those rows are hot in cache; the blocks are scattered afterwards.
+    let blocks: Vec<Vec<f32>> = pool.install(|| {
+        (0..rows.div_ceil(chunk))
+            .into_par_iter()
+            .map(|b| {
+                let r0 = b * chunk;
+                let r1 = (r0 + chunk).min(rows);
+                let mut out = Vec::with_capacity((r1 - r0) * n);
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    for r in r0..r1 {
+                        out.push(dot_row(k, w, r, xt));
+                    }
+                }
+                out
+            })
+            .collect()
+    });
+    for (b, out) in blocks.iter().enumerate() {
+        let r0 = b * chunk;
+        let len = out.len() / n;
+        for t in 0..n {
+            y[t * rows + r0..t * rows + r0 + len].copy_from_slice(&out[t * len..(t + 1) * len]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn rel_err(a: f32, b: f32, scale: f32) -> f32 {
+        (a - b).abs() / scale.max(1e-6)
+    }
+
+    /// Sum of |w_i x_i|: the natural scale of a dot product's rounding error.
+    fn abs_scale(w: &[f32], x: &[f32]) -> f32 {
+        w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
+    }
+
+    #[test]
+    fn selected_kernels_match_scalar_on_random_data() {
+        let k = kernels();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &n in &[1usize, 7, 8, 15, 16, 17, 33, 128, 257, 1000] {
+            let x = rand_vec(&mut rng, n);
+            let w = rand_vec(&mut rng, n);
+            let s = abs_scale(&w, &x);
+            assert!(rel_err((k.dot_f32)(&w, &x), scalar::dot_f32(&w, &x), s) < 1e-6);
+
+            let wb: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert!(rel_err((k.dot_bf16)(&wb, &x), scalar::dot_bf16(&wb, &x), s) < 1e-5);
+            let wh: Vec<u16> = w.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            assert!(rel_err((k.dot_f16)(&wh, &x), scalar::dot_f16(&wh, &x), s) < 1e-5);
+
+            let w8: Vec<u8> = (0..n).map(|_| rng.random_range(0u8..=0x7e)).collect();
+            let w8: Vec<u8> = w8.iter().map(|&b| b | if rng.random_bool(0.5) { 0x80 } else { 0 }).collect();
+            let scales = rand_vec(&mut rng, n.div_ceil(128));
+            let wf: Vec<f32> = w8.iter().enumerate().map(|(i, &b)| fp8_e4m3_to_f32(b) * scales[i / 128]).collect();
+            let s8 = abs_scale(&wf, &x);
+            let got = (k.dot_fp8)(&w8, &x, &scales, 128);
+            let want = scalar::dot_fp8(&w8, &x, &scales, 128);
+            assert!(rel_err(got, want, s8) < 1e-6, "fp8 n={n}: {got} vs {want}");
+            // And the reference equals a plain dequantize-then-dot in f64.
+            let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!(rel_err(want, exact as f32, s8) < 1e-6);
+        }
+    }
+
+    #[test]
+    fn matmul_rows_do_not_depend_on_batch_or_threads() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (rows, cols, n) = (301, 77, 5);
+        let w = QMatrix::from_f32(rows, cols, rand_vec(&mut rng, rows * cols)).unwrap();
+        let x = rand_vec(&mut rng, n * cols);
+        let p1 = Pool::new(1).unwrap();
+        let p3 = Pool::new(3).unwrap();
+        let mut y1 = vec![f32::NAN; n * rows];
+        let mut y3 = vec![f32::NAN; n * rows];
+        matmul(&p1, &w, &x, n, &mut y1);
+        matmul(&p3, &w, &x, n, &mut y3);
+        assert_eq!(y1, y3);
+        for t in 0..n {
+            let mut yt = vec![f32::NAN; rows];
+            matvec(&p3, &w, &x[t * cols..(t + 1) * cols], &mut yt);
+            assert_eq!(&y1[t * rows..(t + 1) * rows], &yt[..]);
+        }
+        // Against a float64 reference.
+        let wf = w.to_f32();
+        for t in 0..n {
+            for r in 0..rows {
+                let exact: f64 = (0..cols).map(|j| wf[r * cols + j] as f64 * x[t * cols + j] as f64).sum();
+                assert!((y1[t * rows + r] as f64 - exact).abs() < 1e-4);
+            }
+        }
+    }
+}

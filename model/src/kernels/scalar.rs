@@ -1,0 +1,51 @@
+//! Scalar reference kernels. Every SIMD kernel in this module's siblings is
+//! tested against these on random data. They accumulate in eight lanes so
+//! the reduction shape matches the vector kernels closely.
+
+use crate::format::{bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
+
+#[inline(always)]
+fn reduce8(acc: [f32; 8]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+#[inline(always)]
+fn dot_by(n: usize, mut elem: impl FnMut(usize) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let full = n / 8 * 8;
+    let mut i = 0;
+    while i < full {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += elem(i + l);
+        }
+        i += 8;
+    }
+    for (l, j) in (full..n).enumerate() {
+        acc[l] += elem(j);
+    }
+    reduce8(acc)
+}
+
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    dot_by(x.len(), |i| w[i] * x[i])
+}
+
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    dot_by(x.len(), |i| bf16_to_f32(w[i]) * x[i])
+}
+
+pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    dot_by(x.len(), |i| f16_to_f32(w[i]) * x[i])
+}
+
+/// Dot of one FP8 row with `x`. `scales` holds this row's scale for each
+/// column block of `block` elements. Each element is dequantized exactly as
+/// a reference would (`fp8 as f32 * scale`, rounded to f32) before the
+/// multiply-add.
+pub fn dot_fp8(w: &[u8], x: &[f32], scales: &[f32], block: usize) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    dot_by(x.len(), |i| (fp8_e4m3_to_f32(w[i]) * scales[i / block]) * x[i])
+}

@@ -1,0 +1,151 @@
+//! AVX2 + FMA (+ F16C) kernels for x86-64, chosen at run time.
+//!
+//! # Safety
+//! Every function here is `unsafe` because it is compiled for CPU features
+//! the baseline target lacks; callers must have checked them with
+//! `is_x86_feature_detected!` (see `super::select`).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use crate::format::FP8_E4M3_TABLE;
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    // SAFETY: plain register arithmetic under the caller's avx guarantee.
+    unsafe {
+        let hi = _mm256_extractf128_ps(v, 1);
+        let lo = _mm256_castps256_ps128(v);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+}
+
+/// # Safety
+/// Requires AVX2 and FMA; `w.len() == x.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: every load reads 8 floats at i < n - 7 from slices of length n.
+    unsafe {
+        while i + 16 <= n {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
+            a1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(wp.add(i + 8)),
+                _mm256_loadu_ps(xp.add(i + 8)),
+                a1,
+            );
+            i += 16;
+        }
+        while i + 8 <= n {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(a0, a1));
+        while i < n {
+            s += *wp.add(i) * *xp.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+#[inline(always)]
+unsafe fn load_bf16x8(p: *const u16) -> __m256 {
+    // SAFETY: reads 16 bytes at p, guaranteed by the caller.
+    unsafe {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+}
+
+/// # Safety
+/// Requires AVX2 and FMA; `w.len() == x.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: loads stay below n as in dot_f32.
+    unsafe {
+        while i + 16 <= n {
+            a0 = _mm256_fmadd_ps(load_bf16x8(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
+            a1 = _mm256_fmadd_ps(load_bf16x8(wp.add(i + 8)), _mm256_loadu_ps(xp.add(i + 8)), a1);
+            i += 16;
+        }
+        while i + 8 <= n {
+            a0 = _mm256_fmadd_ps(load_bf16x8(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(a0, a1));
+        while i < n {
+            s += crate::format::bf16_to_f32(*wp.add(i)) * *xp.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+/// # Safety
+/// Requires AVX2, FMA and F16C; `w.len() == x.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut a0 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: loads stay below n as in dot_f32.
+    unsafe {
+        while i + 8 <= n {
+            let h = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(i) as *const __m128i));
+            a0 = _mm256_fmadd_ps(h, _mm256_loadu_ps(xp.add(i)), a0);
+            i += 8;
+        }
+        let mut s = hsum(a0);
+        while i < n {
+            s += crate::format::f16_to_f32(*wp.add(i)) * *xp.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+/// # Safety
+/// Requires AVX2 and FMA; `w.len() == x.len()`, `block` a multiple of 8,
+/// `scales.len() >= ceil(n / block)`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_fp8(w: &[u8], x: &[f32], scales: &[f32], block: usize) -> f32 {
+    let n = x.len().min(w.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let table = FP8_E4M3_TABLE.as_ptr();
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: loads stay below n; gathers index a 256-entry table with
+    // zero-extended bytes; scales are indexed below ceil(n / block).
+    unsafe {
+        while i + 8 <= n {
+            let s = _mm256_set1_ps(*scales.as_ptr().add(i / block));
+            let bytes = _mm_loadl_epi64(wp.add(i) as *const __m128i);
+            let idx = _mm256_cvtepu8_epi32(bytes);
+            let v = _mm256_i32gather_ps::<4>(table, idx);
+            let wv = _mm256_mul_ps(v, s);
+            acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i)), acc);
+            i += 8;
+        }
+        let mut s = hsum(acc);
+        while i < n {
+            s += (FP8_E4M3_TABLE[*wp.add(i) as usize] * scales[i / block]) * *xp.add(i);
+            i += 1;
+        }
+        s
+    }
+}

@@ -1,0 +1,306 @@
+//! Weight storage: shared byte views and typed weight matrices.
+//!
+//! A [`Bytes`] is a cheap, cloneable view into storage owned elsewhere (a
+//! memory-mapped checkpoint, an owned buffer, later a pinned read slot whose
+//! lease is released when the last view drops). A [`QMatrix`] is a row-major
+//! weight matrix in one [`WeightFormat`] over such a view.
+
+use std::sync::Arc;
+
+use crate::error::{ModelError, Result};
+use crate::format::WeightFormat;
+
+/// Something that owns bytes and keeps them alive and unchanged while any
+/// view of it exists.
+pub trait ByteStorage: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl ByteStorage for memmap2::Mmap {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl ByteStorage for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// f32 data owned as f32 so it is always 4-byte aligned.
+struct F32Storage(Vec<f32>);
+
+impl ByteStorage for F32Storage {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// u16 data (f16/bf16) owned as u16 so it is always 2-byte aligned.
+struct U16Storage(Vec<u16>);
+
+impl ByteStorage for U16Storage {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// A view of `len` bytes at `start` in shared storage.
+#[derive(Clone)]
+pub struct Bytes {
+    owner: Arc<dyn ByteStorage>,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bytes({} bytes at {})", self.len, self.start)
+    }
+}
+
+impl Bytes {
+    /// A view of `owner[start..start + len]`; fails if out of range.
+    pub fn new(owner: Arc<dyn ByteStorage>, start: usize, len: usize) -> Result<Self> {
+        let total = owner.bytes().len();
+        if start.checked_add(len).is_none_or(|end| end > total) {
+            return Err(ModelError::Invalid(format!(
+                "byte range {start}+{len} outside storage of {total} bytes"
+            )));
+        }
+        Ok(Bytes { owner, start, len })
+    }
+
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let len = v.len();
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
+    }
+
+    pub fn from_f32(v: Vec<f32>) -> Self {
+        let len = v.len() * 4;
+        Bytes {
+            owner: Arc::new(F32Storage(v)),
+            start: 0,
+            len,
+        }
+    }
+
+    pub fn from_u16(v: Vec<u16>) -> Self {
+        let len = v.len() * 2;
+        Bytes {
+            owner: Arc::new(U16Storage(v)),
+            start: 0,
+            len,
+        }
+    }
+
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        &self.owner.bytes()[self.start..self.start + self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A sub-view `[offset, offset + len)` of this view.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<Bytes> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(ModelError::Invalid(format!(
+                "sub-range {offset}+{len} outside a view of {} bytes",
+                self.len
+            )));
+        }
+        Ok(Bytes {
+            owner: self.owner.clone(),
+            start: self.start + offset,
+            len,
+        })
+    }
+
+    /// This view with its start aligned to `align` bytes: itself when already
+    /// aligned, otherwise an owned, aligned copy. Safetensors files do not
+    /// promise element alignment, the kernels need it.
+    pub fn aligned(self, align: usize) -> Bytes {
+        if (self.as_slice().as_ptr() as usize).is_multiple_of(align) {
+            return self;
+        }
+        let src = self.as_slice();
+        match align {
+            4 => Bytes::from_f32(
+                src.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            2 => Bytes::from_u16(
+                src.chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            _ => Bytes::from_vec(src.to_vec()),
+        }
+    }
+}
+
+/// FP8 block scales: one f32 per `block × block` tile, row-major over the
+/// tile grid (`ceil(rows/block) × ceil(cols/block)`).
+#[derive(Clone, Debug)]
+pub struct BlockScales {
+    pub block: usize,
+    pub grid_cols: usize,
+    pub scales: Arc<[f32]>,
+}
+
+/// A row-major weight matrix of `rows × cols` elements stored in `format`.
+#[derive(Clone, Debug)]
+pub struct QMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    data: Bytes,
+    scales: Option<BlockScales>,
+}
+
+impl QMatrix {
+    /// Wraps stored bytes, checking size and alignment against the format.
+    pub fn new(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        format: WeightFormat,
+        data: Bytes,
+        scales: Option<BlockScales>,
+    ) -> Result<Self> {
+        let expect = rows * format.row_bytes(cols);
+        if data.len() != expect {
+            return Err(ModelError::Invalid(format!(
+                "tensor `{name}`: {} bytes, expected {expect} for {rows}x{cols} {}",
+                data.len(),
+                format.name()
+            )));
+        }
+        let data = match format {
+            WeightFormat::F32 => data.aligned(4),
+            WeightFormat::F16 | WeightFormat::Bf16 => data.aligned(2),
+            WeightFormat::F8E4M3 => data,
+        };
+        match (&scales, format) {
+            (None, WeightFormat::F8E4M3) => {
+                return Err(ModelError::Invalid(format!(
+                    "tensor `{name}`: fp8 weights need block scales (weight_scale_inv)"
+                )));
+            }
+            (Some(s), WeightFormat::F8E4M3) => {
+                let gr = rows.div_ceil(s.block);
+                let gc = cols.div_ceil(s.block);
+                if s.grid_cols != gc || s.scales.len() != gr * gc {
+                    return Err(ModelError::Shape {
+                        name: format!("{name}_scale_inv"),
+                        got: vec![s.scales.len() / s.grid_cols.max(1), s.grid_cols],
+                        expected: vec![gr, gc],
+                    });
+                }
+            }
+            (Some(_), _) => {
+                return Err(ModelError::Invalid(format!(
+                    "tensor `{name}`: block scales given for a {} matrix",
+                    format.name()
+                )));
+            }
+            (None, _) => {}
+        }
+        Ok(QMatrix {
+            rows,
+            cols,
+            format,
+            data,
+            scales,
+        })
+    }
+
+    /// An f32 matrix over owned values (tests, small derived weights).
+    pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Result<Self> {
+        QMatrix::new(
+            "f32",
+            rows,
+            cols,
+            WeightFormat::F32,
+            Bytes::from_f32(values),
+            None,
+        )
+    }
+
+    pub fn data(&self) -> &Bytes {
+        &self.data
+    }
+
+    pub fn scales(&self) -> Option<&BlockScales> {
+        self.scales.as_ref()
+    }
+
+    /// Bytes of the stored matrix (not counting scales).
+    pub fn stored_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// A view of rows `[start, start + n)`; `start` must be a multiple of
+    /// the scale block for FP8 matrices so that the tiles stay aligned.
+    pub fn rows_view(&self, start: usize, n: usize) -> Result<QMatrix> {
+        if start + n > self.rows {
+            return Err(ModelError::Invalid(format!(
+                "rows {start}+{n} outside a matrix of {} rows",
+                self.rows
+            )));
+        }
+        let rb = self.format.row_bytes(self.cols);
+        let data = self.data.slice(start * rb, n * rb)?;
+        let scales = match &self.scales {
+            None => None,
+            Some(s) => {
+                if !start.is_multiple_of(s.block) {
+                    return Err(ModelError::Invalid(format!(
+                        "fp8 row view at {start} is not aligned to the {}-row scale block",
+                        s.block
+                    )));
+                }
+                let g0 = start / s.block;
+                let g1 = (start + n).div_ceil(s.block);
+                Some(BlockScales {
+                    block: s.block,
+                    grid_cols: s.grid_cols,
+                    scales: s.scales[g0 * s.grid_cols..g1 * s.grid_cols].into(),
+                })
+            }
+        };
+        Ok(QMatrix {
+            rows: n,
+            cols: self.cols,
+            format: self.format,
+            data,
+            scales,
+        })
+    }
+
+    /// Row `r` widened to f32 (exact for every format).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        crate::kernels::row_to_f32(self, r, out)
+    }
+
+    /// The whole matrix widened to f32 (tests and small tensors only).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        for r in 0..self.rows {
+            self.row_to_f32(r, &mut out[r * self.cols..(r + 1) * self.cols]);
+        }
+        out
+    }
+}

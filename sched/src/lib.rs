@@ -1,0 +1,1 @@
+//! colibri-sched: the engine.

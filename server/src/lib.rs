@@ -1,0 +1,1 @@
+//! colibri-server: the OpenAI-compatible HTTP API over the engine.
