@@ -19,7 +19,9 @@ pub enum ModelError {
     },
     #[error("config.json: {0}")]
     Config(String),
-    #[error("unsupported model_type `{0}` (supported: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3)")]
+    #[error(
+        "unsupported model_type `{0}` (supported: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3)"
+    )]
     UnsupportedArchitecture(String),
     #[error("{file}: not a valid safetensors file: {reason}")]
     Safetensors { file: PathBuf, reason: String },

@@ -7,12 +7,26 @@
 //!   kernels over them, each with a scalar reference.
 //! - [`forward`]: the batched forward pass over a [`kv::KvCache`] per
 //!   sequence, with routed experts fetched through an [`experts::ExpertSource`].
-//! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat templates.
 //! - [`sampling`]: logits to tokens.
 
+pub mod attention;
+pub mod config;
 pub mod error;
+pub mod experts;
 pub mod format;
+pub mod forward;
 pub mod kernels;
+pub mod kv;
+pub mod moe;
+pub mod ops;
+pub mod rope;
+pub mod source;
 pub mod tensor;
+pub mod weights;
 
+pub use config::ModelSpec;
 pub use error::{ModelError, Result};
+pub use experts::{ExpertSource, ResidentExperts};
+pub use forward::{Logits, Model, SeqInput};
+pub use kernels::Pool;
+pub use kv::KvCache;

@@ -145,11 +145,7 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
         WeightFormat::F8E4M3 => {
             let s = w.scales().expect("QMatrix::new checks fp8 scales");
             let g = (r / s.block) * s.grid_cols;
-            for (j, (o, &b)) in out
-                .iter_mut()
-                .zip(&bytes[r * c..(r + 1) * c])
-                .enumerate()
-            {
+            for (j, (o, &b)) in out.iter_mut().zip(&bytes[r * c..(r + 1) * c]).enumerate() {
                 *o = fp8_e4m3_to_f32(b) * s.scales[g + j / s.block];
             }
         }
@@ -279,15 +275,28 @@ mod tests {
             let s = abs_scale(&w, &x);
             assert!(rel_err((k.dot_f32)(&w, &x), scalar::dot_f32(&w, &x), s) < 1e-6);
 
-            let wb: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let wb: Vec<u16> = w
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
             assert!(rel_err((k.dot_bf16)(&wb, &x), scalar::dot_bf16(&wb, &x), s) < 1e-5);
-            let wh: Vec<u16> = w.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let wh: Vec<u16> = w
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
             assert!(rel_err((k.dot_f16)(&wh, &x), scalar::dot_f16(&wh, &x), s) < 1e-5);
 
             let w8: Vec<u8> = (0..n).map(|_| rng.random_range(0u8..=0x7e)).collect();
-            let w8: Vec<u8> = w8.iter().map(|&b| b | if rng.random_bool(0.5) { 0x80 } else { 0 }).collect();
+            let w8: Vec<u8> = w8
+                .iter()
+                .map(|&b| b | if rng.random_bool(0.5) { 0x80 } else { 0 })
+                .collect();
             let scales = rand_vec(&mut rng, n.div_ceil(128));
-            let wf: Vec<f32> = w8.iter().enumerate().map(|(i, &b)| fp8_e4m3_to_f32(b) * scales[i / 128]).collect();
+            let wf: Vec<f32> = w8
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| fp8_e4m3_to_f32(b) * scales[i / 128])
+                .collect();
             let s8 = abs_scale(&wf, &x);
             let got = (k.dot_fp8)(&w8, &x, &scales, 128);
             let want = scalar::dot_fp8(&w8, &x, &scales, 128);
@@ -320,7 +329,9 @@ mod tests {
         let wf = w.to_f32();
         for t in 0..n {
             for r in 0..rows {
-                let exact: f64 = (0..cols).map(|j| wf[r * cols + j] as f64 * x[t * cols + j] as f64).sum();
+                let exact: f64 = (0..cols)
+                    .map(|j| wf[r * cols + j] as f64 * x[t * cols + j] as f64)
+                    .sum();
                 assert!((y1[t * rows + r] as f64 - exact).abs() < 1e-4);
             }
         }

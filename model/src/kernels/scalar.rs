@@ -47,5 +47,7 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
 /// multiply-add.
 pub fn dot_fp8(w: &[u8], x: &[f32], scales: &[f32], block: usize) -> f32 {
     debug_assert_eq!(w.len(), x.len());
-    dot_by(x.len(), |i| (fp8_e4m3_to_f32(w[i]) * scales[i / block]) * x[i])
+    dot_by(x.len(), |i| {
+        (fp8_e4m3_to_f32(w[i]) * scales[i / block]) * x[i]
+    })
 }

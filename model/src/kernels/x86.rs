@@ -79,7 +79,11 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     unsafe {
         while i + 16 <= n {
             a0 = _mm256_fmadd_ps(load_bf16x8(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
-            a1 = _mm256_fmadd_ps(load_bf16x8(wp.add(i + 8)), _mm256_loadu_ps(xp.add(i + 8)), a1);
+            a1 = _mm256_fmadd_ps(
+                load_bf16x8(wp.add(i + 8)),
+                _mm256_loadu_ps(xp.add(i + 8)),
+                a1,
+            );
             i += 16;
         }
         while i + 8 <= n {

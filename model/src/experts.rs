@@ -1,0 +1,113 @@
+//! Routed experts and where they come from.
+//!
+//! The forward pass asks an [`ExpertSource`] for the experts a layer's
+//! router chose and computes each one as soon as it is available. Sources
+//! decide placement: [`ResidentExperts`] maps every expert of a checkpoint;
+//! the engine's tiered sources (RAM cache, NVMe reads) implement the same
+//! trait, so placement never changes what is computed.
+
+use std::sync::Arc;
+
+use crate::config::ModelSpec;
+use crate::error::{ModelError, Result};
+use crate::source::Checkpoint;
+use crate::weights::{MlpWeights, TensorNames};
+
+/// The weights of one routed expert.
+pub type ExpertWeights = MlpWeights;
+
+/// Hands out routed experts.
+pub trait ExpertSource: Send + Sync {
+    /// Calls `ready(expert, weights)` exactly once for every id in `ids`
+    /// (distinct, ascending), in the order they become available. Returning
+    /// an error from `ready` stops the fetch and is passed through.
+    fn fetch(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()>,
+    ) -> Result<()>;
+
+    /// A hint that `ids` of `layer` will probably be needed soon. Sources
+    /// that read from disk start reading; others ignore it.
+    fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
+}
+
+/// Loads expert `e` of layer `layer` from a checkpoint, in either the Hub's
+/// per-expert layout or transformers 5's fused per-layer layout.
+pub fn load_expert(
+    spec: &ModelSpec,
+    ck: &Checkpoint,
+    layer: usize,
+    e: usize,
+) -> Result<ExpertWeights> {
+    let moe = spec
+        .moe
+        .as_ref()
+        .ok_or_else(|| ModelError::Invalid("model has no experts".into()))?;
+    let names = TensorNames::new(spec.family);
+    let (h, i) = (spec.hidden_size, moe.intermediate_size);
+    let [g, u, d] = names.expert(layer, e);
+    if ck.contains(&g) {
+        return crate::weights::mlp(ck, [&g, &u, &d], h, i, spec.fp8_block);
+    }
+    let [gu, dn] = names.fused_experts(layer);
+    if ck.contains(&gu) {
+        let n = moe.num_experts;
+        let gate_up = ck.matrix_reshaped(&gu, &[n, 2 * i, h], n * 2 * i, h)?;
+        let down = ck.matrix_reshaped(&dn, &[n, h, i], n * h, i)?;
+        return Ok(ExpertWeights {
+            gate: gate_up.rows_view(e * 2 * i, i)?,
+            up: gate_up.rows_view(e * 2 * i + i, i)?,
+            down: down.rows_view(e * h, h)?,
+        });
+    }
+    Err(ModelError::MissingTensor(g))
+}
+
+/// Every expert of a checkpoint, memory-mapped (the page cache holds them).
+pub struct ResidentExperts {
+    layers: Vec<Vec<Arc<ExpertWeights>>>,
+}
+
+impl ResidentExperts {
+    pub fn load(spec: &ModelSpec, ck: &Checkpoint) -> Result<ResidentExperts> {
+        let mut layers = Vec::with_capacity(spec.num_layers());
+        for (l, ls) in spec.layers.iter().enumerate() {
+            let mut experts = Vec::new();
+            if ls.ffn == crate::config::FfnKind::Moe
+                && let Some(moe) = &spec.moe
+            {
+                for e in 0..moe.num_experts {
+                    experts.push(Arc::new(load_expert(spec, ck, l, e)?));
+                }
+            }
+            layers.push(experts);
+        }
+        Ok(ResidentExperts { layers })
+    }
+}
+
+impl ExpertSource for ResidentExperts {
+    fn fetch(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()>,
+    ) -> Result<()> {
+        let experts = self.layers.get(layer).ok_or_else(|| ModelError::Expert {
+            layer,
+            expert: ids.first().copied().unwrap_or(0),
+            reason: "no such layer".into(),
+        })?;
+        for &e in ids {
+            let w = experts.get(e).ok_or_else(|| ModelError::Expert {
+                layer,
+                expert: e,
+                reason: "no such expert".into(),
+            })?;
+            ready(e, w.clone())?;
+        }
+        Ok(())
+    }
+}

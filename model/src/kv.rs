@@ -1,0 +1,128 @@
+//! The KV cache of one sequence: per layer, the keys and values of every
+//! past position (grouped-query attention), or the compressed latent and the
+//! shared rotary key (multi-head latent attention, ~1/50 of the size).
+
+use crate::config::{AttentionSpec, ModelSpec};
+use crate::error::{ModelError, Result};
+
+#[derive(Clone, Debug)]
+pub(crate) enum LayerCache {
+    /// `k`, `v`: `[pos][kv_head][head_dim]`.
+    Gqa { k: Vec<f32>, v: Vec<f32> },
+    /// `latent`: `[pos][kv_lora_rank]` (normed); `k_pe`: `[pos][rope_dim]` (rotated).
+    Mla { latent: Vec<f32>, k_pe: Vec<f32> },
+}
+
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    pub(crate) layers: Vec<LayerCache>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `spec` holding at most `capacity` positions
+    /// (memory grows with use, not with capacity).
+    pub fn new(spec: &ModelSpec, capacity: usize) -> KvCache {
+        let layers = (0..spec.num_layers())
+            .map(|_| match spec.attention {
+                AttentionSpec::Gqa { .. } => LayerCache::Gqa {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                },
+                AttentionSpec::Mla { .. } => LayerCache::Mla {
+                    latent: Vec::new(),
+                    k_pe: Vec::new(),
+                },
+            })
+            .collect();
+        KvCache {
+            layers,
+            len: 0,
+            capacity: capacity.min(spec.max_position_embeddings),
+        }
+    }
+
+    /// Positions already in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Checks that `more` positions fit.
+    pub fn check_room(&self, more: usize) -> Result<()> {
+        if self.len + more > self.capacity {
+            return Err(ModelError::ContextExceeded {
+                needed: self.len + more,
+                context: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Forgets every position from `len` on (to reuse a shared prefix).
+    pub fn truncate(&mut self, len: usize, spec: &ModelSpec) {
+        if len >= self.len {
+            return;
+        }
+        let per_pos = |which: usize| -> usize {
+            match &spec.attention {
+                AttentionSpec::Gqa {
+                    num_kv_heads,
+                    head_dim,
+                    ..
+                } => num_kv_heads * head_dim,
+                AttentionSpec::Mla {
+                    kv_lora_rank,
+                    qk_rope_head_dim,
+                    ..
+                } => {
+                    if which == 0 {
+                        *kv_lora_rank
+                    } else {
+                        *qk_rope_head_dim
+                    }
+                }
+            }
+        };
+        for l in &mut self.layers {
+            match l {
+                LayerCache::Gqa { k, v } => {
+                    k.truncate(len * per_pos(0));
+                    v.truncate(len * per_pos(0));
+                }
+                LayerCache::Mla { latent, k_pe } => {
+                    latent.truncate(len * per_pos(0));
+                    k_pe.truncate(len * per_pos(1));
+                }
+            }
+        }
+        self.len = len;
+    }
+
+    pub fn clear(&mut self, spec: &ModelSpec) {
+        self.truncate(0, spec);
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Gqa { k, v } => (k.len() + v.len()) * 4,
+                LayerCache::Mla { latent, k_pe } => (latent.len() + k_pe.len()) * 4,
+            })
+            .sum()
+    }
+}

@@ -1,0 +1,207 @@
+//! The feed-forward half of a layer: dense SwiGLU MLPs, and the MoE block
+//! (router, routed experts fetched through an [`ExpertSource`], shared
+//! experts).
+//!
+//! A batch is routed first; the union of chosen experts is fetched once and
+//! each expert is applied to every row that chose it, as soon as it is
+//! available. Outputs are combined per row in ascending expert order (as
+//! transformers does), so arrival order never changes a result.
+
+use std::sync::Arc;
+
+use crate::config::{MoeSpec, RouterKind};
+use crate::error::{ModelError, Result};
+use crate::experts::{ExpertSource, ExpertWeights};
+use crate::kernels::{Pool, matmul};
+use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
+use crate::weights::{MlpWeights, MoeWeights};
+
+/// `down(silu(gate x) * up x)` for `n` rows.
+pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<f32> {
+    let inter = w.gate.rows;
+    let mut g = vec![0.0f32; n * inter];
+    let mut u = vec![0.0f32; n * inter];
+    matmul(pool, &w.gate, x, n, &mut g);
+    matmul(pool, &w.up, x, n, &mut u);
+    for (gv, uv) in g.iter_mut().zip(&u) {
+        *gv = silu(*gv) * uv;
+    }
+    let mut y = vec![0.0f32; n * w.down.rows];
+    matmul(pool, &w.down, &g, n, &mut y);
+    y
+}
+
+/// The experts one row chose: ids and combine weights, in router order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// Routes one row from its router logits.
+pub fn route(moe: &MoeSpec, logits: &[f32], selection_bias: Option<&[f32]>) -> Routing {
+    match &moe.router {
+        RouterKind::Softmax { norm_topk_prob } => {
+            let mut p = logits.to_vec();
+            softmax_inplace(&mut p);
+            let experts = top_k(&p, moe.top_k);
+            let mut weights: Vec<f32> = experts.iter().map(|&e| p[e]).collect();
+            if *norm_topk_prob {
+                let s: f32 = weights.iter().sum();
+                weights.iter_mut().for_each(|w| *w /= s);
+            }
+            Routing { experts, weights }
+        }
+        RouterKind::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        } => {
+            let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+            let choice: Vec<f32> = match selection_bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            let per = moe.num_experts / n_group;
+            let group_scores: Vec<f32> = choice
+                .chunks_exact(per)
+                .map(|g| {
+                    let t = top_k(g, 2);
+                    g[t[0]] + g[t[1]]
+                })
+                .collect();
+            let groups = top_k(&group_scores, *topk_group);
+            let masked: Vec<f32> = choice
+                .iter()
+                .enumerate()
+                .map(|(e, &c)| {
+                    if groups.contains(&(e / per)) {
+                        c
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let experts = top_k(&masked, moe.top_k);
+            let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+            if *norm_topk_prob {
+                let s: f32 = weights.iter().sum::<f32>() + 1e-20;
+                weights.iter_mut().for_each(|w| *w /= s);
+            }
+            weights.iter_mut().for_each(|w| *w *= routed_scaling_factor);
+            Routing { experts, weights }
+        }
+    }
+}
+
+/// Routes every row of `h` (`n × hidden`).
+pub(crate) fn route_rows(
+    pool: &Pool,
+    moe: &MoeSpec,
+    w: &MoeWeights,
+    h: &[f32],
+    n: usize,
+) -> Vec<Routing> {
+    let e = moe.num_experts;
+    let mut logits = vec![0.0f32; n * e];
+    matmul(pool, &w.router, h, n, &mut logits);
+    logits
+        .chunks_exact(e)
+        .map(|l| route(moe, l, w.selection_bias.as_deref()))
+        .collect()
+}
+
+/// The MoE block for `n` rows of normed hidden states.
+pub(crate) fn moe_rows(
+    pool: &Pool,
+    layer: usize,
+    moe: &MoeSpec,
+    w: &MoeWeights,
+    experts: &dyn ExpertSource,
+    h: &[f32],
+    n: usize,
+    hidden: usize,
+) -> Result<(Vec<f32>, Vec<Routing>)> {
+    let routing = route_rows(pool, moe, w, h, n);
+    // Which (row, slot) pairs each expert serves.
+    let mut users: std::collections::BTreeMap<usize, Vec<(usize, usize)>> = Default::default();
+    for (row, r) in routing.iter().enumerate() {
+        for (slot, &e) in r.experts.iter().enumerate() {
+            users.entry(e).or_default().push((row, slot));
+        }
+    }
+    let ids: Vec<usize> = users.keys().copied().collect();
+    let k = moe.top_k;
+    let mut slot_out = vec![0.0f32; n * k * hidden];
+    let mut done = vec![false; moe.num_experts];
+    let mut apply = |e: usize, ew: Arc<ExpertWeights>| -> Result<()> {
+        let us = users.get(&e).ok_or_else(|| ModelError::Expert {
+            layer,
+            expert: e,
+            reason: "source returned an expert that was not requested".into(),
+        })?;
+        if std::mem::replace(&mut done[e], true) {
+            return Err(ModelError::Expert {
+                layer,
+                expert: e,
+                reason: "source returned the expert twice".into(),
+            });
+        }
+        let m = us.len();
+        let mut xs = Vec::with_capacity(m * hidden);
+        for &(row, _) in us {
+            xs.extend_from_slice(&h[row * hidden..(row + 1) * hidden]);
+        }
+        let ys = mlp_rows(pool, &ew, &xs, m);
+        for (j, &(row, slot)) in us.iter().enumerate() {
+            let dst = (row * k + slot) * hidden;
+            slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
+        }
+        Ok(())
+    };
+    experts.fetch(layer, &ids, &mut apply)?;
+    if let Some(missing) = ids.iter().find(|&&e| !done[e]) {
+        return Err(ModelError::Expert {
+            layer,
+            expert: *missing,
+            reason: "source never delivered the expert".into(),
+        });
+    }
+
+    let mut out = vec![0.0f32; n * hidden];
+    for (row, r) in routing.iter().enumerate() {
+        let y = &mut out[row * hidden..(row + 1) * hidden];
+        let mut order: Vec<usize> = (0..k).collect();
+        order.sort_by_key(|&s| r.experts[s]);
+        for s in order {
+            let wgt = r.weights[s];
+            let src = &slot_out[(row * k + s) * hidden..(row * k + s + 1) * hidden];
+            for (yv, sv) in y.iter_mut().zip(src) {
+                *yv += sv * wgt;
+            }
+        }
+    }
+    if let Some(shared) = &w.shared {
+        let s = mlp_rows(pool, shared, h, n);
+        let gates = match &w.shared_gate {
+            Some(g) => {
+                let mut gl = vec![0.0f32; n];
+                matmul(pool, g, h, n, &mut gl);
+                Some(gl)
+            }
+            None => None,
+        };
+        for row in 0..n {
+            let gate = gates.as_ref().map(|g| sigmoid(g[row]));
+            let y = &mut out[row * hidden..(row + 1) * hidden];
+            for (yv, sv) in y.iter_mut().zip(&s[row * hidden..(row + 1) * hidden]) {
+                *yv += match gate {
+                    Some(g) => g * sv,
+                    None => *sv,
+                };
+            }
+        }
+    }
+    Ok((out, routing))
+}

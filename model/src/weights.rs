@@ -1,0 +1,383 @@
+//! The dense (always resident) weights of a model and the tensor names each
+//! family uses on the Hub. Routed experts are not here: they come through an
+//! [`crate::experts::ExpertSource`], which decides where they live.
+
+use crate::config::{AttentionSpec, Family, FfnKind, ModelSpec, QkNorm, RouterKind};
+use crate::error::{ModelError, Result};
+use crate::source::Checkpoint;
+use crate::tensor::QMatrix;
+
+/// A linear layer `y = W x (+ b)`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub w: QMatrix,
+    pub bias: Option<Vec<f32>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct GqaWeights {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+#[derive(Clone, Debug)]
+pub enum MlaQuery {
+    Direct(Linear),
+    LowRank {
+        a: Linear,
+        norm: Vec<f32>,
+        b: Linear,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct MlaWeights {
+    pub q: MlaQuery,
+    /// hidden → kv_lora_rank + rope dim.
+    pub kv_a: Linear,
+    pub kv_a_norm: Vec<f32>,
+    /// kv_lora_rank → heads × (nope + v); used in absorbed form.
+    pub kv_b: QMatrix,
+    pub o: Linear,
+}
+
+#[derive(Clone, Debug)]
+pub enum AttnWeights {
+    Gqa(GqaWeights),
+    Mla(MlaWeights),
+}
+
+/// A SwiGLU MLP: `down(silu(gate x) * up x)`. Routed experts, shared
+/// experts and dense layers all have this shape.
+#[derive(Clone, Debug)]
+pub struct MlpWeights {
+    pub gate: QMatrix,
+    pub up: QMatrix,
+    pub down: QMatrix,
+}
+
+impl MlpWeights {
+    pub fn stored_bytes(&self) -> usize {
+        self.gate.stored_bytes() + self.up.stored_bytes() + self.down.stored_bytes()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    pub router: QMatrix,
+    /// DeepSeek's `e_score_correction_bias` (selection only).
+    pub selection_bias: Option<Vec<f32>>,
+    pub shared: Option<MlpWeights>,
+    /// Qwen2-MoE's `shared_expert_gate` (1 × hidden).
+    pub shared_gate: Option<QMatrix>,
+}
+
+#[derive(Clone, Debug)]
+pub enum FfnWeights {
+    Dense(MlpWeights),
+    Moe(MoeWeights),
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub attn: AttnWeights,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: FfnWeights,
+}
+
+#[derive(Clone, Debug)]
+pub struct DenseWeights {
+    pub embed: QMatrix,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    pub lm_head: QMatrix,
+}
+
+/// Hub tensor names of a family.
+pub struct TensorNames {
+    family: Family,
+}
+
+impl TensorNames {
+    pub fn new(family: Family) -> Self {
+        TensorNames { family }
+    }
+
+    pub fn layer(&self, i: usize) -> String {
+        format!("model.layers.{i}.")
+    }
+
+    /// The MoE block's module name.
+    pub fn moe_block(&self, i: usize) -> String {
+        match self.family {
+            Family::Mixtral => format!("model.layers.{i}.block_sparse_moe."),
+            _ => format!("model.layers.{i}.mlp."),
+        }
+    }
+
+    /// Names of (gate, up, down) of routed expert `e` of layer `i`.
+    pub fn expert(&self, i: usize, e: usize) -> [String; 3] {
+        let p = format!("{}experts.{e}.", self.moe_block(i));
+        match self.family {
+            Family::Mixtral => [
+                format!("{p}w1.weight"),
+                format!("{p}w3.weight"),
+                format!("{p}w2.weight"),
+            ],
+            _ => [
+                format!("{p}gate_proj.weight"),
+                format!("{p}up_proj.weight"),
+                format!("{p}down_proj.weight"),
+            ],
+        }
+    }
+
+    /// Names of the fused per-layer expert tensors transformers 5 uses
+    /// internally (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`).
+    pub fn fused_experts(&self, i: usize) -> [String; 2] {
+        let p = format!("{}experts.", self.moe_block(i));
+        [format!("{p}gate_up_proj"), format!("{p}down_proj")]
+    }
+
+    pub fn router(&self, i: usize) -> String {
+        format!("{}gate.weight", self.moe_block(i))
+    }
+}
+
+fn linear(
+    ck: &Checkpoint,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    bias: bool,
+    block: usize,
+) -> Result<Linear> {
+    Ok(Linear {
+        w: ck.matrix(&format!("{name}.weight"), rows, cols, block)?,
+        bias: if bias {
+            Some(ck.vector_f32(&format!("{name}.bias"), &[rows])?)
+        } else {
+            None
+        },
+    })
+}
+
+pub(crate) fn mlp(
+    ck: &Checkpoint,
+    names: [&str; 3],
+    hidden: usize,
+    inter: usize,
+    block: usize,
+) -> Result<MlpWeights> {
+    Ok(MlpWeights {
+        gate: ck.matrix(names[0], inter, hidden, block)?,
+        up: ck.matrix(names[1], inter, hidden, block)?,
+        down: ck.matrix(names[2], hidden, inter, block)?,
+    })
+}
+
+impl DenseWeights {
+    pub fn load(spec: &ModelSpec, ck: &Checkpoint) -> Result<DenseWeights> {
+        let h = spec.hidden_size;
+        let b = spec.fp8_block;
+        let names = TensorNames::new(spec.family);
+        let embed = ck.matrix("model.embed_tokens.weight", spec.vocab_size, h, b)?;
+        let lm_head = if ck.contains("lm_head.weight") {
+            ck.matrix("lm_head.weight", spec.vocab_size, h, b)?
+        } else if spec.tie_word_embeddings {
+            embed.clone()
+        } else {
+            return Err(ModelError::MissingTensor("lm_head.weight".into()));
+        };
+        let mut layers = Vec::with_capacity(spec.num_layers());
+        for (i, ls) in spec.layers.iter().enumerate() {
+            let p = names.layer(i);
+            let attn = match &spec.attention {
+                AttentionSpec::Gqa {
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    qkv_bias,
+                    o_bias,
+                    qk_norm,
+                    ..
+                } => {
+                    let (q_out, kv_out) = (num_heads * head_dim, num_kv_heads * head_dim);
+                    let a = format!("{p}self_attn.");
+                    let (qn, kn) = match qk_norm {
+                        QkNorm::None => (None, None),
+                        QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
+                        QkNorm::Full => (Some(q_out), Some(kv_out)),
+                    };
+                    AttnWeights::Gqa(GqaWeights {
+                        q: linear(ck, &format!("{a}q_proj"), q_out, h, *qkv_bias, b)?,
+                        k: linear(ck, &format!("{a}k_proj"), kv_out, h, *qkv_bias, b)?,
+                        v: linear(ck, &format!("{a}v_proj"), kv_out, h, *qkv_bias, b)?,
+                        o: linear(ck, &format!("{a}o_proj"), h, q_out, *o_bias, b)?,
+                        q_norm: qn
+                            .map(|n| ck.vector_f32(&format!("{a}q_norm.weight"), &[n]))
+                            .transpose()?,
+                        k_norm: kn
+                            .map(|n| ck.vector_f32(&format!("{a}k_norm.weight"), &[n]))
+                            .transpose()?,
+                    })
+                }
+                AttentionSpec::Mla {
+                    num_heads,
+                    q_lora_rank,
+                    kv_lora_rank,
+                    qk_nope_head_dim,
+                    qk_rope_head_dim,
+                    v_head_dim,
+                    bias,
+                    ..
+                } => {
+                    let a = format!("{p}self_attn.");
+                    let qk = qk_nope_head_dim + qk_rope_head_dim;
+                    let q = match q_lora_rank {
+                        None => MlaQuery::Direct(linear(
+                            ck,
+                            &format!("{a}q_proj"),
+                            num_heads * qk,
+                            h,
+                            false,
+                            b,
+                        )?),
+                        Some(r) => MlaQuery::LowRank {
+                            a: linear(ck, &format!("{a}q_a_proj"), *r, h, *bias, b)?,
+                            norm: ck.vector_f32(&format!("{a}q_a_layernorm.weight"), &[*r])?,
+                            b: linear(ck, &format!("{a}q_b_proj"), num_heads * qk, *r, false, b)?,
+                        },
+                    };
+                    AttnWeights::Mla(MlaWeights {
+                        q,
+                        kv_a: linear(
+                            ck,
+                            &format!("{a}kv_a_proj_with_mqa"),
+                            kv_lora_rank + qk_rope_head_dim,
+                            h,
+                            *bias,
+                            b,
+                        )?,
+                        kv_a_norm: ck
+                            .vector_f32(&format!("{a}kv_a_layernorm.weight"), &[*kv_lora_rank])?,
+                        kv_b: ck.matrix(
+                            &format!("{a}kv_b_proj.weight"),
+                            num_heads * (qk_nope_head_dim + v_head_dim),
+                            *kv_lora_rank,
+                            b,
+                        )?,
+                        o: linear(
+                            ck,
+                            &format!("{a}o_proj"),
+                            h,
+                            num_heads * v_head_dim,
+                            *bias,
+                            b,
+                        )?,
+                    })
+                }
+            };
+            let ffn = match &ls.ffn {
+                FfnKind::Dense { intermediate_size } => {
+                    let m = format!("{p}mlp.");
+                    FfnWeights::Dense(mlp(
+                        ck,
+                        [
+                            &format!("{m}gate_proj.weight"),
+                            &format!("{m}up_proj.weight"),
+                            &format!("{m}down_proj.weight"),
+                        ],
+                        h,
+                        *intermediate_size,
+                        b,
+                    )?)
+                }
+                FfnKind::Moe => {
+                    let moe = spec
+                        .moe
+                        .as_ref()
+                        .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
+                    let blk = names.moe_block(i);
+                    let router = ck.matrix(&names.router(i), moe.num_experts, h, b)?;
+                    let selection_bias = match moe.router {
+                        RouterKind::SigmoidGrouped { .. } => Some(ck.vector_f32(
+                            &format!("{blk}gate.e_score_correction_bias"),
+                            &[moe.num_experts],
+                        )?),
+                        RouterKind::Softmax { .. } => None,
+                    };
+                    let (shared, shared_gate) = match (&moe.shared, spec.family) {
+                        (None, _) => (None, None),
+                        (Some(s), Family::Qwen2Moe) => {
+                            let m = format!("{blk}shared_expert.");
+                            (
+                                Some(mlp(
+                                    ck,
+                                    [
+                                        &format!("{m}gate_proj.weight"),
+                                        &format!("{m}up_proj.weight"),
+                                        &format!("{m}down_proj.weight"),
+                                    ],
+                                    h,
+                                    s.intermediate_size,
+                                    b,
+                                )?),
+                                if s.gated {
+                                    Some(ck.matrix(
+                                        &format!("{blk}shared_expert_gate.weight"),
+                                        1,
+                                        h,
+                                        b,
+                                    )?)
+                                } else {
+                                    None
+                                },
+                            )
+                        }
+                        (Some(s), _) => {
+                            let m = format!("{blk}shared_experts.");
+                            (
+                                Some(mlp(
+                                    ck,
+                                    [
+                                        &format!("{m}gate_proj.weight"),
+                                        &format!("{m}up_proj.weight"),
+                                        &format!("{m}down_proj.weight"),
+                                    ],
+                                    h,
+                                    s.intermediate_size,
+                                    b,
+                                )?),
+                                None,
+                            )
+                        }
+                    };
+                    FfnWeights::Moe(MoeWeights {
+                        router,
+                        selection_bias,
+                        shared,
+                        shared_gate,
+                    })
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: ck.vector_f32(&format!("{p}input_layernorm.weight"), &[h])?,
+                attn,
+                ffn_norm: ck.vector_f32(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                ffn,
+            });
+        }
+        Ok(DenseWeights {
+            embed,
+            layers,
+            norm: ck.vector_f32("model.norm.weight", &[h])?,
+            lm_head,
+        })
+    }
+}
