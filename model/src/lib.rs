@@ -20,7 +20,9 @@ pub mod kv;
 pub mod moe;
 pub mod ops;
 pub mod rope;
+pub mod sampling;
 pub mod source;
+pub mod stop;
 pub mod tensor;
 pub mod weights;
 
