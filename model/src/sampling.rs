@@ -64,9 +64,15 @@ impl SamplingParams {
             return Err(bad("min_p (must be in [0, 1])", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(bad("repetition_penalty (must be > 0)", self.repetition_penalty));
+            return Err(bad(
+                "repetition_penalty (must be > 0)",
+                self.repetition_penalty,
+            ));
         }
-        for (what, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+        for (what, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
             if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
                 return Err(bad(&format!("{what} (must be in [-2, 2])"), v));
             }
@@ -97,7 +103,11 @@ pub struct Candidate {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         let seed = params.seed.unwrap_or_else(|| rand::rng().random());
-        Sampler { params, rng: ChaCha8Rng::seed_from_u64(seed), generated: HashMap::new() }
+        Sampler {
+            params,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            generated: HashMap::new(),
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -114,7 +124,11 @@ impl Sampler {
                 let t = t as usize;
                 if t < logits.len() && !std::mem::replace(&mut seen[t], true) {
                     let l = &mut logits[t];
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -137,19 +151,34 @@ impl Sampler {
     pub fn candidates(&self, logits: &[f32]) -> Vec<Candidate> {
         let p = &self.params;
         if p.is_greedy() {
-            return vec![Candidate { token: argmax(logits), prob: 1.0 }];
+            return vec![Candidate {
+                token: argmax(logits),
+                prob: 1.0,
+            }];
         }
-        let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
+        let mut idx: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
+            .collect();
         if idx.is_empty() {
-            return vec![Candidate { token: argmax(logits), prob: 1.0 }];
+            return vec![Candidate {
+                token: argmax(logits),
+                prob: 1.0,
+            }];
         }
-        idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        idx.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
         if p.top_k > 0 {
             idx.truncate(p.top_k);
         }
         let inv_t = 1.0 / p.temperature;
         let max = logits[idx[0] as usize] * inv_t;
-        let mut probs: Vec<f64> = idx.iter().map(|&i| ((logits[i as usize] * inv_t - max) as f64).exp()).collect();
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] * inv_t - max) as f64).exp())
+            .collect();
         let sum: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|q| *q /= sum);
         if p.top_p < 1.0 {
@@ -172,7 +201,13 @@ impl Sampler {
             probs.truncate(keep);
         }
         let sum: f64 = probs.iter().sum();
-        idx.iter().zip(&probs).map(|(&token, &q)| Candidate { token, prob: (q / sum) as f32 }).collect()
+        idx.iter()
+            .zip(&probs)
+            .map(|(&token, &q)| Candidate {
+                token,
+                prob: (q / sum) as f32,
+            })
+            .collect()
     }
 
     /// Picks the next token from raw `logits` (modified in place by the
@@ -214,7 +249,12 @@ pub fn argmax(v: &[f32]) -> u32 {
 /// Log-probabilities of `logits` (for logprobs and scoring), in f64.
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln() + max;
+    let lse = logits
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
     logits.iter().map(|&l| l as f64 - lse).collect()
 }
 
@@ -230,7 +270,10 @@ mod tests {
     fn greedy_is_argmax_and_ignores_seed() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&mut logits(), &[], &[]), 1);
-        let mut s = Sampler::new(SamplingParams { seed: Some(9), ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            seed: Some(9),
+            ..Default::default()
+        });
         assert_eq!(s.sample(&mut logits(), &[], &[]), 1);
     }
 
@@ -243,8 +286,14 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_different_seed_differs() {
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams { temperature: 1.5, seed: Some(seed), ..Default::default() });
-            (0..64).map(|_| s.sample(&mut logits(), &[], &[])).collect::<Vec<_>>()
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.5,
+                seed: Some(seed),
+                ..Default::default()
+            });
+            (0..64)
+                .map(|_| s.sample(&mut logits(), &[], &[]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
         assert_ne!(draw(42), draw(43));
@@ -252,25 +301,41 @@ mod tests {
 
     #[test]
     fn top_k_top_p_min_p_restrict_the_support() {
-        let p = SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            ..Default::default()
+        };
         let c = Sampler::new(p).candidates(&logits());
         assert_eq!(c.iter().map(|c| c.token).collect::<Vec<_>>(), vec![1, 5, 2]);
         assert!((c.iter().map(|c| c.prob).sum::<f32>() - 1.0).abs() < 1e-6);
 
         // softmax of [3, 2.9, 2.5, ...]: the top two hold about 0.47 of the mass.
-        let p = SamplingParams { temperature: 1.0, top_p: 0.45, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.45,
+            ..Default::default()
+        };
         let c = Sampler::new(p).candidates(&logits());
         assert_eq!(c.iter().map(|c| c.token).collect::<Vec<_>>(), vec![1, 5]);
 
         // min_p 0.5: keep tokens with p >= 0.5 * p(3.0): exp(-0.693) -> logits >= 2.307.
-        let p = SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            ..Default::default()
+        };
         let c = Sampler::new(p).candidates(&logits());
         assert_eq!(c.iter().map(|c| c.token).collect::<Vec<_>>(), vec![1, 5, 2]);
     }
 
     #[test]
     fn sampling_frequencies_follow_the_distribution() {
-        let p = SamplingParams { temperature: 1.0, seed: Some(1), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: Some(1),
+            ..Default::default()
+        };
         let l = vec![0.0f32, (2.0f32).ln(), (5.0f32).ln()]; // probs 1/8, 2/8, 5/8
         let mut s = Sampler::new(p);
         let mut counts = [0usize; 3];
@@ -285,13 +350,20 @@ mod tests {
 
     #[test]
     fn penalties_follow_their_definitions() {
-        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
         let s = Sampler::new(p);
         let mut l = vec![4.0f32, -4.0, 1.0];
         s.apply_penalties(&mut l, &[0, 1, 0], &[]);
         assert_eq!(l, vec![2.0, -8.0, 1.0]);
 
-        let p = SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.25, ..Default::default() };
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p);
         s.generated.insert(2, 3);
         let mut l = vec![1.0f32, 1.0, 1.0];
@@ -302,12 +374,30 @@ mod tests {
     #[test]
     fn invalid_params_are_rejected() {
         for p in [
-            SamplingParams { temperature: f32::NAN, ..Default::default() },
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { min_p: 1.5, ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
-            SamplingParams { presence_penalty: 3.0, ..Default::default() },
+            SamplingParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                presence_penalty: 3.0,
+                ..Default::default()
+            },
         ] {
             assert!(p.validate().is_err(), "{p:?}");
         }

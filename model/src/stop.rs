@@ -20,21 +20,36 @@ pub struct StopMatcher {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), done: false }
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+            done: false,
+        }
     }
 
     /// Feeds the next piece of text.
     pub fn push(&mut self, text: &str) -> StopOutcome {
         if self.done {
-            return StopOutcome { emit: String::new(), stopped: true };
+            return StopOutcome {
+                emit: String::new(),
+                stopped: true,
+            };
         }
         self.held.push_str(text);
         // Earliest complete match wins.
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
             let emit = self.held[..at].to_string();
             self.held.clear();
             self.done = true;
-            return StopOutcome { emit, stopped: true };
+            return StopOutcome {
+                emit,
+                stopped: true,
+            };
         }
         // Hold back the longest suffix that is a prefix of some stop string.
         let mut keep = 0;
@@ -49,7 +64,10 @@ impl StopMatcher {
         let cut = self.held.len() - keep;
         let emit = self.held[..cut].to_string();
         self.held.drain(..cut);
-        StopOutcome { emit, stopped: false }
+        StopOutcome {
+            emit,
+            stopped: false,
+        }
     }
 
     /// Generation ended without a stop string: release what was held.
@@ -78,7 +96,10 @@ mod tests {
 
     #[test]
     fn stop_split_across_pieces_is_never_emitted() {
-        assert_eq!(run(&["</end>"], &["hello </", "en", "d> tail"]), ("hello ".into(), true));
+        assert_eq!(
+            run(&["</end>"], &["hello </", "en", "d> tail"]),
+            ("hello ".into(), true)
+        );
         assert_eq!(run(&["STOP"], &["aS", "T", "OP"]), ("a".into(), true));
     }
 
@@ -90,8 +111,14 @@ mod tests {
 
     #[test]
     fn earliest_of_several_stops_wins_and_multibyte_is_safe() {
-        assert_eq!(run(&["world", "lo"], &["hello world"]), ("hel".into(), true));
-        assert_eq!(run(&["終わり"], &["これで終", "わり です"]), ("これで".into(), true));
+        assert_eq!(
+            run(&["world", "lo"], &["hello world"]),
+            ("hel".into(), true)
+        );
+        assert_eq!(
+            run(&["終わり"], &["これで終", "わり です"]),
+            ("これで".into(), true)
+        );
         assert_eq!(run(&["é!"], &["caf", "é", "?"]), ("café?".into(), false));
     }
 }

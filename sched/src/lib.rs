@@ -1,1 +1,11 @@
-//! colibri-sched: the engine.
+//! colibri-sched: the engine. It owns a model, the source of its routed
+//! experts and the compute threads, and runs sequences through them:
+//! generation ([`sequence::Sequence`], one step at a time so several
+//! sequences can share each forward pass) and scoring ([`score`]).
+
+pub mod engine;
+pub mod score;
+pub mod sequence;
+
+pub use engine::{Engine, EngineOptions};
+pub use sequence::{Detokenizer, FinishReason, GenRequest, Sequence, TokenEvent};

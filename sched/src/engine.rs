@@ -1,0 +1,100 @@
+//! The engine: a loaded model, its expert source and the compute pool.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use colibri_model::{ExpertSource, Model, ModelError, Pool, ResidentExperts, SeqInput};
+
+use crate::sequence::{Sequence, TokenEvent};
+
+/// Prompt tokens fed per forward pass during prefill.
+pub const PREFILL_CHUNK: usize = 256;
+
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {
+    /// Compute threads; 0 = one per available core.
+    pub threads: usize,
+    /// Context length cap; 0 = the model's `max_position_embeddings`.
+    pub ctx: usize,
+}
+
+pub struct Engine {
+    pub model: Arc<Model>,
+    pub experts: Arc<dyn ExpertSource>,
+    pub pool: Arc<Pool>,
+    ctx: usize,
+}
+
+impl Engine {
+    /// Loads a Hugging Face checkpoint directory.
+    pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
+        let (model, ck) = Model::load(dir)?;
+        let experts = ResidentExperts::load(&model.spec, &ck)?;
+        Engine::new(model, Arc::new(experts), opts)
+    }
+
+    pub fn new(
+        model: Model,
+        experts: Arc<dyn ExpertSource>,
+        opts: &EngineOptions,
+    ) -> Result<Engine, ModelError> {
+        let max = model.spec.max_position_embeddings;
+        let ctx = if opts.ctx == 0 {
+            max
+        } else {
+            opts.ctx.min(max)
+        };
+        Ok(Engine {
+            model: Arc::new(model),
+            experts,
+            pool: Arc::new(Pool::new(opts.threads)?),
+            ctx,
+        })
+    }
+
+    /// Positions one sequence may hold.
+    pub fn context_len(&self) -> usize {
+        self.ctx
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}
+
+impl Engine {
+    /// Runs one sequence to the end, calling `on_token` for every new
+    /// token; `on_token` returns false to stop early.
+    pub fn generate(
+        &self,
+        seq: &mut Sequence,
+        mut on_token: impl FnMut(&TokenEvent) -> bool,
+    ) -> Result<(), ModelError> {
+        loop {
+            let (cache, tokens, logits) = seq.input(PREFILL_CHUNK);
+            if tokens.is_empty() {
+                return Ok(());
+            }
+            let n = tokens.len();
+            let mut out = self.model.forward(
+                &self.pool,
+                self.experts.as_ref(),
+                &mut [SeqInput {
+                    cache,
+                    tokens,
+                    logits,
+                }],
+            )?;
+            if let Some(ev) = seq.accept(n, &mut out[0])? {
+                let go_on = on_token(&ev);
+                if ev.finish.is_some() {
+                    return Ok(());
+                }
+                if !go_on {
+                    seq.cancel();
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
