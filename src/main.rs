@@ -1,1 +1,52 @@
-fn main() {}
+//! `colibri`: run Mixture-of-Experts models larger than fast memory.
+//!
+//! Results go to stdout (`--json` where a program reads them); logs go to
+//! stderr through `tracing` (`RUST_LOG=debug` for more).
+
+mod common;
+mod perplexity;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "colibri",
+    version,
+    about = "Runs Mixture-of-Experts LLMs larger than the machine's fast memory, streaming experts from NVMe"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of one prompt, or chat interactively.
+    Run(run::RunArgs),
+    /// Score a text or token file (teacher-forced perplexity).
+    Perplexity(perplexity::PerplexityArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "colibri=info,warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::main(a),
+        Command::Perplexity(a) => perplexity::main(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -164,7 +164,7 @@ impl Model {
                         .moe
                         .as_ref()
                         .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
-                    crate::moe::moe_rows(pool, l, moe, w, experts, &h, n, hidden)?.0
+                    crate::moe::moe_rows(pool, l, moe, w, experts, &h, n)?.0
                 }
                 _ => {
                     return Err(ModelError::Invalid(format!(

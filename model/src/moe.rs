@@ -121,8 +121,8 @@ pub(crate) fn moe_rows(
     experts: &dyn ExpertSource,
     h: &[f32],
     n: usize,
-    hidden: usize,
 ) -> Result<(Vec<f32>, Vec<Routing>)> {
+    let hidden = h.len() / n;
     let routing = route_rows(pool, moe, w, h, n);
     // Which (row, slot) pairs each expert serves.
     let mut users: std::collections::BTreeMap<usize, Vec<(usize, usize)>> = Default::default();

@@ -52,7 +52,7 @@ mod avx2_wrappers {
         unsafe { super::x86::dot_f16(w, x) }
     }
     pub fn dot_fp8(w: &[u8], x: &[f32], s: &[f32], block: usize) -> f32 {
-        if block % 8 != 0 {
+        if !block.is_multiple_of(8) {
             return super::scalar::dot_fp8(w, x, s, block);
         }
         unsafe { super::x86::dot_fp8(w, x, s, block) }
