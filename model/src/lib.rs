@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod experts;
 pub mod format;
