@@ -385,3 +385,54 @@ pub fn sweep_queue_depths(
     }
     Ok(QueueDepthSweep { points })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(queue_depth: usize, mb_per_s: f64) -> RawReport {
+        RawReport {
+            path: String::new(),
+            file_bytes: 0,
+            backend: Backend::Uring,
+            o_direct: true,
+            alignment: 4096,
+            registered_buffers: true,
+            pattern: AccessPattern::Random,
+            block_size: 1 << 20,
+            queue_depth,
+            reads: 1,
+            bytes: 1,
+            seconds: 1.0,
+            mb_per_s,
+            iops: 1.0,
+            latency_us: LatencyMicros {
+                p50: 1.0,
+                p90: 1.0,
+                p99: 1.0,
+                p999: 1.0,
+                max: 1.0,
+                mean: 1.0,
+            },
+        }
+    }
+
+    #[test]
+    fn pick_finds_the_knee_of_the_curve() {
+        let sweep = QueueDepthSweep {
+            points: vec![
+                point(1, 500.0),
+                point(2, 900.0),
+                point(4, 1500.0),
+                point(8, 1950.0),
+                point(16, 2000.0),
+                point(32, 1990.0),
+            ],
+        };
+        assert_eq!(sweep.best_mb_per_s(), Some(2000.0));
+        assert_eq!(sweep.pick(0.95), Some(8));
+        assert_eq!(sweep.pick(1.0), Some(16));
+        assert_eq!(sweep.pick(0.5), Some(4));
+        assert_eq!(QueueDepthSweep { points: vec![] }.pick(0.9), None);
+    }
+}
