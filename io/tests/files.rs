@@ -75,3 +75,42 @@ fn empty_files_open() {
     let set = FileSet::open(&[&path], DirectIo::Auto).expect("open");
     assert_eq!(set.info(FileId(0)).expect("info").len_at_open, 0);
 }
+
+/// Collects everything a tracing subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .expect("capture lock")
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn the_buffered_fallback_is_announced_once_per_file_set() {
+    // procfs refuses O_DIRECT at open: two such files, one warning.
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let set = tracing::subscriber::with_default(subscriber, || {
+        FileSet::open(&["/proc/version", "/proc/cpuinfo"], DirectIo::Auto).expect("open")
+    });
+    assert!(set.infos().all(|info| !info.direct));
+    let text = String::from_utf8(captured.0.lock().expect("lock").clone()).expect("utf8");
+    assert_eq!(text.matches("O_DIRECT is unavailable").count(), 1, "{text}");
+    assert!(
+        text.contains("2 of 2 files") && text.contains("/proc/version"),
+        "{text}"
+    );
+    assert!(text.contains("POSIX_FADV_DONTNEED"), "{text}");
+}

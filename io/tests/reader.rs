@@ -1038,3 +1038,77 @@ fn files_that_refuse_o_direct_fall_back_to_buffered_reads() {
         assert_eq!(c.extent_bytes(0), Some(&expected[3..]), "{backend}");
     }
 }
+
+#[test]
+fn many_threads_submit_mixed_priorities_concurrently() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Reader>();
+    assert_send_sync::<colibri_io::Slot>();
+    for place in places() {
+        let content = Arc::new(random_bytes(151, FILE_LEN));
+        let path = write_file(place.dir.path(), "threads.bin", &content);
+        let files = place.open(&[&path]);
+        for backend in backends() {
+            let context = format!("{} / {backend}", place.label);
+            let arena = arena(256 * 1024, 32);
+            let reader = Arc::new(
+                Reader::new(
+                    Arc::clone(&files),
+                    std::slice::from_ref(&arena),
+                    config(backend, 16),
+                )
+                .expect("reader"),
+            );
+            let workers: Vec<_> = (0..4u64)
+                .map(|worker| {
+                    let reader = Arc::clone(&reader);
+                    let arena = Arc::clone(&arena);
+                    let content = Arc::clone(&content);
+                    let context = context.clone();
+                    std::thread::spawn(move || {
+                        let (reply, completions) = completion_channel();
+                        let mut rng = ChaCha8Rng::seed_from_u64(worker);
+                        for _round in 0..10 {
+                            let mut wanted = HashMap::new();
+                            let batch: Vec<ReadRequest> = (0..8u64)
+                                .map(|i| {
+                                    let len = rng.random_range(1..200_000u64);
+                                    let offset = rng.random_range(0..FILE_LEN as u64 - len);
+                                    wanted.insert(i, (offset, len));
+                                    ReadRequest {
+                                        slot: arena
+                                            .acquire_timeout(std::time::Duration::from_secs(60))
+                                            .expect("slot"),
+                                        extents: vec![extent(0, offset, len)],
+                                        priority: if rng.random_bool(0.5) {
+                                            Priority::Demand
+                                        } else {
+                                            Priority::Prefetch
+                                        },
+                                        tag: i,
+                                    }
+                                })
+                                .collect();
+                            reader.submit(batch, &reply).expect("submit");
+                            for done in collect(&completions, 8) {
+                                let (offset, len) = wanted[&done.tag];
+                                check_bytes(
+                                    &done,
+                                    &[&content],
+                                    &[extent(0, offset, len)],
+                                    &context,
+                                );
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.join().expect("worker");
+            }
+            let c = reader.counters();
+            assert_eq!(c.requests_completed, 320, "{context}");
+            assert_eq!((c.reads_queued, c.reads_in_kernel), (0, 0), "{context}");
+        }
+    }
+}
