@@ -1,8 +1,14 @@
-//! The pread fallback when io_uring is blocked, exercised for real: the test
-//! re-runs itself in a child process whose seccomp filter makes
-//! `io_uring_setup` fail with EPERM (what a container runtime's default
-//! profile does), and checks there that `Auto` falls back to pread and says
-//! why, `Uring` is refused with a clear error, and reads are still correct.
+//! Fallbacks exercised for real, in child processes with restrictions this
+//! machine does not otherwise have (the test binary re-runs one of its own
+//! tests in the child):
+//!
+//! - a seccomp filter makes `io_uring_setup` fail with EPERM (what a
+//!   container runtime's default profile does): `Auto` must fall back to
+//!   pread and say why, `Uring` must be refused with a clear error, and reads
+//!   must still be correct;
+//! - without `CAP_IPC_LOCK` and with a 1 MiB `RLIMIT_MEMLOCK`, `mlock` and
+//!   io_uring buffer registration are refused: the arena and the reader must
+//!   still work, unlocked and with plain reads.
 
 mod common;
 
@@ -15,7 +21,60 @@ use colibri_io::{
 };
 use common::*;
 
-const CHILD_ENV: &str = "COLIBRI_IO_SECCOMP_CHILD";
+const CHILD_ENV: &str = "COLIBRI_IO_RESTRICTED_CHILD";
+const CAP_IPC_LOCK: libc::c_ulong = 14;
+const PR_CAPBSET_DROP: libc::c_int = 24;
+
+/// Re-runs test `name` of this binary in a child whose restrictions are
+/// applied by `restrict` between fork and exec; fails if the child fails.
+fn run_in_child(name: &str, restrict: fn() -> std::io::Result<()>) {
+    let exe = std::env::current_exe().expect("test binary");
+    let mut command = Command::new(exe);
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(CHILD_ENV, name);
+    // SAFETY: `restrict` runs in the forked child before exec and only makes
+    // async-signal-safe system calls (prctl, setrlimit).
+    unsafe { command.pre_exec(restrict) };
+    let output = command.output().expect("run the restricted child");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("{text}");
+    assert!(output.status.success(), "restricted child {name} failed");
+    assert!(text.contains("1 passed"), "the child ran its checks");
+}
+
+/// Whether this process is the child that runs `name`'s checks.
+fn in_child(name: &str) -> bool {
+    let here = std::env::var(CHILD_ENV).ok();
+    if here.as_deref() != Some(name) {
+        eprintln!("({name} checks only run inside its restricted child)");
+        return false;
+    }
+    true
+}
+
+/// Drops CAP_IPC_LOCK from the bounding set (so root loses it at exec) and
+/// limits locked memory to 1 MiB.
+fn no_memlock() -> std::io::Result<()> {
+    let limit = libc::rlimit {
+        rlim_cur: 1 << 20,
+        rlim_max: 1 << 20,
+    };
+    // SAFETY: prctl reads only its integer arguments; setrlimit reads
+    // `limit`, which outlives the call.
+    unsafe {
+        if libc::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0
+            || libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
 
 /// Installs a seccomp filter that fails `io_uring_setup` with EPERM.
 fn block_io_uring() -> std::io::Result<()> {
@@ -70,38 +129,14 @@ fn block_io_uring() -> std::io::Result<()> {
 
 #[test]
 fn auto_falls_back_to_pread_when_seccomp_blocks_io_uring() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return; // In the child, only the checks below run.
+    if std::env::var_os(CHILD_ENV).is_none() {
+        run_in_child("in_seccomp_child_io_uring_is_blocked", block_io_uring);
     }
-    let exe = std::env::current_exe().expect("test binary");
-    let mut command = Command::new(exe);
-    command
-        .args([
-            "--exact",
-            "in_seccomp_child_io_uring_is_blocked",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD_ENV, "1");
-    // SAFETY: the closure runs in the forked child before exec and only
-    // calls async-signal-safe prctl(2).
-    unsafe { command.pre_exec(block_io_uring) };
-    let output = command.output().expect("run the seccomp child");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    eprintln!("{text}");
-    assert!(output.status.success(), "seccomp child failed");
-    assert!(text.contains("1 passed"), "the child ran its checks");
 }
 
 #[test]
 fn in_seccomp_child_io_uring_is_blocked() {
-    if std::env::var_os(CHILD_ENV).is_none() {
-        eprintln!("(this half runs inside the seccomp child of the test above)");
+    if !in_child("in_seccomp_child_io_uring_is_blocked") {
         return;
     }
     let probe = colibri_io::probe_uring();
@@ -149,4 +184,63 @@ fn in_seccomp_child_io_uring_is_blocked() {
         })
         .expect("reader alive");
     assert_eq!(done.extent_bytes(0), Some(&content[4097..204_097]));
+}
+
+#[test]
+fn arena_and_reader_work_when_memory_locking_is_refused() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        run_in_child("in_memlock_child_locking_is_refused", no_memlock);
+    }
+}
+
+#[test]
+fn in_memlock_child_locking_is_refused() {
+    if !in_child("in_memlock_child_locking_is_refused") {
+        return;
+    }
+    let arena = arena(8 << 20, 2);
+    assert!(
+        !arena.is_locked(),
+        "a 16 MiB arena cannot be locked under a 1 MiB limit"
+    );
+    let Some(place) = direct_place().or_else(tmpfs_place) else {
+        return;
+    };
+    let content = random_bytes(171, 12 << 20);
+    let path = write_file(place.dir.path(), "memlock.bin", &content);
+    let files = place.open(&[&path]);
+    for backend in backends() {
+        let config = ReaderConfig {
+            backend,
+            queue_depth: 4,
+            ..ReaderConfig::default()
+        };
+        let reader =
+            Reader::new(Arc::clone(&files), std::slice::from_ref(&arena), config).expect("reader");
+        let info = reader.backend();
+        eprintln!("{backend} without memlock: {info:?}");
+        if info.backend == Backend::Uring {
+            assert!(
+                !info.registered_buffers,
+                "registration needs locked memory here"
+            );
+        }
+        let done = reader
+            .read_blocking(ReadRequest {
+                slot: arena.try_acquire().expect("slot"),
+                extents: vec![Extent {
+                    file: FileId(0),
+                    offset: 3,
+                    len: (8 << 20) - 4096,
+                }],
+                priority: Priority::Demand,
+                tag: 0,
+            })
+            .expect("reader alive");
+        assert_eq!(
+            done.extent_bytes(0),
+            Some(&content[3..(8 << 20) - 4093]),
+            "{backend}"
+        );
+    }
 }
