@@ -250,6 +250,91 @@ impl Checkpoint {
     }
 }
 
+/// Routed experts of a Hugging Face checkpoint, located in its shards.
+pub struct HfExpertLocator {
+    spec: crate::config::ModelSpec,
+    files: Vec<PathBuf>,
+    locations: HashMap<(usize, usize), super::ExpertLocation>,
+}
+
+impl HfExpertLocator {
+    /// Locates every routed expert of `spec` in `ck`. FP8 scales are read
+    /// now (they are small) and kept.
+    pub fn new(spec: &crate::config::ModelSpec, ck: &Checkpoint) -> Result<HfExpertLocator> {
+        let files: Vec<PathBuf> = ck.shards.iter().map(|s| s.path.clone()).collect();
+        let names = crate::weights::TensorNames::new(spec.family);
+        let mut locations = HashMap::new();
+        if let Some(moe) = &spec.moe {
+            for (l, ls) in spec.layers.iter().enumerate() {
+                if ls.ffn != crate::config::FfnKind::Moe {
+                    continue;
+                }
+                for e in 0..moe.num_experts {
+                    let [g, u, d] = names.expert(l, e);
+                    if !ck.contains(&g) {
+                        // The fused layout has no per-expert extents.
+                        return Err(ModelError::MissingTensor(g));
+                    }
+                    let (h, i) = (spec.hidden_size, moe.intermediate_size);
+                    let loc =
+                        |name: &str, rows: usize, cols: usize| -> Result<super::MatrixLocation> {
+                            let m = ck.matrix(name, rows, cols, spec.fp8_block)?;
+                            let entry = ck.entry(name)?;
+                            let shard = &ck.shards[entry.shard];
+                            Ok(super::MatrixLocation {
+                                extent: super::Extent {
+                                    file: entry.shard,
+                                    offset: (shard.data_start + entry.start) as u64,
+                                    len: (entry.end - entry.start) as u64,
+                                },
+                                rows,
+                                cols,
+                                format: m.format,
+                                scales: m.scales().cloned(),
+                            })
+                        };
+                    locations.insert(
+                        (l, e),
+                        super::ExpertLocation {
+                            layer: l,
+                            expert: e,
+                            gate: loc(&g, i, h)?,
+                            up: loc(&u, i, h)?,
+                            down: loc(&d, h, i)?,
+                        },
+                    );
+                }
+            }
+        }
+        Ok(HfExpertLocator {
+            spec: spec.clone(),
+            files,
+            locations,
+        })
+    }
+
+    pub fn spec(&self) -> &crate::config::ModelSpec {
+        &self.spec
+    }
+}
+
+impl super::ExpertLocator for HfExpertLocator {
+    fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    fn locate(&self, layer: usize, expert: usize) -> Result<super::ExpertLocation> {
+        self.locations
+            .get(&(layer, expert))
+            .cloned()
+            .ok_or_else(|| ModelError::Expert {
+                layer,
+                expert,
+                reason: "not a routed expert of this model".into(),
+            })
+    }
+}
+
 /// The shard files of a checkpoint: those the index names, else every
 /// `*.safetensors` in the directory (sorted).
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
