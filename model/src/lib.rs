@@ -10,9 +10,11 @@
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat templates.
 //! - [`sampling`]: logits to tokens.
 
+pub mod chat;
 pub mod error;
 pub mod format;
 pub mod kernels;
 pub mod tensor;
+pub mod tokenizer;
 
 pub use error::{ModelError, Result};
