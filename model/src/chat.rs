@@ -48,7 +48,7 @@ pub struct ChatTemplate {
 }
 
 enum Kind {
-    Jinja(jinja::Templates),
+    Jinja(Box<jinja::Templates>),
     DeepSeekV4,
 }
 
@@ -90,7 +90,7 @@ impl ChatTemplate {
         let templates = jinja::Templates::compile(variants)
             .map_err(|e| ModelError::ChatTemplate(format!("{origin}: {}", describe(&e))))?;
         Ok(ChatTemplate {
-            kind: Kind::Jinja(templates),
+            kind: Kind::Jinja(Box::new(templates)),
             origin: origin.to_string(),
             special_tokens,
         })

@@ -10,7 +10,7 @@
 //! `.get()`, ...): minijinja-contrib's pycompat callback provides them. Values
 //! print the way Python prints them (see [`super::pyfmt`]).
 
-use minijinja::value::{Kwargs, Value};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, UndefinedBehavior};
 
 use super::pyfmt::{self, JsonOptions};
@@ -87,6 +87,23 @@ fn configure(env: &mut Environment<'static>) -> Result<(), Error> {
     });
     env.add_filter("tojson", tojson);
     env.add_filter("string", |v: &Value| pyfmt::py_str(v).map(Value::from));
+    // Jinja2's tests follow Python: None is not iterable (minijinja iterates
+    // it as empty), a bool is a number, a dict and a str are sequences.
+    env.add_test("iterable", |v: &Value| {
+        !matches!(
+            v.kind(),
+            ValueKind::None | ValueKind::Bool | ValueKind::Number
+        ) && v.try_iter().is_ok()
+    });
+    env.add_test("sequence", |v: &Value| {
+        matches!(
+            v.kind(),
+            ValueKind::Undefined | ValueKind::String | ValueKind::Seq | ValueKind::Map
+        )
+    });
+    env.add_test("number", |v: &Value| {
+        matches!(v.kind(), ValueKind::Number | ValueKind::Bool)
+    });
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     Ok(())
@@ -266,6 +283,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "['a', 'b'] none z=1 True");
+    }
+
+    #[test]
+    fn type_tests_follow_python() {
+        // Expected output recorded from transformers' Jinja2 environment.
+        let out = render(
+            "{% for v in vals %}{{ v is iterable }},{{ v is sequence }},{{ v is number }};{% endfor %}{{ u is iterable }},{{ u is sequence }}",
+            serde_json::json!({"vals": [null, true, 1, 2.5, "ab", [1], {"a": 1}]}),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "False,False,False;False,False,True;False,False,True;False,False,True;True,True,False;True,True,False;True,True,False;True,True"
+        );
     }
 
     #[test]
