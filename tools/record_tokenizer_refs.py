@@ -159,14 +159,17 @@ def tool_conversation(as_string):
 def conversations():
     c = []
 
-    def add(name, messages, add_generation_prompt=True, tools=None, extra=None):
-        c.append({
+    def add(name, messages, add_generation_prompt=True, tools=None, extra=None, only=None):
+        conv = {
             "name": name,
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "tools": tools,
             "extra": extra or {},
-        })
+        }
+        if only:
+            conv["only"] = only  # model types whose format has these fields
+        c.append(conv)
 
     add("user_only", [{"role": "user", "content": "Hello!"}])
     add("system_user", [SYS, U1])
@@ -240,6 +243,66 @@ def conversations():
     ], tools=TOOLS)
     add("two_system_messages", [SYS, U1, A1, {"role": "system", "content": "Now answer in French."}, U2])
     add("empty_conversation", [])
+    # DeepSeek-V4 specifics (fields only its encoder reads).
+    v4 = ["deepseek_v4"]
+    add("dsv4_developer", [
+        {"role": "developer", "content": "Follow the house style.", "tools": TOOLS},
+        {"role": "user", "content": "Hi"},
+    ], only=v4)
+    add("dsv4_developer_dropped_when_thinking", [
+        {"role": "developer", "content": "Old instructions."},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+        {"role": "user", "content": "Q2"},
+    ], extra={"thinking": True}, only=v4)
+    add("dsv4_thinking_keep_reasoning", [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+        {"role": "user", "content": "Q2"},
+    ], extra={"thinking": True, "drop_thinking": False}, only=v4)
+    add("dsv4_thinking_tools_keep_reasoning", tool_conversation(True) + [
+        {"role": "assistant", "content": "Done.", "reasoning_content": "All results in."},
+        {"role": "user", "content": "Thanks"},
+    ], tools=TOOLS, extra={"enable_thinking": True}, only=v4)
+    add("dsv4_latest_reminder", [
+        SYS, U1, {"role": "latest_reminder", "content": "Today is Monday."},
+    ], only=v4)
+    add("dsv4_task_query", [{"role": "user", "content": "weather paris", "task": "query"}], only=v4)
+    add("dsv4_task_action", [{"role": "user", "content": "book a table", "task": "action"}], extra={"thinking": True}, only=v4)
+    add("dsv4_task_output_no_thinking", [
+        {"role": "user", "content": "weather paris", "task": "title"},
+        {"role": "assistant", "content": "Paris weather"},
+    ], extra={"thinking": True}, only=v4)
+    add("dsv4_invalid_task", [{"role": "user", "content": "x", "task": "dance"}], only=v4)
+    add("dsv4_response_format", [
+        {"role": "system", "content": "Reply in JSON.", "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+        U1,
+    ], only=v4)
+    add("dsv4_wo_eos", [U1, {"role": "assistant", "content": "Par", "wo_eos": True}], add_generation_prompt=False, only=v4)
+    add("dsv4_tool_results_reordered", [
+        {"role": "user", "content": "Two cities"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            tool_call("a", "get_weather", {"city": "Paris"}, True),
+            tool_call("b", "get_weather", {"city": "Rome"}, True),
+        ]},
+        {"role": "tool", "tool_call_id": "b", "content": "Rome: 20"},
+        {"role": "tool", "tool_call_id": "a", "content": "Paris: 18"},
+        {"role": "user", "content": "Which is warmer?"},
+    ], only=v4)
+    add("dsv4_tool_content_blocks", [
+        {"role": "user", "content": "Look"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("a", "search", {"query": "x"}, True)]},
+        {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "line 1"}, {"type": "image", "url": "u"}, {"type": "text", "text": "line 2"}]},
+    ], only=v4)
+    add("dsv4_args_not_json", [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("a", "search", None, False) | {"function": {"name": "search", "arguments": "not json {"}}]},
+    ], add_generation_prompt=False, only=v4)
+    add("dsv4_args_json_list", [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "search", "arguments": "[1, 2]"}}]},
+    ], add_generation_prompt=False, only=v4)
+    add("dsv4_invalid_reasoning_effort", [U1], extra={"reasoning_effort": "low"}, only=v4)
     add("unknown_role", [{"role": "robot", "content": "beep"}, U1])
     add("dsv4_reasoning_effort_max", [SYS, U1], extra={"thinking": True, "reasoning_effort": "max"})
     return c
@@ -279,7 +342,8 @@ def dsv4_render(enc, messages, tools, add_generation_prompt, extra):
     leading system message; earlier reasoning is dropped when the
     conversation ends with a user turn (overridable with `drop_thinking`);
     `reasoning_effort` passes through. Text content parts are joined with
-    "\\n". add_generation_prompt has no effect: the encoder always opens the
+    "\\n" (a tool result's blocks go to the encoder as they are).
+    add_generation_prompt has no effect: the encoder always opens the
     assistant turn after a final user message.
     """
     if not messages:
@@ -287,7 +351,8 @@ def dsv4_render(enc, messages, tools, add_generation_prompt, extra):
     msgs = copy.deepcopy(messages)
     for m in msgs:
         c = m.get("content")
-        if isinstance(c, list):
+        # Tool results keep their blocks: the encoder renders those itself.
+        if isinstance(c, list) and m.get("role") != "tool":
             texts = []
             for part in c:
                 if part.get("type") != "text":
@@ -352,6 +417,8 @@ def main():
                 rec["chat_from"] = CHAT_FROM[name]
             else:
                 for conv in convs:
+                    if "only" in conv and model_type not in conv["only"]:
+                        continue
                     if model_type == "deepseek_v4":
                         fn = lambda: dsv4_render(enc, conv["messages"], conv["tools"], conv["add_generation_prompt"], conv["extra"])  # noqa: E731
                     else:

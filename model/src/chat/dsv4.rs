@@ -11,7 +11,8 @@
 //! - earlier reasoning is dropped when the conversation ends with a user
 //!   turn (`extra.drop_thinking` overrides);
 //! - `extra.reasoning_effort` ("max", "high" or absent) passes through;
-//! - text content parts are joined with "\n" (other parts are an error);
+//! - text content parts are joined with "\n" (other parts are an error),
+//!   except in tool results, whose blocks the encoder renders itself;
 //! - `add_generation_prompt` changes nothing: the format always opens the
 //!   assistant turn after a final user message.
 //!
@@ -85,7 +86,10 @@ pub fn encode(messages: &[Value], opts: &RenderOptions) -> Result<String, String
             .as_object()
             .cloned()
             .ok_or_else(|| format!("message {i} is not an object"))?;
-        if let Some(Value::Array(parts)) = m.get("content") {
+        // Tool results keep their blocks: the encoder renders those itself.
+        if let Some(Value::Array(parts)) = m.get("content")
+            && m.get("role") != Some(&json!("tool"))
+        {
             let text = join_text_parts(parts).map_err(|e| format!("message {i}: {e}"))?;
             m.insert("content".into(), Value::String(text));
         }
