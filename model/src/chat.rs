@@ -2,11 +2,11 @@
 //! the model was trained on.
 //!
 //! Most checkpoints ship a Jinja template, rendered here with `minijinja`
-//! configured like transformers' `apply_chat_template` (see [`jinja`]): same
+//! configured like transformers' `apply_chat_template` (module `jinja`): same
 //! whitespace rules, the same globals (`raise_exception`, `strftime_now`), a
 //! `tojson` that writes what Python's `json.dumps` writes, Python-style
 //! string methods, and Python's way of printing `None`, booleans, lists and
-//! dicts. DeepSeek-V4 ships a Python encoder instead; [`dsv4`] is its Rust
+//! dicts. DeepSeek-V4 ships a Python encoder instead; module `dsv4` is its Rust
 //! equivalent.
 //!
 //! Template variables, as transformers passes them: the special tokens from

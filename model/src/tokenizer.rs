@@ -10,7 +10,7 @@
 //! Encoding is the `tokenizers` crate's encoding of tokenizer.json plus what
 //! transformers 5 changes on load: it adds tokenizer_config.json's
 //! `added_tokens_decoder` entries and missing special tokens (see
-//! [`add_config_tokens`]). It ignores `add_bos_token` / `add_eos_token`
+//! `add_config_tokens`). It ignores `add_bos_token` / `add_eos_token`
 //! whenever a tokenizer.json exists (the post-processor inside it decides),
 //! so those are ignored here too. The recorded references in
 //! `tests/fixtures/tokenizers/` check this for every supported family.

@@ -40,14 +40,20 @@ pub fn py_repr(value: &Value, out: &mut String) -> Result<(), Error> {
         ValueKind::Number => out.push_str(&number(value)),
         ValueKind::String => string_repr(value.as_str().unwrap_or_default(), out),
         ValueKind::Seq | ValueKind::Iterable => {
-            out.push('[');
+            let tuple = value.is_tuple();
+            out.push(if tuple { '(' } else { '[' });
+            let mut n = 0;
             for (i, item) in value.try_iter()?.enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
                 py_repr(&item, out)?;
+                n += 1;
             }
-            out.push(']');
+            if tuple && n == 1 {
+                out.push(',');
+            }
+            out.push(if tuple { ')' } else { ']' });
         }
         ValueKind::Map => {
             out.push('{');
