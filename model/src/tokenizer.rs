@@ -633,3 +633,37 @@ impl StreamDecoder {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clean_up_matches_transformers() {
+        // transformers.PreTrainedTokenizerBase.clean_up_tokenization on the
+        // same input gives this.
+        assert_eq!(
+            clean_up_tokenization("Hello , world ! I 'm sure it 's fine . Do n't ?"),
+            "Hello, world! I'm sure it's fine. Don't?"
+        );
+    }
+
+    #[test]
+    fn special_tokens_map_takes_strings_and_added_token_dicts() {
+        let config = serde_json::json!({
+            "bos_token": null,
+            "eos_token": {"__type": "AddedToken", "content": "</s>"},
+            "pad_token": "<pad>",
+            "image_token": "<img>",
+            "add_bos_token": true,
+            "extra_special_tokens": {"audio_token": "<aud>"}
+        });
+        let map = special_tokens_map(&config);
+        let keys: Vec<&str> = map.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            ["eos_token", "pad_token", "image_token", "audio_token"]
+        );
+        assert_eq!(map["eos_token"], "</s>");
+    }
+}

