@@ -2,14 +2,17 @@
 //!
 //! - [`config`]: a Hugging Face `config.json` turned into a [`config::ModelSpec`],
 //!   the architecture as data (five MoE families share one engine).
-//! - [`source`]: weight sources (safetensors checkpoints today).
+//! - [`source`]: weight sources and where routed experts live on disk.
 //! - [`format`], [`tensor`], [`kernels`]: stored weight formats and the CPU
 //!   kernels over them, each with a scalar reference.
 //! - [`forward`]: the batched forward pass over a [`kv::KvCache`] per
 //!   sequence, with routed experts fetched through an [`experts::ExpertSource`].
-//! - [`sampling`]: logits to tokens.
+//! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat templates.
+//! - [`sampling`], [`stop`]: logits to tokens, and stop strings.
+//! - [`demo`]: the bundled random-weight demo model.
 
 pub mod attention;
+pub mod chat;
 pub mod config;
 pub mod demo;
 pub mod error;
@@ -25,6 +28,7 @@ pub mod sampling;
 pub mod source;
 pub mod stop;
 pub mod tensor;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::ModelSpec;
@@ -33,3 +37,4 @@ pub use experts::{ExpertSource, ResidentExperts};
 pub use forward::{Logits, Model, SeqInput};
 pub use kernels::Pool;
 pub use kv::KvCache;
+pub use tokenizer::Tokenizer;
