@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use colibri_model::{ExpertSource, Model, ModelError, Pool, ResidentExperts, SeqInput};
 
+use crate::counting::{CountingExperts, ExpertCounters};
 use crate::sequence::{Sequence, TokenEvent};
 
 /// Prompt tokens fed per forward pass during prefill.
@@ -20,7 +21,9 @@ pub struct EngineOptions {
 
 pub struct Engine {
     pub model: Arc<Model>,
+    /// The routed-expert source, wrapped in counters.
     pub experts: Arc<dyn ExpertSource>,
+    pub expert_counters: Arc<ExpertCounters>,
     pub pool: Arc<Pool>,
     ctx: usize,
 }
@@ -44,9 +47,11 @@ impl Engine {
         } else {
             opts.ctx.min(max)
         };
+        let (counting, expert_counters) = CountingExperts::new(experts);
         Ok(Engine {
             model: Arc::new(model),
-            experts,
+            experts: Arc::new(counting),
+            expert_counters,
             pool: Arc::new(Pool::new(opts.threads)?),
             ctx,
         })

@@ -3,7 +3,9 @@
 //! generation ([`sequence::Sequence`], one step at a time so several
 //! sequences can share each forward pass) and scoring ([`score`]).
 
+pub mod counting;
 pub mod engine;
+pub mod scheduler;
 pub mod score;
 pub mod sequence;
 

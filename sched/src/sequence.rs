@@ -226,7 +226,11 @@ impl Sequence {
 
     /// Tokens not yet fed to the model (more than 1 while prefilling).
     pub fn pending(&self) -> usize {
-        if self.finished.is_some() { 0 } else { self.tokens.len() - self.fed }
+        if self.finished.is_some() {
+            0
+        } else {
+            self.tokens.len() - self.fed
+        }
     }
 
     pub fn finished(&self) -> Option<FinishReason> {
