@@ -153,7 +153,7 @@ fn a_sink_that_goes_away_cancels_its_sequence() {
             sink,
         )
         .unwrap();
-    wait_all(&[o.clone()]);
+    wait_all(std::slice::from_ref(&o));
     for _ in 0..2000 {
         if sched
             .stats()
