@@ -1,16 +1,19 @@
-//! What every command shares: the model flags and loading.
+//! What every command shares: the model flags, loading, the tokenizer.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use colibri_model::Tokenizer;
 use colibri_sched::{Engine, EngineOptions};
 
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// Model directory (Hugging Face checkpoint: config.json + *.safetensors).
+    /// Without it, colibri uses its bundled demo model (random weights).
     #[arg(long, short = 'm')]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Compute threads (default: one per available core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -19,35 +22,82 @@ pub struct ModelArgs {
     pub ctx: usize,
 }
 
-pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
+/// Where colibri keeps generated files (demo model, usage history).
+pub fn cache_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("colibri");
+    }
+    match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        Some(h) => PathBuf::from(h).join(".cache/colibri"),
+        None => std::env::temp_dir().join("colibri"),
+    }
+}
+
+impl ModelArgs {
+    /// The model path, or the demo model (written on first use).
+    pub fn resolve(&self) -> Result<(PathBuf, bool)> {
+        match &self.model {
+            Some(p) => Ok((p.clone(), false)),
+            None => {
+                let dir = colibri_model::demo::ensure_demo_model(&cache_dir())
+                    .context("writing the bundled demo model")?;
+                tracing::warn!(
+                    "no --model given: using the bundled demo model `{}` — RANDOM WEIGHTS, it produces noise ({})",
+                    colibri_model::demo::DEMO_MODEL_NAME,
+                    dir.display()
+                );
+                Ok((dir, true))
+            }
+        }
+    }
+}
+
+pub struct Loaded {
+    pub engine: Engine,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub path: PathBuf,
+    pub is_demo: bool,
+}
+
+pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    let (path, is_demo) = args.resolve()?;
     let t0 = std::time::Instant::now();
-    let engine = Engine::load(
-        &args.model,
-        &EngineOptions {
-            threads: args.threads,
-            ctx: args.ctx,
-        },
-    )
-    .with_context(|| format!("loading model {}", args.model.display()))?;
+    let engine = Engine::load(&path, &EngineOptions { threads: args.threads, ctx: args.ctx })
+        .with_context(|| format!("loading model {}", path.display()))?;
+    let tokenizer = Tokenizer::from_dir(&path)
+        .with_context(|| format!("loading the tokenizer of {}", path.display()))?
+        .map(Arc::new);
+    if tokenizer.is_none() {
+        tracing::warn!("{} has no tokenizer.json: colibri runs on token ids only (text needs a tokenizer)", path.display());
+    }
     tracing::info!(
         "loaded {} ({} layers) from {} in {:.2}s, {} threads, context {}",
         engine.model.spec.family.model_type(),
         engine.model.spec.num_layers(),
-        args.model.display(),
+        path.display(),
         t0.elapsed().as_secs_f64(),
         engine.threads(),
         engine.context_len()
     );
-    Ok(engine)
+    Ok(Loaded { engine, tokenizer, path, is_demo })
+}
+
+impl Loaded {
+    /// The tokenizer, or an error telling the user text needs one.
+    pub fn require_tokenizer(&self, alternative: &str) -> Result<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref().with_context(|| {
+            format!(
+                "{} has no tokenizer.json, and text needs a tokenizer: {alternative}",
+                self.path.display()
+            )
+        })
+    }
 }
 
 /// Parses token ids separated by commas and/or whitespace.
 pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
     text.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<u32>()
-                .with_context(|| format!("`{s}` is not a token id"))
-        })
+        .map(|s| s.parse::<u32>().with_context(|| format!("`{s}` is not a token id")))
         .collect()
 }

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use crate::common::{ModelArgs, load_engine, parse_token_ids};
+use crate::common::{ModelArgs, load, parse_token_ids};
 
 #[derive(Args, Debug)]
 pub struct PerplexityArgs {
@@ -27,19 +27,23 @@ pub struct PerplexityArgs {
 }
 
 pub fn main(args: PerplexityArgs) -> Result<()> {
+    if args.token_file.is_none() && args.text_file.is_none() {
+        bail!("give --text-file F or --token-file F");
+    }
+    let loaded = load(&args.model)?;
     let tokens = match (&args.token_file, &args.text_file) {
         (Some(f), _) => {
-            let text =
-                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             parse_token_ids(&text).with_context(|| format!("parsing {}", f.display()))?
         }
-        (None, Some(_)) => bail!(
-            "{} has no tokenizer.json, and text needs a tokenizer: score a --token-file instead",
-            args.model.model.display()
-        ),
+        (None, Some(f)) => {
+            let tok = loaded.require_tokenizer("score a --token-file instead")?;
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            tok.encode(&text, true)?
+        }
         (None, None) => bail!("give --text-file F or --token-file F"),
     };
-    let engine = load_engine(&args.model)?;
+    let engine = &loaded.engine;
     let t0 = std::time::Instant::now();
     let rep = engine.score(&tokens, |done, total| {
         tracing::debug!("scored {done}/{total}")

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod scheduler;
 pub mod score;
 pub mod sequence;
+pub mod text;
 
 pub use engine::{Engine, EngineOptions};
 pub use sequence::{Detokenizer, FinishReason, GenRequest, Sequence, TokenEvent};
