@@ -62,13 +62,22 @@ pub struct Loaded {
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let (path, is_demo) = args.resolve()?;
     let t0 = std::time::Instant::now();
-    let engine = Engine::load(&path, &EngineOptions { threads: args.threads, ctx: args.ctx })
-        .with_context(|| format!("loading model {}", path.display()))?;
+    let engine = Engine::load(
+        &path,
+        &EngineOptions {
+            threads: args.threads,
+            ctx: args.ctx,
+        },
+    )
+    .with_context(|| format!("loading model {}", path.display()))?;
     let tokenizer = Tokenizer::from_dir(&path)
         .with_context(|| format!("loading the tokenizer of {}", path.display()))?
         .map(Arc::new);
     if tokenizer.is_none() {
-        tracing::warn!("{} has no tokenizer.json: colibri runs on token ids only (text needs a tokenizer)", path.display());
+        tracing::warn!(
+            "{} has no tokenizer.json: colibri runs on token ids only (text needs a tokenizer)",
+            path.display()
+        );
     }
     tracing::info!(
         "loaded {} ({} layers) from {} in {:.2}s, {} threads, context {}",
@@ -79,7 +88,12 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
         engine.threads(),
         engine.context_len()
     );
-    Ok(Loaded { engine, tokenizer, path, is_demo })
+    Ok(Loaded {
+        engine,
+        tokenizer,
+        path,
+        is_demo,
+    })
 }
 
 impl Loaded {
@@ -98,6 +112,9 @@ impl Loaded {
 pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
     text.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().with_context(|| format!("`{s}` is not a token id")))
+        .map(|s| {
+            s.parse::<u32>()
+                .with_context(|| format!("`{s}` is not a token id"))
+        })
         .collect()
 }

@@ -6,6 +6,7 @@
 mod common;
 mod perplexity;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,8 @@ enum Command {
     Run(run::RunArgs),
     /// Score a text or token file (teacher-forced perplexity).
     Perplexity(perplexity::PerplexityArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,6 +44,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::main(a),
         Command::Perplexity(a) => perplexity::main(a),
+        Command::Serve(a) => serve::main(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -33,12 +33,14 @@ pub fn main(args: PerplexityArgs) -> Result<()> {
     let loaded = load(&args.model)?;
     let tokens = match (&args.token_file, &args.text_file) {
         (Some(f), _) => {
-            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             parse_token_ids(&text).with_context(|| format!("parsing {}", f.display()))?
         }
         (None, Some(f)) => {
             let tok = loaded.require_tokenizer("score a --token-file instead")?;
-            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             tok.encode(&text, true)?
         }
         (None, None) => bail!("give --text-file F or --token-file F"),

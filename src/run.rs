@@ -96,8 +96,16 @@ impl RunArgs {
 
 /// Renders `messages` with the model's chat template, ready to generate.
 fn render_chat(tok: &Tokenizer, messages: &serde_json::Value) -> Result<Vec<u32>> {
-    let template = tok.chat_template().context("the tokenizer has no chat template (use --prompt without --chat)")?;
-    let text = template.render(messages, &RenderOptions { add_generation_prompt: true, ..Default::default() })?;
+    let template = tok
+        .chat_template()
+        .context("the tokenizer has no chat template (use --prompt without --chat)")?;
+    let text = template.render(
+        messages,
+        &RenderOptions {
+            add_generation_prompt: true,
+            ..Default::default()
+        },
+    )?;
     // The template writes the special tokens itself.
     Ok(tok.encode(&text, false)?)
 }
@@ -108,7 +116,8 @@ pub fn main(args: RunArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let loaded = load(&args.model)?;
-    let interactive = args.prompt.is_none() && args.prompt_tokens.is_none() && std::io::stdin().is_terminal();
+    let interactive =
+        args.prompt.is_none() && args.prompt_tokens.is_none() && std::io::stdin().is_terminal();
     if interactive {
         return chat_loop(&args, &loaded);
     }
@@ -120,7 +129,8 @@ pub fn main(args: RunArgs) -> Result<()> {
                 Some(t) => t.clone(),
                 None => {
                     let mut s = String::new();
-                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("reading the prompt from stdin")?;
+                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                        .context("reading the prompt from stdin")?;
                     s
                 }
             };
@@ -139,7 +149,12 @@ pub fn main(args: RunArgs) -> Result<()> {
     let engine = &loaded.engine;
     let prompt_len = prompt.len();
     let detok = loaded.tokenizer.as_ref().map(StreamDetokenizer::boxed);
-    let mut seq = Sequence::new(&engine.model, args.request(prompt, &loaded), engine.context_len(), detok)?;
+    let mut seq = Sequence::new(
+        &engine.model,
+        args.request(prompt, &loaded),
+        engine.context_len(),
+        detok,
+    )?;
     let t0 = std::time::Instant::now();
     let mut first: Option<f64> = None;
     let mut finish = None;
@@ -158,13 +173,19 @@ pub fn main(args: RunArgs) -> Result<()> {
                 format!("{}{}", if tokens.len() > 1 { " " } else { "" }, ev.token)
             };
             // A closed stdout (`| head`) ends generation quietly.
-            return write!(stdout, "{piece}").and_then(|_| stdout.flush()).is_ok();
+            return write!(stdout, "{piece}")
+                .and_then(|_| stdout.flush())
+                .is_ok();
         }
         true
     })?;
     let total = t0.elapsed().as_secs_f64();
     let ttft = first.unwrap_or(total);
-    let decode_tps = if tokens.len() > 1 { (tokens.len() - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
+    let decode_tps = if tokens.len() > 1 {
+        (tokens.len() - 1) as f64 / (total - ttft).max(1e-9)
+    } else {
+        0.0
+    };
     if args.json {
         let mut v = json!({
             "tokens": tokens,
@@ -198,7 +219,10 @@ fn chat_loop(args: &RunArgs, loaded: &Loaded) -> Result<()> {
     }
     let mut cache = KvCache::new(&engine.model.spec, engine.context_len());
     let mut cached: Vec<u32> = Vec::new();
-    eprintln!("colibri chat — {} (/exit or Ctrl-D to quit, /reset to start over)", loaded.path.display());
+    eprintln!(
+        "colibri chat — {} (/exit or Ctrl-D to quit, /reset to start over)",
+        loaded.path.display()
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -221,7 +245,10 @@ fn chat_loop(args: &RunArgs, loaded: &Loaded) -> Result<()> {
         let mut seq = match Sequence::resume(
             &engine.model,
             args.request(prompt, loaded),
-            std::mem::replace(&mut cache, KvCache::new(&engine.model.spec, engine.context_len())),
+            std::mem::replace(
+                &mut cache,
+                KvCache::new(&engine.model.spec, engine.context_len()),
+            ),
             &cached,
             Some(StreamDetokenizer::boxed(tok)),
         ) {

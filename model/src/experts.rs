@@ -16,6 +16,23 @@ use crate::weights::{MlpWeights, TensorNames};
 /// The weights of one routed expert.
 pub type ExpertWeights = MlpWeights;
 
+/// What a source has done so far (for metrics and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SourceStats {
+    /// Experts found in RAM / not found there.
+    pub ram_hits: u64,
+    pub ram_misses: u64,
+    /// Experts found in VRAM / not found there (GPU tier).
+    pub vram_hits: u64,
+    pub vram_misses: u64,
+    /// Bytes of experts read from disk.
+    pub disk_bytes_read: u64,
+    /// Demand misses that a prefetch had already covered or started, and
+    /// those it had not.
+    pub prefetch_covered_misses: u64,
+    pub uncovered_misses: u64,
+}
+
 /// Hands out routed experts.
 pub trait ExpertSource: Send + Sync {
     /// Calls `ready(expert, weights)` exactly once for every id in `ids`
@@ -31,6 +48,11 @@ pub trait ExpertSource: Send + Sync {
     /// A hint that `ids` of `layer` will probably be needed soon. Sources
     /// that read from disk start reading; others ignore it.
     fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
+
+    /// Counters of what the source has done.
+    fn stats(&self) -> SourceStats {
+        SourceStats::default()
+    }
 }
 
 /// Loads expert `e` of layer `layer` from a checkpoint, in either the Hub's
@@ -68,6 +90,8 @@ pub fn load_expert(
 /// Every expert of a checkpoint, memory-mapped (the page cache holds them).
 pub struct ResidentExperts {
     layers: Vec<Vec<Arc<ExpertWeights>>>,
+    /// Every fetch is a RAM hit (the page cache holds the mapping).
+    hits: std::sync::atomic::AtomicU64,
 }
 
 impl ResidentExperts {
@@ -84,7 +108,10 @@ impl ResidentExperts {
             }
             layers.push(experts);
         }
-        Ok(ResidentExperts { layers })
+        Ok(ResidentExperts {
+            layers,
+            hits: Default::default(),
+        })
     }
 }
 
@@ -106,8 +133,16 @@ impl ExpertSource for ResidentExperts {
                 expert: e,
                 reason: "no such expert".into(),
             })?;
+            self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ready(e, w.clone())?;
         }
         Ok(())
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats {
+            ram_hits: self.hits.load(std::sync::atomic::Ordering::Relaxed),
+            ..Default::default()
+        }
     }
 }

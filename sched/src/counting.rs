@@ -65,4 +65,8 @@ impl ExpertSource for CountingExperts {
     fn prefetch(&self, layer: usize, ids: &[usize]) {
         self.inner.prefetch(layer, ids)
     }
+
+    fn stats(&self) -> colibri_model::experts::SourceStats {
+        self.inner.stats()
+    }
 }

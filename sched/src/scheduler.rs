@@ -103,7 +103,7 @@ pub struct SchedulerStats {
 }
 
 pub struct Scheduler {
-    tx: Option<Sender<Job>>,
+    tx: Mutex<Option<Sender<Job>>>,
     stats: Arc<SchedulerStats>,
     draining: Arc<AtomicBool>,
     /// Running + waiting, counted at submission so admission is exact.
@@ -133,7 +133,7 @@ impl Scheduler {
             .spawn(move || worker.run())
             .expect("spawning the scheduler thread");
         Scheduler {
-            tx: Some(tx),
+            tx: Mutex::new(Some(tx)),
             stats,
             draining,
             in_system,
@@ -162,16 +162,32 @@ impl Scheduler {
                 Err(now) => cur = now,
             }
         }
-        let tx = self.tx.as_ref().ok_or(SubmitError::ShuttingDown)?;
-        self.stats.requests_total.fetch_add(1, Ordering::Relaxed);
-        tx.send(Job { seq, sink }).map_err(|_| {
+        let sent = match self.tx.lock() {
+            Ok(tx) => tx
+                .as_ref()
+                .map(|tx| tx.send(Job { seq, sink }).is_ok())
+                .unwrap_or(false),
+            Err(_) => false,
+        };
+        if !sent {
             self.in_system.fetch_sub(1, Ordering::SeqCst);
-            SubmitError::ShuttingDown
-        })
+            return Err(SubmitError::ShuttingDown);
+        }
+        self.stats.requests_total.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     pub fn stats(&self) -> &SchedulerStats {
         &self.stats
+    }
+
+    /// Requests running or waiting.
+    pub fn in_system(&self) -> usize {
+        self.in_system.load(Ordering::SeqCst)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -180,13 +196,16 @@ impl Scheduler {
 
     /// Stops taking requests; running ones may finish until `grace` has
     /// passed, then they are cancelled. Returns when the thread has ended.
-    pub fn shutdown(&mut self, grace: Duration) {
+    pub fn shutdown(&self, grace: Duration) {
         self.draining.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + grace;
         while self.in_system.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        self.tx = None; // the worker cancels what is left and exits
+        // Dropping the sender makes the worker cancel what is left and exit.
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
         if let Some(t) = self.thread.lock().ok().and_then(|mut g| g.take()) {
             let _ = t.join();
         }

@@ -17,7 +17,10 @@ pub struct StreamDetokenizer {
 
 impl StreamDetokenizer {
     pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
-        StreamDetokenizer { tokenizer, decoder: StreamDecoder::new(true) }
+        StreamDetokenizer {
+            tokenizer,
+            decoder: StreamDecoder::new(true),
+        }
     }
 
     pub fn boxed(tokenizer: &Arc<Tokenizer>) -> Box<dyn Detokenizer> {
