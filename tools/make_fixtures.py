@@ -9,8 +9,10 @@ ships them: e4m3 weights with 128x128 `weight_scale_inv` block scales), and
 - `tokens` and `nll`: teacher-forced negative log-likelihood of every
   predicted position of a random token sequence;
 - `prompt` and `greedy`: a greedy continuation decoded with the KV cache,
-  with the smallest top-1/top-2 logit margin seen (`min_margin`), so a test
-  failure can never be blamed on a near-tie.
+  with the end-of-sequence token masked as transformers' `min_new_tokens`
+  (and `colibri run --ignore-eos`) do (`eos_masked`), and the smallest
+  top-1/top-2 logit margin seen (`min_margin`), so a test failure can never
+  be blamed on a near-tie.
 
 Weights are drawn wider than transformers' default init (and norms, biases
 and DeepSeek's selection bias are randomised) so that every code path
@@ -202,7 +204,7 @@ def save_fp8(model, out):
 
 
 @torch.no_grad()
-def reference(model, gen, expect_clip=None):
+def reference(model, gen, eos):
     tokens = torch.randint(3, VOCAB, (NLL_LEN,), generator=gen)
     logits = model(tokens[None]).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
@@ -214,6 +216,7 @@ def reference(model, gen, expect_clip=None):
     last = out.logits[0, -1].float()
     greedy, margins = [], []
     for _ in range(GREEDY_LEN):
+        last[eos] = float("-inf")
         top = torch.topk(last, 2).values
         margins.append((top[0] - top[1]).item())
         nxt = int(torch.argmax(last))
@@ -223,12 +226,14 @@ def reference(model, gen, expect_clip=None):
         last = out.logits[0, -1].float()
     # The cached decode must agree with a full recompute (sanity of the oracle).
     full = model(torch.tensor([prompt + greedy[:-1]])).logits[0].float()
+    full[:, eos] = float("-inf")
     assert full[PROMPT_LEN - 1:].argmax(-1).tolist() == greedy, "cache/no-cache disagree"
     return {
         "tokens": tokens.tolist(),
         "nll": nll,
         "prompt": prompt,
         "greedy": greedy,
+        "eos_masked": [eos],
         "min_margin": min(margins),
     }
 
@@ -245,10 +250,22 @@ def count_clipped(model, clip):
     return hs, hits
 
 
-def build(name, cfg, opts, root):
+def build(name, cfg, opts, root, refs_only=False):
+    """Builds one fixture. With `refs_only`, rebuilds the model from the
+    seed recorded in its reference.json (the weights come out identical:
+    checked by reproducing the recorded NLL exactly) and rewrites only
+    reference.json, leaving the weight files (and fixtures derived from
+    them, such as the GGUF ones) untouched."""
     out = os.path.join(root, name)
-    shutil.rmtree(out, ignore_errors=True)
-    for seed in range(100):
+    old = None
+    if refs_only:
+        with open(os.path.join(out, "reference.json")) as f:
+            old = json.load(f)
+        seeds = [old["seed"] - 1000]
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        seeds = range(100)
+    for seed in seeds:
         gen = torch.Generator().manual_seed(1000 + seed)
         torch.manual_seed(1000 + seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -263,20 +280,29 @@ def build(name, cfg, opts, root):
                 for p in model.parameters():
                     p.copy_(p.to(dtype).to(torch.float32))
         if opts.get("fp8"):
-            model = save_fp8(model, out)
+            if refs_only:
+                import tempfile
+                with tempfile.TemporaryDirectory() as scratch:
+                    model = save_fp8(model, scratch)
+            else:
+                model = save_fp8(model, out)
         hooks, hits = ([], [])
         if opts.get("expect_clip"):
             hooks, hits = count_clipped(model, opts["expect_clip"])
-        ref = reference(model, gen)
+        ref = reference(model, gen, cfg.eos_token_id)
+        if old is not None and ref["nll"] != old["nll"]:
+            raise SystemExit(f"{name}: rebuilt weights differ from the saved ones (NLL changed)")
         for h in hooks:
             h.remove()
         if opts.get("expect_clip") and sum(hits) == 0:
             raise SystemExit(f"{name}: clip_qkv never clips; raise std")
         if ref["min_margin"] < MIN_MARGIN:
+            if refs_only:
+                raise SystemExit(f"{name}: near-tie ({ref['min_margin']:.2e}) with the saved weights")
             print(f"  {name}: seed {seed} has a near-tie ({ref['min_margin']:.2e}), retrying")
             shutil.rmtree(out, ignore_errors=True)
             continue
-        if not opts.get("fp8"):
+        if not opts.get("fp8") and not refs_only:
             save_model = model.to(dtype) if dtype is not None else model
             kw = {"max_shard_size": opts["shard"]} if "shard" in opts else {}
             save_model.save_pretrained(out, **kw)
@@ -300,12 +326,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "models"))
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--refs-only", action="store_true", help="rewrite reference.json only, keep the weights")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     for name, (cfg, opts) in fixtures().items():
         if args.only and name not in args.only:
             continue
-        build(name, cfg, opts, args.out)
+        build(name, cfg, opts, args.out, args.refs_only)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ struct Reference {
     nll: Vec<f64>,
     prompt: Vec<u32>,
     greedy: Vec<u32>,
+    /// Tokens masked during the greedy decode (EOS, as min_new_tokens does).
+    eos_masked: Vec<u32>,
 }
 
 fn reference(dir: &Path) -> Reference {
@@ -40,6 +42,7 @@ fn reference(dir: &Path) -> Reference {
             .collect(),
         prompt: ids("prompt"),
         greedy: ids("greedy"),
+        eos_masked: ids("eos_masked"),
     }
 }
 
@@ -112,7 +115,11 @@ fn check(name: &str, threads: usize) {
                 }],
             )
             .unwrap();
-        let t = argmax(&out[0]);
+        let mut logits = out[0].clone();
+        for &e in &r.eos_masked {
+            logits[e as usize] = f32::NEG_INFINITY;
+        }
+        let t = argmax(&logits);
         got.push(t);
         next = vec![t];
     }
