@@ -2,7 +2,7 @@
 //!
 //! - [`config`]: a Hugging Face `config.json` turned into a [`config::ModelSpec`],
 //!   the architecture as data (five MoE families share one engine).
-//! - [`source`]: weight sources (safetensors checkpoints today).
+//! - [`source`]: weight sources (safetensors checkpoints, GGUF files).
 //! - [`format`], [`quant`], [`tensor`], [`kernels`]: stored weight formats
 //!   (incl. ggml's Q8_0/Q4_0 blocks) and the CPU kernels over them, each
 //!   with a scalar reference.

@@ -63,14 +63,18 @@ fn uniform_count(file: &GgufFile, key: &str) -> Result<Option<usize>> {
         None => Ok(None),
         Some(v) => {
             if let Some(n) = v.as_u64() {
-                return Ok(Some(n as usize));
+                return file.opt_usize(key).map(|_| Some(n as usize));
             }
             let a = v
                 .as_array()
                 .ok_or_else(|| file.err(format!("metadata `{key}`: expected an integer")))?;
             let vals: Vec<u64> = a.values.iter().filter_map(|x| x.as_u64()).collect();
             match vals.first() {
-                Some(&f) if vals.len() == a.values.len() && vals.iter().all(|&x| x == f) => {
+                Some(&f)
+                    if f <= super::MAX_DIM
+                        && vals.len() == a.values.len()
+                        && vals.iter().all(|&x| x == f) =>
+                {
                     Ok(Some(f as usize))
                 }
                 _ => Err(file.err(format!(

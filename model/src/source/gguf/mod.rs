@@ -35,6 +35,9 @@ use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32};
 use crate::forward::Model;
 use crate::tensor::{ByteStorage, Bytes, QMatrix};
 
+/// The largest size or count accepted from metadata.
+pub const MAX_DIM: u64 = 1 << 31;
+
 /// An open GGUF file: its parsed header over a read-only memory map.
 pub struct GgufFile {
     path: PathBuf,
@@ -106,8 +109,15 @@ impl GgufFile {
         }
     }
 
+    /// A size or count. Anything above 2^31 is no real model's and is
+    /// refused, so sizes can be multiplied pairwise without overflow.
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        Ok(self.opt_u64(key)?.map(|v| v as usize))
+        match self.opt_u64(key)? {
+            Some(v) if v > MAX_DIM => Err(self.err(format!(
+                "metadata `{key}`: {v} is larger than any model dimension (max {MAX_DIM})"
+            ))),
+            v => Ok(v.map(|v| v as usize)),
+        }
     }
 
     pub fn usize(&self, key: &str) -> Result<usize> {
