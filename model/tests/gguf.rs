@@ -469,12 +469,12 @@ fn corrupt_and_truncated_files_name_the_file_and_the_field() {
 /// must give an error or a valid header, never a panic or a hang.
 #[test]
 fn header_parser_survives_20k_mutations() {
-    let good = std::fs::read(gguf_path("mixtral.q8_0.gguf")).unwrap();
+    let good = std::fs::read(gguf_path("qwen3_moe.q4_0.gguf")).unwrap();
     let hdr_len = header::parse(&good).unwrap().data_offset as usize;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2024);
     let (mut ok, mut err) = (0, 0);
     for i in 0..20_000 {
-        let mut v = good[..hdr_len + 64].to_vec();
+        let mut v = good.clone();
         match i % 4 {
             0 => {
                 for _ in 0..rng.random_range(1..8) {
@@ -492,7 +492,7 @@ fn header_parser_survives_20k_mutations() {
                 };
                 v[at..at + 8].copy_from_slice(&x.to_le_bytes());
             }
-            2 => v.truncate(rng.random_range(0..hdr_len)),
+            2 => v.truncate(rng.random_range(0..good.len())),
             _ => {
                 let at = rng.random_range(0..hdr_len);
                 v[at] = rng.random();
@@ -508,7 +508,9 @@ fn header_parser_survives_20k_mutations() {
         }
     }
     eprintln!("20000 mutations: {ok} parsed, {err} rejected");
-    assert!(err > 10_000);
+    // Both outcomes occur: flips in string bytes or values parse, flips
+    // in counts, types, dims and offsets are caught.
+    assert!(ok > 1_000 && err > 10_000, "{ok} parsed, {err} rejected");
 }
 
 /// Mutated whole files through the full loader (spec, dense weights,
