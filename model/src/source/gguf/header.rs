@@ -448,7 +448,7 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, String> {
                 "GGUF version 1 (32-bit counts) is not supported; re-convert the model".into(),
             );
         }
-        v if v.swap_bytes() <= 3 => {
+        v if v != 0 && v.swap_bytes() <= 3 => {
             return Err("big-endian GGUF files are not supported".into());
         }
         v => return Err(format!("unsupported GGUF version {v} (supported: 2, 3)")),
