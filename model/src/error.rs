@@ -25,6 +25,8 @@ pub enum ModelError {
     UnsupportedArchitecture(String),
     #[error("{file}: not a valid safetensors file: {reason}")]
     Safetensors { file: PathBuf, reason: String },
+    #[error("{file}: not a valid GGUF model: {reason}")]
+    Gguf { file: PathBuf, reason: String },
     #[error("tensor `{0}` is missing from the checkpoint")]
     MissingTensor(String),
     #[error("tensor `{name}` has unsupported dtype {dtype} (supported: {supported})")]

@@ -87,6 +87,39 @@ pub fn load_expert(
     Err(ModelError::MissingTensor(g))
 }
 
+/// Loads expert `e` of layer `l`.
+pub type ExpertLoader<'a> = Box<dyn Fn(usize, usize) -> Result<ExpertWeights> + 'a>;
+
+/// Something routed experts can be loaded from, resident.
+pub trait ExpertStore {
+    /// A loader for the experts of `spec` (sources index them once here).
+    fn expert_loader<'a>(&'a self, spec: &'a ModelSpec) -> Result<ExpertLoader<'a>>;
+}
+
+impl ExpertStore for Checkpoint {
+    fn expert_loader<'a>(&'a self, spec: &'a ModelSpec) -> Result<ExpertLoader<'a>> {
+        Ok(Box::new(move |l, e| load_expert(spec, self, l, e)))
+    }
+}
+
+impl ExpertStore for crate::source::GgufFile {
+    fn expert_loader<'a>(&'a self, spec: &'a ModelSpec) -> Result<ExpertLoader<'a>> {
+        let locator = crate::source::GgufExpertLocator::new(spec, self)?;
+        Ok(Box::new(move |l, e| {
+            crate::source::gguf::experts::load_expert(&locator, self, l, e)
+        }))
+    }
+}
+
+impl ExpertStore for crate::source::WeightSource {
+    fn expert_loader<'a>(&'a self, spec: &'a ModelSpec) -> Result<ExpertLoader<'a>> {
+        match self {
+            crate::source::WeightSource::Hf(ck) => ck.expert_loader(spec),
+            crate::source::WeightSource::Gguf(f) => f.expert_loader(spec),
+        }
+    }
+}
+
 /// Every expert of a checkpoint, memory-mapped (the page cache holds them).
 pub struct ResidentExperts {
     layers: Vec<Vec<Arc<ExpertWeights>>>,
@@ -95,7 +128,10 @@ pub struct ResidentExperts {
 }
 
 impl ResidentExperts {
-    pub fn load(spec: &ModelSpec, ck: &Checkpoint) -> Result<ResidentExperts> {
+    /// Every routed expert of `src` (a [`Checkpoint`], a GGUF file or a
+    /// [`crate::source::WeightSource`]).
+    pub fn load(spec: &ModelSpec, src: &(impl ExpertStore + ?Sized)) -> Result<ResidentExperts> {
+        let load = src.expert_loader(spec)?;
         let mut layers = Vec::with_capacity(spec.num_layers());
         for (l, ls) in spec.layers.iter().enumerate() {
             let mut experts = Vec::new();
@@ -103,7 +139,7 @@ impl ResidentExperts {
                 && let Some(moe) = &spec.moe
             {
                 for e in 0..moe.num_experts {
-                    experts.push(Arc::new(load_expert(spec, ck, l, e)?));
+                    experts.push(Arc::new(load(l, e)?));
                 }
             }
             layers.push(experts);

@@ -3,9 +3,12 @@
 //!
 //! A weight runs as stored: f32 stays f32, f16/bf16 are widened exactly
 //! (every f16/bf16 value is an f32 value), FP8-e4m3 elements are widened
-//! exactly and multiplied by their block's f32 scale.
+//! exactly and multiplied by their block's f32 scale, and ggml's block
+//! formats Q8_0/Q4_0 (see [`crate::quant`]) are dequantized exactly.
 
 use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
 
 /// How the rows of a weight matrix are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -17,15 +20,33 @@ pub enum WeightFormat {
     /// FP8 e4m3fn elements with one f32 scale per `block × block` tile
     /// (DeepSeek-V3's `weight_scale_inv`).
     F8E4M3,
+    /// ggml Q8_0: blocks of 32 × i8 with one f16 scale (34 bytes).
+    Q8_0,
+    /// ggml Q4_0: blocks of 32 × 4-bit with one f16 scale (18 bytes).
+    Q4_0,
 }
 
 impl WeightFormat {
-    /// Bytes one row of `cols` elements takes.
-    pub fn row_bytes(self, cols: usize) -> usize {
+    /// Bytes one row of `cols` elements takes. Block formats need `cols`
+    /// to be a whole number of blocks (ggml quantizes along rows).
+    pub fn row_bytes(self, cols: usize) -> Result<usize> {
+        let block = |bytes: usize| {
+            if cols.is_multiple_of(crate::quant::QK) {
+                Ok(cols / crate::quant::QK * bytes)
+            } else {
+                Err(ModelError::Invalid(format!(
+                    "{}: a row of {cols} elements is not a multiple of the {}-element block",
+                    self.name(),
+                    crate::quant::QK
+                )))
+            }
+        };
         match self {
-            WeightFormat::F32 => cols * 4,
-            WeightFormat::F16 | WeightFormat::Bf16 => cols * 2,
-            WeightFormat::F8E4M3 => cols,
+            WeightFormat::F32 => Ok(cols * 4),
+            WeightFormat::F16 | WeightFormat::Bf16 => Ok(cols * 2),
+            WeightFormat::F8E4M3 => Ok(cols),
+            WeightFormat::Q8_0 => block(crate::quant::Q8_0_BLOCK_BYTES),
+            WeightFormat::Q4_0 => block(crate::quant::Q4_0_BLOCK_BYTES),
         }
     }
 
@@ -35,6 +56,8 @@ impl WeightFormat {
             WeightFormat::F16 => "f16",
             WeightFormat::Bf16 => "bf16",
             WeightFormat::F8E4M3 => "fp8-e4m3",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q4_0 => "q4_0",
         }
     }
 }

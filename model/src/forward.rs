@@ -14,7 +14,7 @@ use crate::kernels::{Pool, matmul};
 use crate::kv::KvCache;
 use crate::ops::rms_norm;
 use crate::rope::{Rope, mla_softmax_scale_factor};
-use crate::source::Checkpoint;
+use crate::source::WeightSource;
 use crate::weights::{DenseWeights, FfnWeights};
 
 /// Which logits a sequence wants back.
@@ -80,12 +80,10 @@ impl Model {
         }
     }
 
-    /// Loads the spec and dense weights of the checkpoint in `dir`.
-    pub fn load(dir: &Path) -> Result<(Model, Checkpoint)> {
-        let spec = ModelSpec::from_dir(dir)?;
-        let ck = Checkpoint::open(dir)?;
-        let weights = DenseWeights::load(&spec, &ck)?;
-        Ok((Model::new(spec, weights), ck))
+    /// Loads the spec and dense weights of the checkpoint directory or
+    /// GGUF file at `path`.
+    pub fn load(path: &Path) -> Result<(Model, WeightSource)> {
+        crate::source::load_model(path)
     }
 
     /// Runs the new tokens of every sequence through the model, appending

@@ -2,9 +2,11 @@
 //!
 //! - [`config`]: a Hugging Face `config.json` turned into a [`config::ModelSpec`],
 //!   the architecture as data (five MoE families share one engine).
-//! - [`source`]: weight sources and where routed experts live on disk.
-//! - [`format`], [`tensor`], [`kernels`]: stored weight formats and the CPU
-//!   kernels over them, each with a scalar reference.
+//! - [`source`]: weight sources (safetensors checkpoints, GGUF files)
+//!   and where routed experts live on disk.
+//! - [`format`], [`quant`], [`tensor`], [`kernels`]: stored weight formats
+//!   (incl. ggml's Q8_0/Q4_0 blocks) and the CPU kernels over them, each
+//!   with a scalar reference.
 //! - [`forward`]: the batched forward pass over a [`kv::KvCache`] per
 //!   sequence, with routed experts fetched through an [`experts::ExpertSource`].
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat templates.
@@ -23,6 +25,7 @@ pub mod kernels;
 pub mod kv;
 pub mod moe;
 pub mod ops;
+pub mod quant;
 pub mod rope;
 pub mod sampling;
 pub mod source;

@@ -180,7 +180,7 @@ impl QMatrix {
         data: Bytes,
         scales: Option<BlockScales>,
     ) -> Result<Self> {
-        let expect = rows * format.row_bytes(cols);
+        let expect = rows * format.row_bytes(cols)?;
         if data.len() != expect {
             return Err(ModelError::Invalid(format!(
                 "tensor `{name}`: {} bytes, expected {expect} for {rows}x{cols} {}",
@@ -191,7 +191,8 @@ impl QMatrix {
         let data = match format {
             WeightFormat::F32 => data.aligned(4),
             WeightFormat::F16 | WeightFormat::Bf16 => data.aligned(2),
-            WeightFormat::F8E4M3 => data,
+            // Block formats are read byte-wise (scales via from_le_bytes).
+            WeightFormat::F8E4M3 | WeightFormat::Q8_0 | WeightFormat::Q4_0 => data,
         };
         match (&scales, format) {
             (None, WeightFormat::F8E4M3) => {
@@ -261,7 +262,7 @@ impl QMatrix {
                 self.rows
             )));
         }
-        let rb = self.format.row_bytes(self.cols);
+        let rb = self.format.row_bytes(self.cols)?;
         let data = self.data.slice(start * rb, n * rb)?;
         let scales = match &self.scales {
             None => None,

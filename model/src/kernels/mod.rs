@@ -18,6 +18,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
+use crate::quant::{self, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
 use crate::tensor::QMatrix;
 
 /// The dot kernels chosen for this CPU.
@@ -28,6 +29,8 @@ pub struct KernelSet {
     pub dot_bf16: fn(&[u16], &[f32]) -> f32,
     pub dot_f16: fn(&[u16], &[f32]) -> f32,
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
+    pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
+    pub dot_q4_0: fn(&[u8], &[f32]) -> f32,
 }
 
 pub const SCALAR: KernelSet = KernelSet {
@@ -36,11 +39,13 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_bf16: scalar::dot_bf16,
     dot_f16: scalar::dot_f16,
     dot_fp8: scalar::dot_fp8,
+    dot_q8_0: scalar::dot_q8_0,
+    dot_q4_0: scalar::dot_q4_0,
 };
 
 #[cfg(target_arch = "x86_64")]
 mod avx2_wrappers {
-    // SAFETY (all four): these wrappers are only installed by `select` after
+    // SAFETY (all six): these wrappers are only installed by `select` after
     // `is_x86_feature_detected!` confirmed avx2, fma and f16c.
     pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         unsafe { super::x86::dot_f32(w, x) }
@@ -57,6 +62,12 @@ mod avx2_wrappers {
         }
         unsafe { super::x86::dot_fp8(w, x, s, block) }
     }
+    pub fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+        unsafe { super::x86::dot_q8_0(w, x) }
+    }
+    pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
+        unsafe { super::x86::dot_q4_0(w, x) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -66,6 +77,8 @@ pub const AVX2: KernelSet = KernelSet {
     dot_bf16: avx2_wrappers::dot_bf16,
     dot_f16: avx2_wrappers::dot_f16,
     dot_fp8: avx2_wrappers::dot_fp8,
+    dot_q8_0: avx2_wrappers::dot_q8_0,
+    dot_q4_0: avx2_wrappers::dot_q4_0,
 };
 
 fn select() -> KernelSet {
@@ -118,6 +131,14 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
                 s.block,
             )
         }
+        WeightFormat::Q8_0 => {
+            let rb = c / QK * Q8_0_BLOCK_BYTES;
+            (k.dot_q8_0)(&bytes[r * rb..(r + 1) * rb], x)
+        }
+        WeightFormat::Q4_0 => {
+            let rb = c / QK * Q4_0_BLOCK_BYTES;
+            (k.dot_q4_0)(&bytes[r * rb..(r + 1) * rb], x)
+        }
     }
 }
 
@@ -148,6 +169,14 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
             for (j, (o, &b)) in out.iter_mut().zip(&bytes[r * c..(r + 1) * c]).enumerate() {
                 *o = fp8_e4m3_to_f32(b) * s.scales[g + j / s.block];
             }
+        }
+        WeightFormat::Q8_0 => {
+            let rb = c / QK * Q8_0_BLOCK_BYTES;
+            quant::dequantize_q8_0(&bytes[r * rb..(r + 1) * rb], out);
+        }
+        WeightFormat::Q4_0 => {
+            let rb = c / QK * Q4_0_BLOCK_BYTES;
+            quant::dequantize_q4_0(&bytes[r * rb..(r + 1) * rb], out);
         }
     }
 }
@@ -305,6 +334,79 @@ mod tests {
             let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
             assert!(rel_err(want, exact as f32, s8) < 1e-6);
         }
+    }
+
+    /// Q8_0/Q4_0 rows give exactly what their dequantized f32 rows give
+    /// under the same kernel set (scalar and SIMD alike), and the SIMD
+    /// kernels agree with the scalar ones within rounding.
+    #[test]
+    fn block_quant_kernels_equal_f32_on_dequantized_rows() {
+        let mut sets = vec![SCALAR];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            sets.push(AVX2);
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        for &n in &[32usize, 64, 96, 256, 1024] {
+            for _ in 0..20 {
+                let x = rand_vec(&mut rng, n);
+                let w: Vec<f32> = (0..n)
+                    .map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.01f32..3.0))
+                    .collect();
+                let q8 = quant::quantize_q8_0(&w).unwrap();
+                let q4 = quant::quantize_q4_0(&w).unwrap();
+                let (mut d8, mut d4) = (vec![0.0; n], vec![0.0; n]);
+                quant::dequantize_q8_0(&q8, &mut d8);
+                quant::dequantize_q4_0(&q4, &mut d4);
+                assert!(d4.iter().any(|v| *v != 0.0) && d8.iter().any(|v| *v != 0.0));
+                for k in &sets {
+                    let a = (k.dot_q8_0)(&q8, &x);
+                    assert_eq!(
+                        a.to_bits(),
+                        (k.dot_f32)(&d8, &x).to_bits(),
+                        "{} q8_0 n={n}",
+                        k.name
+                    );
+                    let b = (k.dot_q4_0)(&q4, &x);
+                    assert_eq!(
+                        b.to_bits(),
+                        (k.dot_f32)(&d4, &x).to_bits(),
+                        "{} q4_0 n={n}",
+                        k.name
+                    );
+                    let s8 = abs_scale(&d8, &x);
+                    assert!(rel_err(a, scalar::dot_q8_0(&q8, &x), s8) < 1e-6);
+                    let s4 = abs_scale(&d4, &x);
+                    assert!(rel_err(b, scalar::dot_q4_0(&q4, &x), s4) < 1e-6);
+                }
+            }
+        }
+        // row_to_f32 and dot_row over a QMatrix use the same layout.
+        let (rows, cols) = (5, 64);
+        let w = rand_vec(&mut rng, rows * cols);
+        let bytes: Vec<u8> = w
+            .chunks(cols)
+            .flat_map(|r| quant::quantize_q4_0(r).unwrap())
+            .collect();
+        let m = QMatrix::new(
+            "t",
+            rows,
+            cols,
+            WeightFormat::Q4_0,
+            crate::tensor::Bytes::from_vec(bytes),
+            None,
+        )
+        .unwrap();
+        let x = rand_vec(&mut rng, cols);
+        let deq = m.to_f32();
+        for r in 0..rows {
+            let want = (kernels().dot_f32)(&deq[r * cols..(r + 1) * cols], &x);
+            assert_eq!(dot_row(kernels(), &m, r, &x).to_bits(), want.to_bits());
+        }
+        assert!(WeightFormat::Q8_0.row_bytes(48).is_err());
     }
 
     #[test]

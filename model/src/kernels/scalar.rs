@@ -3,6 +3,7 @@
 //! the reduction shape matches the vector kernels closely.
 
 use crate::format::{bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
+use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, block_scale};
 
 #[inline(always)]
 fn reduce8(acc: [f32; 8]) -> f32 {
@@ -49,5 +50,29 @@ pub fn dot_fp8(w: &[u8], x: &[f32], scales: &[f32], block: usize) -> f32 {
     debug_assert_eq!(w.len(), x.len());
     dot_by(x.len(), |i| {
         (fp8_e4m3_to_f32(w[i]) * scales[i / block]) * x[i]
+    })
+}
+
+/// Dot of one Q8_0 row (`x.len() / 32` blocks) with `x`. Each element is
+/// dequantized (`d · q`, exact in f32) and then multiplied and added in
+/// the same order as [`dot_f32`], so a Q8_0 row gives bit for bit what its
+/// dequantized f32 row gives.
+pub fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() / QK * Q8_0_BLOCK_BYTES);
+    dot_by(x.len(), |i| {
+        let b = &w[i / QK * Q8_0_BLOCK_BYTES..];
+        (block_scale(b) * (b[2 + i % QK] as i8) as f32) * x[i]
+    })
+}
+
+/// Dot of one Q4_0 row with `x`; same contract as [`dot_q8_0`].
+pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() / QK * Q4_0_BLOCK_BYTES);
+    dot_by(x.len(), |i| {
+        let b = &w[i / QK * Q4_0_BLOCK_BYTES..];
+        let j = i % QK;
+        let byte = b[2 + j % (QK / 2)];
+        let q = if j < QK / 2 { byte & 0x0f } else { byte >> 4 };
+        (block_scale(b) * (q as i32 - 8) as f32) * x[i]
     })
 }

@@ -1,17 +1,20 @@
 //! Weight sources, and where routed experts live on disk.
 //!
-//! Every source (Hugging Face safetensors today; GGUF and the packed expert
-//! store next) gives the dense weights and an [`ExpertLocator`]: for each
+//! Every source (Hugging Face safetensors, GGUF; the packed expert store
+//! next) gives the dense weights and an [`ExpertLocator`]: for each
 //! (layer, expert), the byte extents of its gate, up and down matrices and
 //! their formats. The streaming tiers read exactly those bytes into a buffer
 //! and [`ExpertLocation::assemble`] turns the buffer into weights the kernels
 //! run, so every source computes bit-identical results for the same weights.
 
+pub mod gguf;
 pub mod safetensors;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+pub use self::gguf::{GgufExpertLocator, GgufExperts, GgufFile, load_gguf};
 pub use self::safetensors::{Checkpoint, HfExpertLocator, TensorEntry, TensorLocation};
+use crate::config::ModelSpec;
 use crate::error::{ModelError, Result};
 use crate::experts::ExpertWeights;
 use crate::format::WeightFormat;
@@ -97,4 +100,55 @@ pub trait ExpertLocator: Send + Sync {
     fn files(&self) -> &[PathBuf];
     /// Where expert `expert` of MoE layer `layer` is.
     fn locate(&self, layer: usize, expert: usize) -> Result<ExpertLocation>;
+}
+
+/// The weights a model was loaded from: a Hugging Face checkpoint
+/// directory or a GGUF file.
+pub enum WeightSource {
+    Hf(Checkpoint),
+    Gguf(GgufFile),
+}
+
+impl WeightSource {
+    /// An expert locator over this source.
+    pub fn locator(&self, spec: &ModelSpec) -> Result<Box<dyn ExpertLocator>> {
+        Ok(match self {
+            WeightSource::Hf(ck) => Box::new(HfExpertLocator::new(spec, ck)?),
+            WeightSource::Gguf(f) => Box::new(GgufExpertLocator::new(spec, f)?),
+        })
+    }
+}
+
+/// Whether `path` names a GGUF file (by extension, else by its magic).
+pub fn is_gguf(path: &Path) -> bool {
+    if path.is_dir() {
+        return false;
+    }
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// Loads the spec and dense weights from a checkpoint directory or a GGUF
+/// file.
+pub fn load_model(path: &Path) -> Result<(crate::forward::Model, WeightSource)> {
+    if is_gguf(path) {
+        let (model, file) = load_gguf(path)?;
+        return Ok((model, WeightSource::Gguf(file)));
+    }
+    let spec = ModelSpec::from_dir(path)?;
+    let ck = Checkpoint::open(path)?;
+    let weights = crate::weights::DenseWeights::load(&spec, &ck)?;
+    Ok((
+        crate::forward::Model::new(spec, weights),
+        WeightSource::Hf(ck),
+    ))
 }
