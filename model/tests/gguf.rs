@@ -67,7 +67,15 @@ fn all_logits(model: &Model, experts: &dyn ExpertSource, tokens: &[u32]) -> Vec<
     out.remove(0)
 }
 
-fn greedy(model: &Model, experts: &dyn ExpertSource, prompt: &[u32], n: usize) -> Vec<u32> {
+/// Greedy decode with `masked` tokens (EOS, as the references record)
+/// never chosen.
+fn greedy(
+    model: &Model,
+    experts: &dyn ExpertSource,
+    prompt: &[u32],
+    n: usize,
+    masked: &[u32],
+) -> Vec<u32> {
     let pool = Pool::new(2).unwrap();
     let mut cache = KvCache::new(&model.spec, 4096);
     let mut next = prompt.to_vec();
@@ -84,7 +92,10 @@ fn greedy(model: &Model, experts: &dyn ExpertSource, prompt: &[u32], n: usize) -
                 }],
             )
             .unwrap();
-        let l = &out[0];
+        let mut l = out[0].clone();
+        for &m in masked {
+            l[m as usize] = f32::NEG_INFINITY;
+        }
         let t = (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32;
         got.push(t);
         next = vec![t];
@@ -136,7 +147,13 @@ fn f32_parity(family: &str) {
     }
     let want_greedy = ids(&r["greedy"]);
     assert_eq!(
-        greedy(&gg, &gg_experts, &ids(&r["prompt"]), want_greedy.len()),
+        greedy(
+            &gg,
+            &gg_experts,
+            &ids(&r["prompt"]),
+            want_greedy.len(),
+            &ids(&r["eos_masked"])
+        ),
         want_greedy
     );
 }
