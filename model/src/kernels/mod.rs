@@ -256,11 +256,12 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
             .map(|b| {
                 let r0 = b * chunk;
                 let r1 = (r0 + chunk).min(rows);
-                let mut out = Vec::with_capacity((r1 - r0) * n);
-                for t in 0..n {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    for r in r0..r1 {
-                        out.push(dot_row(k, w, r, xt));
+                // Token-major output, but row-major loop: each weight row is
+                // read from memory once and reused from L1 for every token.
+                let mut out = vec![0.0f32; (r1 - r0) * n];
+                for r in r0..r1 {
+                    for t in 0..n {
+                        out[t * (r1 - r0) + (r - r0)] = dot_row(k, w, r, &x[t * cols..(t + 1) * cols]);
                     }
                 }
                 out

@@ -1,0 +1,105 @@
+//! Matrix–vector kernels against the memory-bandwidth roofline, measured in
+//! the same run on the same machine.
+//!
+//! `cargo bench --bench kernels [-- --threads N --mib M]`
+//!
+//! For each weight format: a matrix of about `M` MiB (so it does not sit in
+//! the caches) is multiplied by a vector repeatedly; we report the weight
+//! bytes streamed per second and their ratio to the bandwidth of a plain
+//! parallel read of a buffer of the same size.
+
+use std::time::Instant;
+
+use colibri_model::Pool;
+use colibri_model::format::WeightFormat;
+use colibri_model::kernels::{kernels, matmul, matvec};
+use colibri_model::quant::{quantize_q4_0, quantize_q8_0};
+use colibri_model::tensor::{Bytes, QMatrix};
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// GB/s of a parallel read-only pass (sum) over `bytes` bytes.
+fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
+    let buf: Vec<u32> = (0..bytes / 4).map(|i| (i % 7) as u32).collect();
+    // Integer adds vectorize (float sums would be latency-bound), so this
+    // measures how fast the cores can pull bytes from memory.
+    let pass = || {
+        pool.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
+                .reduce(|| 0, u32::wrapping_add)
+        })
+    };
+    std::hint::black_box(pass());
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        std::hint::black_box(pass());
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}
+
+fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) -> QMatrix {
+    let vals: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let data = match format {
+        WeightFormat::F32 => Bytes::from_f32(vals),
+        WeightFormat::Bf16 => Bytes::from_u16(vals.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()),
+        WeightFormat::F16 => Bytes::from_u16(vals.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()),
+        WeightFormat::Q8_0 => Bytes::from_vec(quantize_q8_0(&vals).expect("cols % 32 == 0")),
+        WeightFormat::Q4_0 => Bytes::from_vec(quantize_q4_0(&vals).expect("cols % 32 == 0")),
+        other => panic!("bench does not build {other:?}"),
+    };
+    QMatrix::new("bench", rows, cols, format, data, None).expect("matrix")
+}
+
+fn main() {
+    let threads = arg("--threads", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mib = arg("--mib", 256);
+    let pool = Pool::new(threads).expect("pool");
+    let bw = read_bandwidth(&pool, mib << 20);
+    println!("kernels: {}, threads: {threads}", kernels().name);
+    println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
+    println!("{:<6} {:>12} {:>6} {:>10} {:>10} {:>9}", "format", "shape", "batch", "ms/iter", "GB/s", "of read");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let cols = 2048;
+    for format in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        let row_bytes = format.row_bytes(cols).expect("row bytes");
+        let rows = ((mib << 20) / row_bytes).max(64);
+        let w = matrix(format, rows, cols, &mut rng);
+        for batch in [1usize, 4] {
+            let x: Vec<f32> = (0..batch * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut y = vec![0.0f32; batch * rows];
+            let run = |y: &mut [f32]| {
+                if batch == 1 { matvec(&pool, &w, &x, y) } else { matmul(&pool, &w, &x, batch, y) }
+            };
+            run(&mut y);
+            let iters = 5;
+            let t = Instant::now();
+            for _ in 0..iters {
+                run(&mut y);
+            }
+            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            let gbs = w.stored_bytes() as f64 / secs / 1e9;
+            println!(
+                "{:<6} {:>12} {:>6} {:>10.2} {:>10.2} {:>8.0}%",
+                format.name(),
+                format!("{rows}x{cols}"),
+                batch,
+                secs * 1e3,
+                gbs,
+                100.0 * gbs / bw
+            );
+            std::hint::black_box(&y);
+        }
+    }
+}
