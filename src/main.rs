@@ -3,8 +3,10 @@
 //! Results go to stdout (`--json` where a program reads them); logs go to
 //! stderr through `tracing` (`RUST_LOG=debug` for more).
 
+mod bench_io;
 mod common;
 mod perplexity;
+mod plan;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +28,12 @@ enum Command {
     Run(run::RunArgs),
     /// Score a text or token file (teacher-forced perplexity).
     Perplexity(perplexity::PerplexityArgs),
+    /// Show where a model's weights will live at the given budgets and what
+    /// a decode token is expected to read from disk.
+    Plan(plan::PlanArgs),
+    /// Measure the disk path: raw reads of a file, or cold-cache decoding of
+    /// a model against the drive's raw bandwidth.
+    BenchIo(bench_io::BenchIoArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,6 +49,8 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::main(a),
         Command::Perplexity(a) => perplexity::main(a),
+        Command::Plan(a) => plan::main(a),
+        Command::BenchIo(a) => bench_io::main(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
