@@ -334,3 +334,63 @@ fn pinned_experts_are_never_evicted() {
     assert_eq!(tier.reader_counters().requests_submitted, reads + 7);
     assert!(tier.stats().evictions > 0);
 }
+
+#[test]
+fn concurrent_fetches_under_a_tiny_budget_always_see_the_right_bytes() {
+    // Four threads share one cache slot and two staging slots: they wait
+    // for each other's slots, join each other's reads and evict each
+    // other's experts. Every delivered expert must still hold its own bytes
+    // (a slot reused under a lease would show here), and nothing hangs.
+    let dir = fixture("qwen3_moe");
+    let resident = resident_experts(&dir);
+    let tier = {
+        let slot = slot_bytes(&dir);
+        let (_, tier) = open_tier(
+            &dir,
+            TierOptions {
+                queue_depth: 2,
+                ..options(slot, IoBackendChoice::Auto)
+            },
+        );
+        tier
+    };
+    let layers: Vec<usize> = tier.layout().moe_layers().collect();
+    let n = tier.layout().experts_per_layer;
+    let mut want = std::collections::HashMap::new();
+    for &l in &layers {
+        let ids: Vec<usize> = (0..n).collect();
+        for (e, w) in fetch_keep(&resident, l, &ids) {
+            want.insert((l, e), expert_bytes(&w));
+        }
+    }
+    let want = Arc::new(want);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let tier = tier.clone();
+            let want = want.clone();
+            let layers = layers.clone();
+            std::thread::spawn(move || {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(t);
+                for _ in 0..100 {
+                    let l = layers[rng.random_range(0..layers.len())];
+                    let ids: Vec<usize> = (0..n).filter(|_| rng.random_bool(0.25)).collect();
+                    if rng.random_bool(0.2) {
+                        tier.prefetch(l, &[rng.random_range(0..n)]);
+                    }
+                    tier.fetch(l, &ids, &mut |e, w| {
+                        assert_eq!(expert_bytes(&w), want[&(l, e)], "layer {l} expert {e}");
+                        Ok(())
+                    })
+                    .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for o in tier.occupancy() {
+        assert!(o.idle <= o.cache_slots, "{o:?}");
+        assert_eq!(o.leased, 0, "{o:?}");
+    }
+}

@@ -82,6 +82,14 @@ fn a_failing_file_fails_the_forward_pass_then_the_engine_recovers() {
     let text = err.to_string();
     assert!(text.contains(&victim.display().to_string()), "{text}");
     assert!(text.contains("layer") && text.contains("expert"), "{text}");
+    // The pass stopped at the first failure; reads it had already queued
+    // still run (and fail) on their own. Once they have settled, the fault
+    // is gone and the same engine computes the right logits.
+    let start = std::time::Instant::now();
+    while tier.occupancy().iter().any(|o| o.loading > 0) {
+        assert!(start.elapsed().as_secs() < 60, "reads never settled");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     faults.clear();
     assert!(logits_all(&engine, &r.tokens) == want);
 }
