@@ -78,6 +78,11 @@ use super::{TierError, TierSetup, UsageMode};
 /// experts alive than the staging area holds). Never a silent hang.
 const SLOT_WAIT_LIMIT: Duration = Duration::from_secs(120);
 
+/// A long-running process (a server) writes its usage history this often,
+/// on a short-lived thread of its own, so a crash or a kill loses at most
+/// this much learning; the history is also written when the tier drops.
+const USAGE_SAVE_INTERVAL: Duration = Duration::from_secs(600);
+
 /// The bytes of one resident expert: the slot and where each matrix is.
 struct SlotStorage {
     slot: Slot,
@@ -192,6 +197,8 @@ struct State {
     lists: IntrusiveLists,
     classes: Vec<ClassState>,
     usage: Option<UsageHistory>,
+    /// When the usage history was last written (or the tier opened).
+    usage_saved: Instant,
     /// Fetches waiting for a slot.
     slot_waiters: Vec<Sender<Msg>>,
 }
@@ -620,6 +627,7 @@ impl TierCache {
                 lists,
                 classes,
                 usage,
+                usage_saved: Instant::now(),
                 slot_waiters: Vec::new(),
             }),
             counters: Counters::default(),
@@ -928,10 +936,34 @@ impl ExpertSource for TierCache {
         }
         bump(&sh.counters.fetch_calls, 1);
         bump(&sh.counters.requests, ids.len() as u64);
-        {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let due = {
             let mut st = sh.lock();
-            if let Some(usage) = st.usage.as_mut() {
-                usage.record(layer, ids);
+            match st.usage.as_mut() {
+                Some(usage) => {
+                    usage.record(layer, ids);
+                    let due = st.usage_saved.elapsed() >= USAGE_SAVE_INTERVAL;
+                    if due {
+                        st.usage_saved = Instant::now();
+                    }
+                    due.then(|| st.usage.clone()).flatten()
+                }
+                None => None,
+            }
+        };
+        if let (Some(history), Some(dir)) = (due, self.usage_dir.clone()) {
+            // Off the decode path: the write and its fsync take milliseconds.
+            let spawned = std::thread::Builder::new()
+                .name("colibri-usage-save".into())
+                .spawn(move || {
+                    if let Err(error) = history.save(&dir) {
+                        tracing::warn!("{error}");
+                    }
+                });
+            if let Err(error) = spawned {
+                tracing::warn!("not saving the usage history now: {error}");
             }
         }
         let weak = Arc::downgrade(sh);
