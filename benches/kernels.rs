@@ -50,11 +50,21 @@ fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
 }
 
 fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) -> QMatrix {
-    let vals: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let vals: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let data = match format {
         WeightFormat::F32 => Bytes::from_f32(vals),
-        WeightFormat::Bf16 => Bytes::from_u16(vals.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()),
-        WeightFormat::F16 => Bytes::from_u16(vals.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()),
+        WeightFormat::Bf16 => Bytes::from_u16(
+            vals.iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+        ),
+        WeightFormat::F16 => Bytes::from_u16(
+            vals.iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect(),
+        ),
         WeightFormat::Q8_0 => Bytes::from_vec(quantize_q8_0(&vals).expect("cols % 32 == 0")),
         WeightFormat::Q4_0 => Bytes::from_vec(quantize_q4_0(&vals).expect("cols % 32 == 0")),
         other => panic!("bench does not build {other:?}"),
@@ -63,24 +73,42 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) ->
 }
 
 fn main() {
-    let threads = arg("--threads", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = arg(
+        "--threads",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    );
     let mib = arg("--mib", 256);
     let pool = Pool::new(threads).expect("pool");
     let bw = read_bandwidth(&pool, mib << 20);
     println!("kernels: {}, threads: {threads}", kernels().name);
     println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
-    println!("{:<6} {:>12} {:>6} {:>10} {:>10} {:>9}", "format", "shape", "batch", "ms/iter", "GB/s", "of read");
+    println!(
+        "{:<6} {:>12} {:>6} {:>10} {:>10} {:>9}",
+        "format", "shape", "batch", "ms/iter", "GB/s", "of read"
+    );
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let cols = 2048;
-    for format in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+    for format in [
+        WeightFormat::F32,
+        WeightFormat::Bf16,
+        WeightFormat::F16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+    ] {
         let row_bytes = format.row_bytes(cols).expect("row bytes");
         let rows = ((mib << 20) / row_bytes).max(64);
         let w = matrix(format, rows, cols, &mut rng);
         for batch in [1usize, 4] {
-            let x: Vec<f32> = (0..batch * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let x: Vec<f32> = (0..batch * cols)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
             let mut y = vec![0.0f32; batch * rows];
             let run = |y: &mut [f32]| {
-                if batch == 1 { matvec(&pool, &w, &x, y) } else { matmul(&pool, &w, &x, batch, y) }
+                if batch == 1 {
+                    matvec(&pool, &w, &x, y)
+                } else {
+                    matmul(&pool, &w, &x, batch, y)
+                }
             };
             run(&mut y);
             let iters = 5;

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use colibri_io::IoBackendChoice;
 use colibri_model::Tokenizer;
+use colibri_sched::tier::{ByteSize, TierOptions};
 use colibri_sched::{Engine, EngineOptions};
 
 #[derive(Args, Clone, Debug)]
@@ -20,6 +22,35 @@ pub struct ModelArgs {
     /// Context length cap (default: the model's max_position_embeddings).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
+    /// RAM for routed experts, pinned and cached: 8GiB, 512MiB, 1.5G (K/M/G/T
+    /// and KiB..TiB are powers of 1024, KB..TB of 1000) or bytes. 0 caches
+    /// nothing (experts are read for every use). Default: the lower of
+    /// MemAvailable and the cgroup memory limit, minus the dense weights, the
+    /// KV cache reserve, the staging slots and a safety margin (`colibri plan`
+    /// shows the result).
+    #[arg(long, value_name = "SIZE")]
+    pub ram_budget: Option<ByteSize>,
+    /// Part of the RAM budget for the hottest experts of the usage history,
+    /// loaded at start and never evicted. Default: a quarter of the RAM
+    /// budget when a usage history exists, else nothing.
+    #[arg(long, value_name = "SIZE")]
+    pub pin_budget: Option<ByteSize>,
+    /// How experts are read: io_uring, a pread thread pool, or io_uring with a
+    /// fallback to pread where the kernel refuses it.
+    #[arg(long, value_name = "auto|uring|pread", default_value = "auto")]
+    pub io: IoBackendChoice,
+}
+
+impl ModelArgs {
+    /// The expert tier's settings from these flags.
+    pub fn tier_options(&self) -> TierOptions {
+        TierOptions {
+            ram_budget: self.ram_budget.map(ByteSize::bytes),
+            pin_budget: self.pin_budget.map(ByteSize::bytes),
+            io: self.io,
+            ..TierOptions::default()
+        }
+    }
 }
 
 /// Where colibri keeps generated files (demo model, usage history).
@@ -67,6 +98,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
         &EngineOptions {
             threads: args.threads,
             ctx: args.ctx,
+            tier: args.tier_options(),
         },
     )
     .with_context(|| format!("loading model {}", path.display()))?;

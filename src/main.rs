@@ -3,8 +3,10 @@
 //! Results go to stdout (`--json` where a program reads them); logs go to
 //! stderr through `tracing` (`RUST_LOG=debug` for more).
 
+mod bench_io;
 mod common;
 mod perplexity;
+mod plan;
 mod run;
 mod serve;
 
@@ -29,6 +31,12 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Show where a model's weights will live at the given budgets and what
+    /// a decode token is expected to read from disk.
+    Plan(plan::PlanArgs),
+    /// Measure the disk path: raw reads of a file, or cold-cache decoding of
+    /// a model against the drive's raw bandwidth.
+    BenchIo(bench_io::BenchIoArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +53,8 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::main(a),
         Command::Perplexity(a) => perplexity::main(a),
         Command::Serve(a) => serve::main(a),
+        Command::Plan(a) => plan::main(a),
+        Command::BenchIo(a) => bench_io::main(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -4,9 +4,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The binary, with its cache (demo model, usage history) in a temporary
+/// directory rather than the user's home.
 fn bin() -> Command {
+    static CACHE: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(|| tempfile::tempdir().unwrap());
     let mut c = Command::new(env!("CARGO_BIN_EXE_colibri"));
-    c.env("RUST_LOG", "warn");
+    c.env("RUST_LOG", "warn")
+        .env("XDG_CACHE_HOME", cache.path());
     c
 }
 

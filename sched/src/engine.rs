@@ -3,10 +3,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use colibri_model::{ExpertSource, Model, ModelError, Pool, ResidentExperts, SeqInput};
+use colibri_model::{ExpertSource, Model, ModelError, Pool, SeqInput};
 
 use crate::counting::{CountingExperts, ExpertCounters};
 use crate::sequence::{Sequence, TokenEvent};
+use crate::tier::{TierCache, TierOptions};
 
 /// Prompt tokens fed per forward pass during prefill.
 pub const PREFILL_CHUNK: usize = 256;
@@ -17,6 +18,8 @@ pub struct EngineOptions {
     pub threads: usize,
     /// Context length cap; 0 = the model's `max_position_embeddings`.
     pub ctx: usize,
+    /// Where routed experts live: RAM and pin budgets, I/O backend.
+    pub tier: TierOptions,
 }
 
 pub struct Engine {
@@ -25,15 +28,21 @@ pub struct Engine {
     pub experts: Arc<dyn ExpertSource>,
     pub expert_counters: Arc<ExpertCounters>,
     pub pool: Arc<Pool>,
+    /// The RAM tier behind `experts`, when the model's experts stream from
+    /// disk (its plan, counters and read latencies).
+    pub tier: Option<Arc<TierCache>>,
     ctx: usize,
 }
 
 impl Engine {
-    /// Loads a Hugging Face checkpoint directory.
+    /// Loads a Hugging Face checkpoint directory; routed experts stream
+    /// from disk through the RAM tier within `opts.tier`'s budgets.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
-        let (model, ck) = Model::load(dir)?;
-        let experts = ResidentExperts::load(&model.spec, &ck)?;
-        Engine::new(model, Arc::new(experts), opts)
+        let (model, src) = Model::load(dir)?;
+        let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &opts.tier)?;
+        let mut engine = Engine::new(model, source.experts, opts)?;
+        engine.tier = source.tier;
+        Ok(engine)
     }
 
     pub fn new(
@@ -53,6 +62,7 @@ impl Engine {
             experts: Arc::new(counting),
             expert_counters,
             pool: Arc::new(Pool::new(opts.threads)?),
+            tier: None,
             ctx,
         })
     }

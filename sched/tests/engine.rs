@@ -43,7 +43,15 @@ fn greedy_req(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
 fn generate_reproduces_transformers_greedy_and_stops_at_max_tokens() {
     for name in ["qwen3_moe", "deepseek_v3"] {
         let r = reference(name);
-        let engine = Engine::load(&fixture(name), &EngineOptions { threads: 2, ctx: 0 }).unwrap();
+        let engine = Engine::load(
+            &fixture(name),
+            &EngineOptions {
+                threads: 2,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap();
         let want = ids(&r["greedy"]);
         let mut seq = Sequence::new(
             &engine.model,
@@ -70,7 +78,15 @@ fn generate_reproduces_transformers_greedy_and_stops_at_max_tokens() {
 fn resume_reuses_the_cache_of_previous_turns() {
     let name = "mixtral";
     let r = reference(name);
-    let engine = Engine::load(&fixture(name), &EngineOptions { threads: 2, ctx: 0 }).unwrap();
+    let engine = Engine::load(
+        &fixture(name),
+        &EngineOptions {
+            threads: 2,
+            ctx: 0,
+            tier: no_usage(),
+        },
+    )
+    .unwrap();
     let greedy = ids(&r["greedy"]);
     let prompt = ids(&r["prompt"]);
     // Turn 1: 10 tokens.
@@ -96,7 +112,15 @@ fn resume_reuses_the_cache_of_previous_turns() {
 fn batched_sequences_give_bit_identical_logits() {
     for name in ["qwen2_moe", "deepseek_v3_fp8", "olmoe"] {
         let r = reference(name);
-        let engine = Engine::load(&fixture(name), &EngineOptions { threads: 3, ctx: 0 }).unwrap();
+        let engine = Engine::load(
+            &fixture(name),
+            &EngineOptions {
+                threads: 3,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap();
         let toks = ids(&r["tokens"]);
         let spec = &engine.model.spec;
         let run = |batch: &mut [SeqInput<'_>]| {
@@ -162,7 +186,15 @@ fn thread_count_does_not_change_logits() {
     let name = "qwen3_moe";
     let toks = ids(&reference(name)["tokens"]);
     let logits = |threads| {
-        let engine = Engine::load(&fixture(name), &EngineOptions { threads, ctx: 0 }).unwrap();
+        let engine = Engine::load(
+            &fixture(name),
+            &EngineOptions {
+                threads,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap();
         let mut c = KvCache::new(&engine.model.spec, 256);
         engine
             .model
@@ -193,7 +225,15 @@ fn score_matches_transformers_nll_and_windows_past_the_context() {
         .iter()
         .map(|v| v.as_f64().unwrap())
         .collect();
-    let engine = Engine::load(&fixture(name), &EngineOptions { threads: 2, ctx: 0 }).unwrap();
+    let engine = Engine::load(
+        &fixture(name),
+        &EngineOptions {
+            threads: 2,
+            ctx: 0,
+            tier: no_usage(),
+        },
+    )
+    .unwrap();
     let rep = engine.score(&toks, |_, _| {}).unwrap();
     assert_eq!(rep.tokens_scored, toks.len() - 1);
     for (g, w) in rep.nll.iter().zip(&want) {
@@ -207,6 +247,7 @@ fn score_matches_transformers_nll_and_windows_past_the_context() {
         &EngineOptions {
             threads: 2,
             ctx: 16,
+            tier: no_usage(),
         },
     )
     .unwrap();
@@ -221,7 +262,15 @@ fn score_matches_transformers_nll_and_windows_past_the_context() {
 
 #[test]
 fn prompt_longer_than_the_context_is_rejected_with_numbers() {
-    let engine = Engine::load(&fixture("mixtral"), &EngineOptions { threads: 1, ctx: 8 }).unwrap();
+    let engine = Engine::load(
+        &fixture("mixtral"),
+        &EngineOptions {
+            threads: 1,
+            ctx: 8,
+            tier: no_usage(),
+        },
+    )
+    .unwrap();
     let err = Sequence::new(
         &engine.model,
         greedy_req((3..20).collect(), 4),
@@ -232,4 +281,12 @@ fn prompt_longer_than_the_context_is_rejected_with_numbers() {
     .unwrap()
     .to_string();
     assert!(err.contains("18") && err.contains('8'), "{err}");
+}
+
+/// Tests never write a usage history to the user's cache.
+fn no_usage() -> colibri_sched::tier::TierOptions {
+    colibri_sched::tier::TierOptions {
+        usage: colibri_sched::tier::UsageMode::Off,
+        ..Default::default()
+    }
 }

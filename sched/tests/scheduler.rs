@@ -71,7 +71,15 @@ fn prompts() -> Vec<Vec<u32>> {
 #[test]
 fn eight_concurrent_sequences_equal_their_single_runs_and_share_expert_fetches() {
     let engine = Arc::new(
-        Engine::load(&fixture("qwen3_moe"), &EngineOptions { threads: 2, ctx: 0 }).unwrap(),
+        Engine::load(
+            &fixture("qwen3_moe"),
+            &EngineOptions {
+                threads: 2,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap(),
     );
     // Alone, one after the other (greedy and seeded sampling).
     let mut alone = Vec::new();
@@ -132,8 +140,17 @@ fn eight_concurrent_sequences_equal_their_single_runs_and_share_expert_fetches()
 
 #[test]
 fn a_sink_that_goes_away_cancels_its_sequence() {
-    let engine =
-        Arc::new(Engine::load(&fixture("mixtral"), &EngineOptions { threads: 1, ctx: 0 }).unwrap());
+    let engine = Arc::new(
+        Engine::load(
+            &fixture("mixtral"),
+            &EngineOptions {
+                threads: 1,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap(),
+    );
     let sched = Scheduler::start(engine.clone(), SchedulerConfig::default());
     let count = Arc::new(Mutex::new(0usize));
     let c = count.clone();
@@ -182,8 +199,17 @@ fn a_sink_that_goes_away_cancels_its_sequence() {
 
 #[test]
 fn a_full_queue_refuses_new_requests() {
-    let engine =
-        Arc::new(Engine::load(&fixture("olmoe"), &EngineOptions { threads: 1, ctx: 0 }).unwrap());
+    let engine = Arc::new(
+        Engine::load(
+            &fixture("olmoe"),
+            &EngineOptions {
+                threads: 1,
+                ctx: 0,
+                tier: no_usage(),
+            },
+        )
+        .unwrap(),
+    );
     let sched = Scheduler::start(
         engine.clone(),
         SchedulerConfig {
@@ -205,4 +231,12 @@ fn a_full_queue_refuses_new_requests() {
     }
     assert_eq!(accepted, 2);
     assert_eq!(refused, 4);
+}
+
+/// Tests never write a usage history to the user's cache.
+fn no_usage() -> colibri_sched::tier::TierOptions {
+    colibri_sched::tier::TierOptions {
+        usage: colibri_sched::tier::UsageMode::Off,
+        ..Default::default()
+    }
 }

@@ -59,8 +59,18 @@ fn start(config: ServerConfig, ctx: usize) -> Live {
                 .map_err(|e| e.to_string())?;
             addr_tx.send(server.local_addr()).unwrap();
             let load = move || {
-                let engine = Engine::load(&model_dir, &EngineOptions { threads: 2, ctx })
-                    .map_err(|e| e.to_string())?;
+                let engine = Engine::load(
+                    &model_dir,
+                    &EngineOptions {
+                        threads: 2,
+                        ctx,
+                        tier: colibri_sched::tier::TierOptions {
+                            usage: colibri_sched::tier::UsageMode::Off,
+                            ..Default::default()
+                        },
+                    },
+                )
+                .map_err(|e| e.to_string())?;
                 let tokenizer = colibri_model::Tokenizer::from_dir(&model_dir)
                     .map_err(|e| e.to_string())?
                     .map(Arc::new);

@@ -261,7 +261,8 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
                 let mut out = vec![0.0f32; (r1 - r0) * n];
                 for r in r0..r1 {
                     for t in 0..n {
-                        out[t * (r1 - r0) + (r - r0)] = dot_row(k, w, r, &x[t * cols..(t + 1) * cols]);
+                        out[t * (r1 - r0) + (r - r0)] =
+                            dot_row(k, w, r, &x[t * cols..(t + 1) * cols]);
                     }
                 }
                 out

@@ -1,0 +1,208 @@
+//! What the tier did: hits, misses, joined reads, prefetch outcomes,
+//! evictions, bytes read, time spent waiting on reads, and the latency of
+//! each expert read (from submission to the bytes being usable).
+//!
+//! Counters are atomics bumped on the paths that already hold the cache
+//! lock or run on one thread, so reading them never stops the engine.
+//! Snapshots subtract ([`TierStats::since`]) so a benchmark can measure
+//! just its decode phase.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub fetch_calls: AtomicU64,
+    pub requests: AtomicU64,
+    pub hits: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub joined_demand: AtomicU64,
+    pub joined_prefetch: AtomicU64,
+    pub demand_reads: AtomicU64,
+    pub prefetch_reads: AtomicU64,
+    pub demand_read_bytes: AtomicU64,
+    pub prefetch_read_bytes: AtomicU64,
+    pub prefetch_unused: AtomicU64,
+    pub evictions: AtomicU64,
+    pub read_errors: AtomicU64,
+    pub slot_waits: AtomicU64,
+    pub fetch_ns: AtomicU64,
+    pub io_wait_ns: AtomicU64,
+}
+
+pub(crate) fn bump(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A copy of the tier's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TierStats {
+    /// `fetch` calls (one per MoE layer per forward pass).
+    pub fetch_calls: u64,
+    /// Experts asked for.
+    pub requests: u64,
+    /// Of which already in RAM (cached, pinned or prefetched and landed).
+    pub hits: u64,
+    /// Of the hits, experts a prefetch had brought in and not yet used.
+    pub prefetch_hits: u64,
+    /// Of the misses, joined to a demand read already in flight.
+    pub joined_demand: u64,
+    /// Of the misses, joined to a prefetch read already in flight.
+    pub joined_prefetch: u64,
+    /// Demand reads issued (one per expert).
+    pub demand_reads: u64,
+    /// Prefetch reads issued.
+    pub prefetch_reads: u64,
+    /// Aligned bytes of demand reads.
+    pub demand_read_bytes: u64,
+    /// Aligned bytes of prefetch reads.
+    pub prefetch_read_bytes: u64,
+    /// Prefetched experts evicted before any use.
+    pub prefetch_unused: u64,
+    /// Cached experts evicted.
+    pub evictions: u64,
+    /// Reads that failed.
+    pub read_errors: u64,
+    /// Times a fetch found no slot and waited for one.
+    pub slot_waits: u64,
+    /// Nanoseconds inside `fetch` (waiting + delivering, i.e. computing).
+    pub fetch_ns: u64,
+    /// Nanoseconds `fetch` was blocked waiting for reads or slots.
+    pub io_wait_ns: u64,
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> TierStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TierStats {
+            fetch_calls: g(&self.fetch_calls),
+            requests: g(&self.requests),
+            hits: g(&self.hits),
+            prefetch_hits: g(&self.prefetch_hits),
+            joined_demand: g(&self.joined_demand),
+            joined_prefetch: g(&self.joined_prefetch),
+            demand_reads: g(&self.demand_reads),
+            prefetch_reads: g(&self.prefetch_reads),
+            demand_read_bytes: g(&self.demand_read_bytes),
+            prefetch_read_bytes: g(&self.prefetch_read_bytes),
+            prefetch_unused: g(&self.prefetch_unused),
+            evictions: g(&self.evictions),
+            read_errors: g(&self.read_errors),
+            slot_waits: g(&self.slot_waits),
+            fetch_ns: g(&self.fetch_ns),
+            io_wait_ns: g(&self.io_wait_ns),
+        }
+    }
+}
+
+impl TierStats {
+    /// Counts accumulated since `earlier`.
+    pub fn since(&self, earlier: &TierStats) -> TierStats {
+        TierStats {
+            fetch_calls: self.fetch_calls - earlier.fetch_calls,
+            requests: self.requests - earlier.requests,
+            hits: self.hits - earlier.hits,
+            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
+            joined_demand: self.joined_demand - earlier.joined_demand,
+            joined_prefetch: self.joined_prefetch - earlier.joined_prefetch,
+            demand_reads: self.demand_reads - earlier.demand_reads,
+            prefetch_reads: self.prefetch_reads - earlier.prefetch_reads,
+            demand_read_bytes: self.demand_read_bytes - earlier.demand_read_bytes,
+            prefetch_read_bytes: self.prefetch_read_bytes - earlier.prefetch_read_bytes,
+            prefetch_unused: self.prefetch_unused - earlier.prefetch_unused,
+            evictions: self.evictions - earlier.evictions,
+            read_errors: self.read_errors - earlier.read_errors,
+            slot_waits: self.slot_waits - earlier.slot_waits,
+            fetch_ns: self.fetch_ns - earlier.fetch_ns,
+            io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
+        }
+    }
+
+    /// Share of requested experts that were in RAM.
+    pub fn hit_rate(&self) -> f64 {
+        if self.requests == 0 {
+            return 0.0;
+        }
+        self.hits as f64 / self.requests as f64
+    }
+
+    /// Aligned bytes read from disk (demand + prefetch).
+    pub fn read_bytes(&self) -> u64 {
+        self.demand_read_bytes + self.prefetch_read_bytes
+    }
+
+    /// Time `fetch` was blocked on I/O.
+    pub fn io_wait(&self) -> Duration {
+        Duration::from_nanos(self.io_wait_ns)
+    }
+}
+
+/// Read latency percentiles in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct LatencySummary {
+    pub reads: u64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+    pub mean_us: f64,
+}
+
+/// Latencies of expert reads, in nanoseconds (1 ns .. 1 h, 3 digits).
+#[derive(Debug)]
+pub(crate) struct ReadLatency {
+    histogram: Mutex<Option<Histogram<u64>>>,
+}
+
+impl ReadLatency {
+    pub(crate) fn new() -> Self {
+        ReadLatency {
+            histogram: Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000_000, 3).ok()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Histogram<u64>>> {
+        // A histogram is plain counters; a panic elsewhere cannot break it.
+        self.histogram
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn record(&self, elapsed: Duration) {
+        if let Some(h) = self.lock().as_mut() {
+            let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+            h.saturating_record(nanos.max(1));
+        }
+    }
+
+    /// Percentiles so far; `reset` starts a new measurement.
+    pub(crate) fn summary(&self, reset: bool) -> LatencySummary {
+        let mut guard = self.lock();
+        let Some(h) = guard.as_mut() else {
+            return LatencySummary::default();
+        };
+        let us = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        let summary = if h.is_empty() {
+            LatencySummary::default()
+        } else {
+            LatencySummary {
+                reads: h.len(),
+                p50_us: us(0.5),
+                p90_us: us(0.9),
+                p99_us: us(0.99),
+                p999_us: us(0.999),
+                max_us: h.max() as f64 / 1000.0,
+                mean_us: h.mean() / 1000.0,
+            }
+        };
+        if reset {
+            h.reset();
+        }
+        summary
+    }
+}

@@ -1,0 +1,16 @@
+//! The RAM tier against the fixtures: exactness across budgets, backends and
+//! thread counts; cache mechanics; faults; usage history; the planner.
+
+#[path = "tier/common.rs"]
+mod common;
+
+#[path = "tier/cache.rs"]
+mod cache;
+#[path = "tier/faults.rs"]
+mod faults;
+#[path = "tier/invariance.rs"]
+mod invariance;
+#[path = "tier/plan.rs"]
+mod plan;
+#[path = "tier/usage.rs"]
+mod usage;

@@ -1,0 +1,179 @@
+//! Principle 2: the tier never changes what is computed. Every fixture, at
+//! budgets from zero cached experts through partial to everything cached,
+//! with io_uring and pread, with 1 and 2 compute threads (and with a
+//! prefetching caller), gives bit-identical logits to the memory-mapped
+//! oracle and reproduces transformers' greedy continuation and NLL.
+
+use std::sync::Arc;
+
+use colibri_io::IoBackendChoice;
+use colibri_model::experts::ExpertWeights;
+use colibri_model::sampling::SamplingParams;
+use colibri_model::{ExpertSource, ModelError};
+use colibri_sched::tier::TierCache;
+use colibri_sched::{GenRequest, Sequence};
+
+use crate::common::*;
+
+const FIXTURES: [&str; 7] = [
+    "deepseek_v3_fp8",
+    "qwen3_moe_bf16_sharded",
+    "deepseek_v3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+];
+
+const NLL_REL_TOL: f64 = 1e-4;
+
+/// A caller that guesses the next MoE layer will want the same experts and
+/// prefetches them before fetching this layer's: exercises prefetch reads
+/// joined by demand, and prefetches nobody uses.
+struct SameIdsPrefetcher {
+    tier: Arc<TierCache>,
+    next_moe: Vec<Option<usize>>,
+}
+
+impl ExpertSource for SameIdsPrefetcher {
+    fn fetch(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        if let Some(Some(next)) = self.next_moe.get(layer) {
+            self.tier.prefetch(*next, ids);
+        }
+        self.tier.fetch(layer, ids, ready)
+    }
+}
+
+fn greedy(engine: &colibri_sched::Engine, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
+    let mut seq = Sequence::new(
+        &engine.model,
+        GenRequest {
+            prompt: prompt.to_vec(),
+            max_tokens: n,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            eos: eos.to_vec(),
+            ignore_eos: true,
+            top_logprobs: None,
+        },
+        4096,
+        None,
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    engine
+        .generate(&mut seq, |ev| {
+            got.push(ev.token);
+            true
+        })
+        .unwrap();
+    got
+}
+
+#[test]
+fn every_budget_backend_and_thread_count_gives_identical_logits() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let r = reference(&dir);
+        let want = logits_all(&resident_engine(&dir, 1), &r.tokens);
+        let (_, probe) = open_tier(&dir, options(0, IoBackendChoice::Auto));
+        let all = probe.plan().all_experts_bytes;
+        let routed = probe.plan().routed_experts;
+        drop(probe);
+        for budget in [0, all * 2 / 5, all, 1 << 40] {
+            for io in [IoBackendChoice::Uring, IoBackendChoice::Pread] {
+                for threads in [1, 2] {
+                    let what = format!("{name} budget {budget} of {all} {io} {threads} threads");
+                    let (model, tier) = open_tier(&dir, options(budget, io));
+                    let plan = tier.plan().clone();
+                    assert!(plan.committed_bytes() <= budget, "{what}");
+                    let engine = engine_with(model, tier.clone(), threads);
+                    let got = logits_all(&engine, &r.tokens);
+                    assert!(
+                        got == want,
+                        "{what}: logits differ from the resident oracle"
+                    );
+
+                    let tokens = greedy(&engine, &r.prompt, r.greedy.len(), &r.eos_masked);
+                    assert_eq!(tokens, r.greedy, "{what}: greedy continuation");
+
+                    let score = engine.score(&r.tokens, |_, _| {}).unwrap();
+                    for (i, (g, w)) in score.nll.iter().zip(&r.nll).enumerate() {
+                        assert!(
+                            (g - w).abs() / w.abs() < NLL_REL_TOL,
+                            "{what}: position {i}: nll {g} vs {w}"
+                        );
+                    }
+
+                    let stats = tier.stats();
+                    assert!(stats.requests > 0, "{what}");
+                    if budget == 0 {
+                        // Nothing is kept: every request is a read.
+                        assert_eq!(stats.hits, 0, "{what}");
+                        assert_eq!(stats.demand_reads, stats.requests, "{what}");
+                    }
+                    if budget >= all {
+                        // Everything is kept: each expert is read once.
+                        assert!(stats.demand_reads as usize <= routed, "{what}");
+                        assert_eq!(stats.evictions, 0, "{what}");
+                    }
+                    let occupancy = tier.occupancy();
+                    for (c, o) in occupancy.iter().enumerate() {
+                        assert!(o.idle <= o.cache_slots, "{what}: class {c}: {o:?}");
+                        assert_eq!(o.leased + o.loading, 0, "{what}: class {c}: {o:?}");
+                    }
+                    assert_eq!(tier.reader_counters().requests_failed, 0, "{what}");
+                    drop(engine);
+                }
+            }
+        }
+        eprintln!("{name}: identical at 4 budgets x 2 backends x 2 thread counts");
+    }
+}
+
+#[test]
+fn prefetching_callers_get_identical_logits() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let r = reference(&dir);
+        let want = logits_all(&resident_engine(&dir, 2), &r.tokens);
+        let (_, probe) = open_tier(&dir, options(0, IoBackendChoice::Auto));
+        let all = probe.plan().all_experts_bytes;
+        drop(probe);
+        for budget in [0, all / 3] {
+            let (model, tier) = open_tier(&dir, options(budget, IoBackendChoice::Auto));
+            let layers = model.spec.num_layers();
+            let moe: Vec<usize> = tier.layout().moe_layers().collect();
+            let next_moe = (0..layers)
+                .map(|l| moe.iter().copied().find(|&m| m > l))
+                .collect();
+            let source = Arc::new(SameIdsPrefetcher {
+                tier: tier.clone(),
+                next_moe,
+            });
+            let engine = engine_with(model, source, 2);
+            let got = logits_all(&engine, &r.tokens);
+            assert!(
+                got == want,
+                "{name} budget {budget}: prefetch changed the logits"
+            );
+            assert_eq!(
+                greedy(&engine, &r.prompt, r.greedy.len(), &r.eos_masked),
+                r.greedy,
+                "{name} budget {budget}"
+            );
+            let stats = tier.stats();
+            if moe.len() > 1 {
+                assert!(
+                    stats.prefetch_reads > 0,
+                    "{name} budget {budget}: {stats:?}"
+                );
+            }
+        }
+    }
+}
