@@ -22,6 +22,11 @@ pub struct ModelArgs {
     /// Context length cap (default: the model's max_position_embeddings).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
+    /// Q8_0/Q4_0 weights: dequantize exactly instead of quantizing each
+    /// matrix product's input to 8-bit blocks as llama.cpp does (the
+    /// default; faster, and a small approximation of the exact product).
+    #[arg(long)]
+    pub exact_quant: bool,
     /// RAM for routed experts, pinned and cached: 8GiB, 512MiB, 1.5G (K/M/G/T
     /// and KiB..TiB are powers of 1024, KB..TB of 1000) or bytes. 0 caches
     /// nothing (experts are read for every use). Default: the lower of
@@ -91,6 +96,7 @@ pub struct Loaded {
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    colibri_model::kernels::set_exact_quant(args.exact_quant);
     let (path, is_demo) = args.resolve()?;
     let t0 = std::time::Instant::now();
     let engine = Engine::load(

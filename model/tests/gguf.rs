@@ -267,12 +267,47 @@ fn quantized_twin(name: &str, family: &str) {
     let (tm, tf) = load_gguf(&twin).unwrap();
     let q_logits = all_logits(&qm, &GgufExperts::load(&qm.spec, &qf).unwrap(), &tokens);
     let t_logits = all_logits(&tm, &GgufExperts::load(&tm.spec, &tf).unwrap(), &tokens);
-    assert!(
-        bits(&q_logits) == bits(&t_logits),
-        "{name}: logits differ from the dequantized twin"
-    );
-    // The quantized model is still close to the original.
     let vocab = qm.spec.vocab_size;
+    if colibri_model::kernels::kernels().int_activations {
+        // Default kernels quantize each matrix product's input to 8-bit
+        // blocks (as llama.cpp does): close to the twin, not identical.
+        let mut worst = 0.0f64;
+        for i in 0..tokens.len() - 1 {
+            let a = nll(
+                &q_logits[i * vocab..(i + 1) * vocab],
+                tokens[i + 1] as usize,
+            );
+            let b = nll(
+                &t_logits[i * vocab..(i + 1) * vocab],
+                tokens[i + 1] as usize,
+            );
+            worst = worst.max((a - b).abs() / b.abs());
+        }
+        let mean_of = |l: &[f32]| -> f64 {
+            (0..tokens.len() - 1)
+                .map(|i| nll(&l[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize))
+                .sum::<f64>()
+                / (tokens.len() - 1) as f64
+        };
+        let mean_diff = (mean_of(&q_logits) - mean_of(&t_logits)).abs() / mean_of(&t_logits);
+        eprintln!(
+            "{name}: int8-activation NLL vs dequantized twin: worst rel diff {worst:.2e}, mean {mean_diff:.2e}"
+        );
+        assert!(
+            worst < INT_ACTIVATION_NLL_TOL,
+            "{name}: NLL {worst:.2e} from the dequantized twin"
+        );
+        assert!(
+            mean_diff < INT_ACTIVATION_MEAN_NLL_TOL,
+            "{name}: mean NLL {mean_diff:.2e} from the twin"
+        );
+    } else {
+        assert!(
+            bits(&q_logits) == bits(&t_logits),
+            "{name}: logits differ from the dequantized twin"
+        );
+    }
+    // The quantized model is still close to the original.
     let mean = |l: &[f32]| -> f64 {
         (0..tokens.len() - 1)
             .map(|i| nll(&l[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize))
@@ -286,10 +321,56 @@ fn quantized_twin(name: &str, family: &str) {
         .map(|x| x.as_f64().unwrap())
         .sum::<f64>()
         / (tokens.len() - 1) as f64;
+    let ref_nll: Vec<f64> = r["nll"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let worst_vs_ref = |l: &[f32]| {
+        (0..tokens.len() - 1)
+            .map(|i| {
+                (nll(&l[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize) - ref_nll[i]).abs()
+                    / ref_nll[i]
+            })
+            .fold(0.0f64, f64::max)
+    };
     eprintln!(
-        "{name}: mean NLL {:.4} (f32 transformers {want:.4})",
-        mean(&q_logits)
+        "{name}: mean NLL {:.4} (f32 transformers {want:.4}); worst per-position rel diff from f32: twin {:.2e}, quantized run {:.2e}",
+        mean(&q_logits),
+        worst_vs_ref(&t_logits),
+        worst_vs_ref(&q_logits)
     );
+}
+
+/// Per-position NLL distance allowed between a Q8_0/Q4_0 model run with
+/// 8-bit activations and its dequantized f32 twin. These random fixtures
+/// amplify any perturbation (weight quantization alone moves per-position
+/// NLL by up to 17% for Q8_0 and 86% for Q4_0 against float32); measured
+/// here: 4–14%.
+const INT_ACTIVATION_NLL_TOL: f64 = 0.2;
+/// And the mean NLL over the sequence (measured: < 1%).
+const INT_ACTIVATION_MEAN_NLL_TOL: f64 = 0.02;
+
+/// With `COLIBRI_EXACT_QUANT=1` the quantized models must be bit-identical
+/// to their twins: run the twin tests again in a child process so.
+#[test]
+fn exact_quant_kernels_make_quantized_models_bit_identical_to_twins() {
+    if std::env::var_os("COLIBRI_EXACT_QUANT").is_some() {
+        return; // this is the child
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("COLIBRI_EXACT_QUANT", "1")
+        .args(["dequantized_twin", "--test-threads", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("test result: ok. 5 passed"), "{text}");
 }
 
 #[test]

@@ -9,9 +9,12 @@
 //! SIMD is chosen once at run time; `scalar` holds the reference of every
 //! kernel.
 
+pub mod q8act;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
+
+pub use q8act::Q8Activation;
 
 use std::sync::OnceLock;
 
@@ -31,6 +34,12 @@ pub struct KernelSet {
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
     pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
     pub dot_q4_0: fn(&[u8], &[f32]) -> f32,
+    pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
+    pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// Matrix products over Q8_0/Q4_0 weights quantize their input to
+    /// 8-bit blocks and use the integer kernels (the default); false keeps
+    /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
+    pub int_activations: bool,
 }
 
 pub const SCALAR: KernelSet = KernelSet {
@@ -41,6 +50,9 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: scalar::dot_q8_0,
     dot_q4_0: scalar::dot_q4_0,
+    dot_q8_0_q8: q8act::dot_q8_0_q8,
+    dot_q4_0_q8: q8act::dot_q4_0_q8,
+    int_activations: true,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -68,6 +80,12 @@ mod avx2_wrappers {
     pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
         unsafe { super::x86::dot_q4_0(w, x) }
     }
+    pub fn dot_q8_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        unsafe { super::q8act::avx2::dot_q8_0_q8(w, x) }
+    }
+    pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        unsafe { super::q8act::avx2::dot_q4_0_q8(w, x) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -79,9 +97,31 @@ pub const AVX2: KernelSet = KernelSet {
     dot_fp8: avx2_wrappers::dot_fp8,
     dot_q8_0: avx2_wrappers::dot_q8_0,
     dot_q4_0: avx2_wrappers::dot_q4_0,
+    dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
+    dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
+    int_activations: true,
 };
 
+static EXACT_QUANT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes Q8_0/Q4_0 matrix products dequantize exactly instead of
+/// quantizing their input to 8-bit blocks (slower; bit-identical to the
+/// dequantized f32 model). Call before the first kernel runs (the CLI's
+/// `--exact-quant`); `COLIBRI_EXACT_QUANT=1` does the same.
+pub fn set_exact_quant(exact: bool) {
+    EXACT_QUANT.store(exact, std::sync::atomic::Ordering::SeqCst);
+}
+
 fn select() -> KernelSet {
+    let exact = EXACT_QUANT.load(std::sync::atomic::Ordering::SeqCst)
+        || std::env::var_os("COLIBRI_EXACT_QUANT").is_some_and(|v| v != "0");
+    KernelSet {
+        int_activations: !exact,
+        ..select_simd()
+    }
+}
+
+fn select_simd() -> KernelSet {
     if std::env::var_os("COLIBRI_SCALAR_KERNELS").is_some() {
         return SCALAR;
     }
@@ -220,17 +260,59 @@ impl Pool {
     }
 }
 
+/// A matrix product's input vector, prepared once for the weight format:
+/// as it is, or quantized to 8-bit blocks for Q8_0/Q4_0 weights.
+enum Input<'a> {
+    F32(&'a [f32]),
+    Q8(Q8Activation),
+}
+
+impl<'a> Input<'a> {
+    fn prepare(k: &KernelSet, w: &QMatrix, x: &'a [f32]) -> Input<'a> {
+        match w.format {
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 if k.int_activations => {
+                Input::Q8(Q8Activation::quantize(x))
+            }
+            _ => Input::F32(x),
+        }
+    }
+}
+
+/// Row `r` of `w` with a prepared input: the one place every matrix
+/// product's element is computed.
+#[inline]
+fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
+    match x {
+        Input::F32(x) => dot_row(k, w, r, x),
+        Input::Q8(a) => {
+            let bytes = w.data().as_slice();
+            let blocks = w.cols / QK;
+            match w.format {
+                WeightFormat::Q8_0 => {
+                    let rb = blocks * Q8_0_BLOCK_BYTES;
+                    (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
+                }
+                _ => {
+                    let rb = blocks * Q4_0_BLOCK_BYTES;
+                    (k.dot_q4_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
+                }
+            }
+        }
+    }
+}
+
 /// `y = W x` for one vector.
 pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols, "matvec input length");
     assert_eq!(y.len(), w.rows, "matvec output length");
     let k = kernels();
+    let input = Input::prepare(k, w, x);
     let chunk = pool.rows_per_task(w.rows);
     pool.install(|| {
         y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
             let r0 = ci * chunk;
             for (i, o) in ys.iter_mut().enumerate() {
-                *o = dot_row(k, w, r0 + i, x);
+                *o = dot_input(k, w, r0 + i, &input);
             }
         })
     });
@@ -248,6 +330,9 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
     let chunk = pool.rows_per_task(w.rows);
     let cols = w.cols;
     let rows = w.rows;
+    let inputs: Vec<Input<'_>> = (0..n)
+        .map(|t| Input::prepare(k, w, &x[t * cols..(t + 1) * cols]))
+        .collect();
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
     let blocks: Vec<Vec<f32>> = pool.install(|| {
@@ -260,9 +345,8 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
                 // read from memory once and reused from L1 for every token.
                 let mut out = vec![0.0f32; (r1 - r0) * n];
                 for r in r0..r1 {
-                    for t in 0..n {
-                        out[t * (r1 - r0) + (r - r0)] =
-                            dot_row(k, w, r, &x[t * cols..(t + 1) * cols]);
+                    for (t, input) in inputs.iter().enumerate() {
+                        out[t * (r1 - r0) + (r - r0)] = dot_input(k, w, r, input);
                     }
                 }
                 out

@@ -1,0 +1,313 @@
+//! Integer dot products of Q8_0/Q4_0 weight rows with activations quantized
+//! to 8-bit blocks, the way the fastest CPU engines run integer formats:
+//! the activation is quantized once per matrix product, and each 32-element
+//! block becomes one exact integer sum times two scales.
+//!
+//! The result is deterministic and the same on every CPU: the scalar
+//! reference here reproduces the vector kernels' arithmetic step by step —
+//! each block's products are summed exactly as integers into 8 lanes of 4
+//! elements (what `maddubs` + `madd` produce), each lane is accumulated
+//! with one fused multiply-add per block (`f32::mul_add`, as
+//! `_mm256_fmadd_ps`), and the 8 lanes are reduced in the vector kernels'
+//! order. So scalar and AVX2 agree bit for bit, which the tests check.
+//!
+//! Quantizing the activation is a (small) approximation of the exact
+//! dequantize-then-multiply product, as in llama.cpp; it applies only to
+//! Q8_0/Q4_0 weights, identically in every tier.
+
+use crate::format::f16_to_f32;
+use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
+
+/// An activation vector quantized to blocks of 32: `x[i] ≈ scales[i/32] ·
+/// quants[i]`.
+#[derive(Clone, Debug, Default)]
+pub struct Q8Activation {
+    pub scales: Vec<f32>,
+    pub quants: Vec<i8>,
+}
+
+impl Q8Activation {
+    /// Quantizes `x` (`len % 32 == 0`): per block `d = amax / 127`,
+    /// `q = round(x / d)` (half away from zero); `d` stays f32.
+    pub fn quantize(x: &[f32]) -> Q8Activation {
+        let mut a = Q8Activation::default();
+        a.quantize_from(x);
+        a
+    }
+
+    /// As [`Q8Activation::quantize`], reusing this value's buffers.
+    pub fn quantize_from(&mut self, x: &[f32]) {
+        debug_assert!(x.len().is_multiple_of(QK));
+        self.scales.clear();
+        self.quants.clear();
+        for block in x.chunks_exact(QK) {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            self.scales.push(d);
+            self.quants.extend(
+                block
+                    .iter()
+                    .map(|v| (v * id).round().clamp(-127.0, 127.0) as i8),
+            );
+        }
+    }
+}
+
+/// The reduction order of the vector kernels' horizontal sum.
+#[inline(always)]
+fn hsum8(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+#[inline(always)]
+fn accumulate(acc: &mut [f32; 8], d: f32, w: &[i8; QK], q: &[i8]) {
+    for (k, lane) in acc.iter_mut().enumerate() {
+        let s: i32 = (4 * k..4 * k + 4).map(|j| w[j] as i32 * q[j] as i32).sum();
+        *lane = d.mul_add(s as f32, *lane);
+    }
+}
+
+/// Scalar reference: a Q8_0 row (`n/32` blocks of 34 bytes) · activation.
+pub fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (b, blk) in w.chunks_exact(Q8_0_BLOCK_BYTES).enumerate() {
+        let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * x.scales[b];
+        let mut wq = [0i8; QK];
+        for (o, &v) in wq.iter_mut().zip(&blk[2..]) {
+            *o = v as i8;
+        }
+        accumulate(&mut acc, d, &wq, &x.quants[b * QK..(b + 1) * QK]);
+    }
+    hsum8(acc)
+}
+
+/// Scalar reference: a Q4_0 row (`n/32` blocks of 18 bytes) · activation.
+pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (b, blk) in w.chunks_exact(Q4_0_BLOCK_BYTES).enumerate() {
+        let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * x.scales[b];
+        let mut wq = [0i8; QK];
+        for (j, &v) in blk[2..].iter().enumerate() {
+            wq[j] = (v & 0x0f) as i8 - 8;
+            wq[j + QK / 2] = (v >> 4) as i8 - 8;
+        }
+        accumulate(&mut acc, d, &wq, &x.quants[b * QK..(b + 1) * QK]);
+    }
+    hsum8(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    //! # Safety
+    //! Every function requires AVX2 and FMA (checked by the caller with
+    //! `is_x86_feature_detected!`), `w.len() == blocks × block bytes` and an
+    //! activation of `blocks × 32` quants.
+
+    use std::arch::x86_64::*;
+
+    use super::Q8Activation;
+    use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: register arithmetic under the caller's avx guarantee.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    /// 8 exact i32 lane sums of 4 products each: `Σ w_j · q_j` for
+    /// `j ∈ 4k..4k+4`. |w|,|q| ≤ 128 keeps `maddubs` pairs below i16 limits.
+    #[inline(always)]
+    unsafe fn lane_sums(w: __m256i, q: __m256i) -> __m256i {
+        // SAFETY: register arithmetic under the caller's avx2 guarantee.
+        unsafe {
+            let aw = _mm256_sign_epi8(w, w);
+            let sq = _mm256_sign_epi8(q, w);
+            let pairs = _mm256_maddubs_epi16(aw, sq);
+            _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scale(blk: *const u8) -> f32 {
+        // SAFETY: the block's first two bytes are in bounds (caller).
+        unsafe { crate::format::f16_to_f32(u16::from_le_bytes([*blk, *blk.add(1)])) }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let blocks = w.len() / Q8_0_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        // SAFETY: block b reads w[34b..34b+34] and quants[32b..32b+32],
+        // in bounds for b < blocks (module docs).
+        unsafe {
+            for b in 0..blocks {
+                let blk = wp.add(b * Q8_0_BLOCK_BYTES);
+                let d = _mm256_set1_ps(scale(blk) * *x.scales.get_unchecked(b));
+                let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
+                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc);
+            }
+            hsum(acc)
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let blocks = w.len() / Q4_0_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let low = _mm_set1_epi8(0x0f);
+        let eight = _mm256_set1_epi8(8);
+        // SAFETY: block b reads w[18b..18b+18] and quants[32b..32b+32],
+        // in bounds for b < blocks (module docs).
+        unsafe {
+            for b in 0..blocks {
+                let blk = wp.add(b * Q4_0_BLOCK_BYTES);
+                let d = _mm256_set1_ps(scale(blk) * *x.scales.get_unchecked(b));
+                let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
+                // Elements 0..16 are the low nibbles, 16..32 the high ones.
+                let lo = _mm_and_si128(raw, low);
+                let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                let wq = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+                let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
+                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc);
+            }
+            hsum(acc)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0};
+    use rand::{Rng, SeedableRng};
+
+    fn data(rng: &mut impl Rng, n: usize, spread: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0) * spread)
+            .collect()
+    }
+
+    #[test]
+    fn activation_quantization_round_trips_within_half_a_step() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let x = data(&mut rng, 256, 3.0);
+        let a = Q8Activation::quantize(&x);
+        for (i, v) in x.iter().enumerate() {
+            let d = a.scales[i / QK];
+            assert!((a.quants[i] as f32 * d - v).abs() <= d * 0.5 + 1e-6);
+        }
+        let z = Q8Activation::quantize(&[0.0; 32]);
+        assert_eq!(z.scales, vec![0.0]);
+        assert!(z.quants.iter().all(|&q| q == 0));
+    }
+
+    #[test]
+    fn integer_dots_match_the_exact_product_within_the_activation_step() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        for &blocks in &[1usize, 2, 7, 64] {
+            let n = blocks * QK;
+            let w = data(&mut rng, n, 1.0);
+            let x = data(&mut rng, n, 2.0);
+            let a = Q8Activation::quantize(&x);
+            for (bytes, deq) in [
+                (quantize_q8_0(&w).unwrap(), {
+                    let mut d = vec![0.0; n];
+                    dequantize_q8_0(&quantize_q8_0(&w).unwrap(), &mut d);
+                    d
+                }),
+                (quantize_q4_0(&w).unwrap(), {
+                    let mut d = vec![0.0; n];
+                    dequantize_q4_0(&quantize_q4_0(&w).unwrap(), &mut d);
+                    d
+                }),
+            ] {
+                let got = if bytes.len() == blocks * Q8_0_BLOCK_BYTES {
+                    dot_q8_0_q8(&bytes, &a)
+                } else {
+                    dot_q4_0_q8(&bytes, &a)
+                };
+                // Against the exact product with the quantized activation
+                // (f64): only float rounding separates them.
+                let xq: Vec<f64> = a
+                    .quants
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &q)| q as f64 * a.scales[i / QK] as f64)
+                    .collect();
+                let exact_q: f64 = deq.iter().zip(&xq).map(|(w, x)| *w as f64 * x).sum();
+                let scale: f64 = deq
+                    .iter()
+                    .zip(&xq)
+                    .map(|(w, x)| (*w as f64 * x).abs())
+                    .sum();
+                assert!(
+                    (got as f64 - exact_q).abs() <= 1e-5 * scale.max(1e-9),
+                    "{got} vs {exact_q}"
+                );
+                // Against the unquantized activation: within half a step per element.
+                let exact: f64 = deq.iter().zip(&x).map(|(w, x)| *w as f64 * *x as f64).sum();
+                let bound: f64 = deq
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| w.abs() as f64 * a.scales[i / QK] as f64 * 0.5)
+                    .sum();
+                assert!(
+                    (got as f64 - exact).abs() <= bound * 1.01 + 1e-6,
+                    "{got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_equals_the_scalar_reference_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("SKIP: this CPU has no AVX2+FMA (probe: is_x86_feature_detected)");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        for &blocks in &[1usize, 3, 16, 65] {
+            let n = blocks * QK;
+            for spread in [0.01f32, 1.0, 300.0] {
+                let w = data(&mut rng, n, spread);
+                let x = data(&mut rng, n, spread);
+                let a = Q8Activation::quantize(&x);
+                let q8 = quantize_q8_0(&w).unwrap();
+                let q4 = quantize_q4_0(&w).unwrap();
+                // SAFETY: features checked above; lengths come from the quantizers.
+                let (v8, v4) = unsafe { (avx2::dot_q8_0_q8(&q8, &a), avx2::dot_q4_0_q8(&q4, &a)) };
+                assert_eq!(
+                    v8.to_bits(),
+                    dot_q8_0_q8(&q8, &a).to_bits(),
+                    "q8_0 {blocks} blocks"
+                );
+                assert_eq!(
+                    v4.to_bits(),
+                    dot_q4_0_q8(&q4, &a).to_bits(),
+                    "q4_0 {blocks} blocks"
+                );
+            }
+        }
+        // Extreme bytes (-128 in a Q8_0 row) stay exact.
+        let mut q8 = quantize_q8_0(&data(&mut rng, 64, 1.0)).unwrap();
+        q8[2] = 0x80;
+        let a = Q8Activation::quantize(&data(&mut rng, 64, 1.0));
+        // SAFETY: as above.
+        let v = unsafe { avx2::dot_q8_0_q8(&q8, &a) };
+        assert_eq!(v.to_bits(), dot_q8_0_q8(&q8, &a).to_bits());
+    }
+}
