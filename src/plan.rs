@@ -22,10 +22,16 @@ pub fn main(args: PlanArgs) -> Result<()> {
     let (path, _) = args.model.resolve()?;
     let report = plan_checkpoint(&path, args.model.ctx, &options)
         .with_context(|| format!("planning {}", path.display()))?;
+    // Where the threads would run (the engine makes the same choice).
+    let topo = colibri_io::topology::Topology::detect();
+    let placement = topo.placement(topo.drive_node(&path), args.model.threads);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        v["placement"] = serde_json::to_value(&placement)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", report.render());
+        println!("{}", placement.render());
     }
     Ok(())
 }

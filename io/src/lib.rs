@@ -68,6 +68,7 @@ mod files;
 mod pread;
 mod reader;
 mod request;
+pub mod topology;
 mod uring;
 
 pub use align::{

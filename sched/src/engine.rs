@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use colibri_model::{ExpertSource, Model, ModelError, Pool, SeqInput};
 
+use colibri_io::topology::{Placement, Topology, pin_current_thread};
+
 use crate::counting::{CountingExperts, ExpertCounters};
 use crate::sequence::{Sequence, TokenEvent};
 use crate::tier::{TierCache, TierOptions};
@@ -14,7 +16,8 @@ pub const PREFILL_CHUNK: usize = 256;
 
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
-    /// Compute threads; 0 = one per available core.
+    /// Compute threads; 0 = one per physical core (of the NUMA node that
+    /// holds the weights, on multi-node hosts).
     pub threads: usize,
     /// Context length cap; 0 = the model's `max_position_embeddings`.
     pub ctx: usize,
@@ -31,7 +34,37 @@ pub struct Engine {
     /// The RAM tier behind `experts`, when the model's experts stream from
     /// disk (its plan, counters and read latencies).
     pub tier: Option<Arc<TierCache>>,
+    /// Where the compute threads run.
+    pub placement: Placement,
     ctx: usize,
+}
+
+/// A compute pool placed on the machine: one thread per physical core near
+/// the weights' memory unless `threads` says otherwise, each pinned to its
+/// core where that helps (several NUMA nodes, or SMT siblings to avoid).
+fn placed_pool(threads: usize, drive: Option<&Path>) -> Result<(Pool, Placement), ModelError> {
+    let topo = Topology::detect();
+    let drive_node = drive.and_then(|p| topo.drive_node(p));
+    let placement = topo.placement(drive_node, threads);
+    let logical = topo.cpus.len();
+    let cpus = placement.compute_cpus.clone();
+    let pin = (placement.multi_node || cpus.len() < logical)
+        && std::env::var_os("COLIBRI_NO_PIN").is_none_or(|v| v == "0");
+    let n = if threads == 0 {
+        cpus.len().max(1)
+    } else {
+        threads
+    };
+    let setup: Option<Arc<dyn Fn(usize) + Send + Sync>> = if pin && !cpus.is_empty() {
+        Some(Arc::new(move |i: usize| {
+            if let Err(e) = pin_current_thread(&[cpus[i % cpus.len()]]) {
+                tracing::debug!("could not pin compute thread {i}: {e}");
+            }
+        }))
+    } else {
+        None
+    };
+    Ok((Pool::with_setup(n, setup)?, placement))
 }
 
 impl Engine {
@@ -40,7 +73,8 @@ impl Engine {
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
         let (model, src) = Model::load(dir)?;
         let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &opts.tier)?;
-        let mut engine = Engine::new(model, source.experts, opts)?;
+        let (pool, placement) = placed_pool(opts.threads, Some(dir))?;
+        let mut engine = Engine::with_pool(model, source.experts, opts, pool, placement);
         engine.tier = source.tier;
         Ok(engine)
     }
@@ -50,6 +84,17 @@ impl Engine {
         experts: Arc<dyn ExpertSource>,
         opts: &EngineOptions,
     ) -> Result<Engine, ModelError> {
+        let (pool, placement) = placed_pool(opts.threads, None)?;
+        Ok(Engine::with_pool(model, experts, opts, pool, placement))
+    }
+
+    fn with_pool(
+        model: Model,
+        experts: Arc<dyn ExpertSource>,
+        opts: &EngineOptions,
+        pool: Pool,
+        placement: Placement,
+    ) -> Engine {
         let max = model.spec.max_position_embeddings;
         let ctx = if opts.ctx == 0 {
             max
@@ -57,14 +102,15 @@ impl Engine {
             opts.ctx.min(max)
         };
         let (counting, expert_counters) = CountingExperts::new(experts);
-        Ok(Engine {
+        Engine {
             model: Arc::new(model),
             experts: Arc::new(counting),
             expert_counters,
-            pool: Arc::new(Pool::new(opts.threads)?),
+            pool: Arc::new(pool),
             tier: None,
+            placement,
             ctx,
-        })
+        }
     }
 
     /// Positions one sequence may hold.

@@ -239,9 +239,22 @@ pub struct Pool {
 impl Pool {
     /// A pool of `threads` workers (0 = one per available core).
     pub fn new(threads: usize) -> Result<Self, crate::ModelError> {
-        let inner = rayon::ThreadPoolBuilder::new()
+        Pool::with_setup(threads, None)
+    }
+
+    /// A pool whose worker `i` first runs `setup(i)` (to pin itself to a
+    /// core, say).
+    pub fn with_setup(
+        threads: usize,
+        setup: Option<std::sync::Arc<dyn Fn(usize) + Send + Sync>>,
+    ) -> Result<Self, crate::ModelError> {
+        let mut b = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("colibri-cpu-{i}"))
+            .thread_name(|i| format!("colibri-cpu-{i}"));
+        if let Some(f) = setup {
+            b = b.start_handler(move |i| f(i));
+        }
+        let inner = b
             .build()
             .map_err(|e| crate::ModelError::Invalid(format!("thread pool: {e}")))?;
         Ok(Pool { inner })
