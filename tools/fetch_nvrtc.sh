@@ -61,8 +61,8 @@ with zipfile.ZipFile(whl) as z:
     for name in z.namelist():
         base = os.path.basename(name)
         # Only the shared libraries are needed (headers are not: the
-        # kernels include none).
-        if base.startswith("libnvrtc") and ".so" in base:
+        # kernels include none), and not the ".alt" variants.
+        if base.startswith("libnvrtc") and ".so" in base and ".alt." not in base:
             with z.open(name) as src, open(os.path.join(lib, base), "wb") as dst:
                 shutil.copyfileobj(src, dst)
 PY

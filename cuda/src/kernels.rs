@@ -142,7 +142,19 @@ pub struct CompiledModule {
 
 /// Compiles one module for `arch` (no cache).
 pub fn compile_module(m: &ModuleSource, arch: Arch) -> Result<CompiledModule> {
-    let out = nvrtc::compile(m.name, &arch.sm(), m.source, HEADERS, &nvrtc_options(arch))?;
+    compile_module_with(m, arch, &[])
+}
+
+/// Like [`compile_module`] with extra NVRTC options (e.g.
+/// `--ptxas-options=-v` for the resource report of examples/kernel_report).
+pub fn compile_module_with(
+    m: &ModuleSource,
+    arch: Arch,
+    extra: &[String],
+) -> Result<CompiledModule> {
+    let mut options = nvrtc_options(arch);
+    options.extend_from_slice(extra);
+    let out = nvrtc::compile(m.name, &arch.sm(), m.source, HEADERS, &options)?;
     Ok(CompiledModule {
         name: m.name,
         arch,

@@ -270,14 +270,19 @@ fn moe_combine_matches_cpu_bits() {
     }
 }
 
-/// Logits spaced ≥ 0.05 apart (a shuffled grid plus a small jitter), so
-/// the ranking is never decided by rounding.
-fn spaced_logits(rng: &mut rand_chacha::ChaCha8Rng, rows: usize, e: usize) -> Vec<f32> {
+/// Logits on a shuffled grid of `step` plus a jitter of ±step/5, so no two
+/// candidates are within rounding of each other: the ranking is the
+/// function's, not the arithmetic's. (For the sigmoid router the grid stays
+/// where sigmoid is steep, so scores keep thousands of ulps apart.)
+fn spaced_logits(rng: &mut rand_chacha::ChaCha8Rng, rows: usize, e: usize, step: f32) -> Vec<f32> {
     let mut out = Vec::with_capacity(rows * e);
     for _ in 0..rows {
-        let mut grid: Vec<f32> = (0..e).map(|i| i as f32 * 0.1 - e as f32 * 0.05).collect();
+        let mut grid: Vec<f32> = (0..e).map(|i| (i as f32 - e as f32 / 2.0) * step).collect();
         grid.shuffle(rng);
-        out.extend(grid.iter().map(|v| v + rng.random_range(-0.02f32..0.02)));
+        out.extend(
+            grid.iter()
+                .map(|v| v + rng.random_range(-step / 5.0..step / 5.0)),
+        );
     }
     out
 }
@@ -299,7 +304,7 @@ fn router_softmax_topk_matches_f64() {
         (3, 1000, 8, false),
         (2, 60, 4, true),
     ] {
-        let logits = spaced_logits(&mut rng, rows, e);
+        let logits = spaced_logits(&mut rng, rows, e, 0.1);
         let lb = upload(&logits);
         let mut idx = g.dev.alloc::<u32>(rows * k).unwrap();
         let mut w = poisoned(rows * k);
@@ -349,11 +354,8 @@ fn router_sigmoid_grouped_matches_f64() {
         (5usize, 256usize, 8usize, 4usize, 8usize, true),
         (3, 96, 6, 3, 6, false),
     ] {
-        let logits = spaced_logits(&mut rng, rows, e);
-        // Bias in steps of 1/1024 that keep choices apart as well.
-        let bias: Vec<f32> = (0..e)
-            .map(|_| rng.random_range(-8i32..8) as f32 / 1024.0)
-            .collect();
+        let logits = spaced_logits(&mut rng, rows, e, 0.02);
+        let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.01f32..0.01)).collect();
         let scaling = 2.5f32;
         let (lb, bb) = (upload(&logits), upload(&bias));
         let mut idx = g.dev.alloc::<u32>(rows * k).unwrap();
