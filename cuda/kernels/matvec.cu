@@ -167,10 +167,12 @@ template <> struct Group<FMT_F8E4M3> {
     }
 };
 
-// 2^23 + v for a small non-negative integer v, so that subtracting a
-// constant gives v - c exactly with one add instead of an int-to-float
-// conversion.
-__device__ __forceinline__ float magic_u8(u32 v) { return __uint_as_float(0x4b000000u | v); }
+// Byte k of `v` as the f32 2^23 + byte (PRMT puts the byte under the
+// exponent 0x4b), so subtracting a constant gives byte − c exactly with
+// one add instead of an int-to-float conversion.
+__device__ __forceinline__ float magic_byte(u32 v, int k) {
+    return __uint_as_float(__byte_perm(v, 0x4b000000u, 0x7650u + k));
+}
 
 // ggml Q8_0: f16 d, 32 × i8 (34 bytes, 2-byte aligned). Element = d · q (exact).
 template <> struct Group<FMT_Q8_0> {
@@ -193,11 +195,11 @@ template <> struct Group<FMT_Q8_0> {
         d = 0.0f;
     }
     __device__ __forceinline__ float el(u32 v, int k) const {
-        // (byte ^ 0x80) - 128 is the signed byte.
-        return __fmul_rn(d, magic_u8(((v >> (8 * k)) & 0xffu) ^ 0x80u) - 8388736.0f);
+        // v holds the bytes ^ 0x80; (byte ^ 0x80) − 128 is the signed byte.
+        return __fmul_rn(d, magic_byte(v, k) - 8388736.0f);
     }
     __device__ __forceinline__ float4 get4(int sub) const {
-        const u32 v = q[sub];
+        const u32 v = q[sub] ^ 0x80808080u;
         return make_float4(el(v, 0), el(v, 1), el(v, 2), el(v, 3));
     }
 };
@@ -224,13 +226,14 @@ template <> struct Group<FMT_Q4_0> {
         for (int i = 0; i < 4; ++i) q[i] = 0x88888888u;
         d = 0.0f;
     }
-    __device__ __forceinline__ float el(u32 nib) const {
-        return __fmul_rn(d, magic_u8(nib) - 8388616.0f);
+    __device__ __forceinline__ float el(u32 v, int k) const {
+        return __fmul_rn(d, magic_byte(v, k) - 8388616.0f);
     }
     __device__ __forceinline__ float4 get4(int sub) const {
-        // sub 0..3: low nibbles of word sub; sub 4..7: high nibbles of word sub - 4.
-        const u32 v = q[sub & 3] >> (sub < 4 ? 0 : 4);
-        return make_float4(el(v & 15u), el((v >> 8) & 15u), el((v >> 16) & 15u), el((v >> 24) & 15u));
+        // sub 0..3: low nibbles of word sub; sub 4..7: high nibbles of word
+        // sub - 4. One mask leaves the four nibbles as four bytes.
+        const u32 v = (q[sub & 3] >> (sub < 4 ? 0 : 4)) & 0x0f0f0f0fu;
+        return make_float4(el(v, 0), el(v, 1), el(v, 2), el(v, 3));
     }
 };
 

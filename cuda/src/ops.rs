@@ -1140,3 +1140,40 @@ fn check_router(
     need(k_name, "weights", out, weights.len())?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_bytes_follow_the_formats() {
+        assert_eq!(WeightFormat::F32.row_bytes(7), Some(28));
+        assert_eq!(WeightFormat::Bf16.row_bytes(7), Some(14));
+        assert_eq!(WeightFormat::F8E4M3.row_bytes(7), Some(7));
+        assert_eq!(WeightFormat::Q8_0.row_bytes(64), Some(68));
+        assert_eq!(WeightFormat::Q4_0.row_bytes(64), Some(36));
+        assert_eq!(WeightFormat::Q4_0.row_bytes(48), None);
+        assert_eq!(WeightFormat::F32.row_bytes(usize::MAX), None);
+    }
+
+    #[test]
+    fn four_byte_arguments_sit_in_the_low_half() {
+        let mut a = Args::new();
+        a.u32(7).f32(1.5).u64(u64::MAX).ptr(0x1000);
+        assert_eq!(a.n, 4);
+        // What the driver reads for a 4-byte parameter: the first 4 bytes.
+        let first4 = |s: u64| u32::from_le_bytes(s.to_le_bytes()[..4].try_into().unwrap());
+        assert_eq!(first4(a.slots[0]), 7);
+        assert_eq!(f32::from_bits(first4(a.slots[1])), 1.5);
+        assert_eq!(a.slots[2], u64::MAX);
+    }
+
+    #[test]
+    fn sizes_overflow_into_errors_not_wraps() {
+        assert!(span("t", &[(usize::MAX, 2)], 0).is_err());
+        assert!(span("t", &[(3, 4), (5, 6)], 7).is_ok_and(|v| v == 49));
+        assert!(grid("t", 1, 65536, 1).is_err());
+        assert!(grid("t", 0, 1, 1).is_err());
+        assert!(u32_arg("t", "x", 1 << 32).is_err());
+    }
+}
