@@ -47,7 +47,7 @@ __device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
 // and m·2^−9, the e4m3 values. (NVRTC keeps f32 subnormals: no -ftz.)
 // Checked against the CPU tier's decoder for all 256 codes.
 __device__ __forceinline__ float fp8e4m3_to_f32(u32 b) {
-    const float v = __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24)) * 1.329227995784916e36f;
+    const float v = __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24)) * __int_as_float(0x7b800000);  // 2^120
     return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : v;
 }
 
