@@ -108,18 +108,17 @@ else
     log "  tools/gpu_check.sh --bundle $bundle"
     exit 2
   fi
-  for t in unit unavailable compile gpu_matvec gpu_ops; do
-    if [[ -x "$bundle/$t" ]]; then
-      step "test $t" "$bundle/$t" --include-ignored --test-threads=1
+  # GPU numerics first, then the bench, then the compile test (which CI
+  # also runs; here it checks the machine's own NVRTC for all four archs).
+  for t in unit unavailable gpu_matvec gpu_ops bench_kernels compile; do
+    if [[ ! -x "$bundle/$t" ]]; then
+      failed+=("$t (missing from $bundle)")
+    elif [[ "$t" == bench_kernels ]]; then
+      step "bench" "$bundle/$t"
     else
-      failed+=("test $t (missing from $bundle)")
+      step "test $t" "$bundle/$t" --include-ignored --test-threads=1
     fi
   done
-  if [[ -x "$bundle/bench_kernels" ]]; then
-    step "bench" "$bundle/bench_kernels"
-  else
-    failed+=("bench (missing from $bundle)")
-  fi
 fi
 
 log ""

@@ -600,6 +600,9 @@ impl KernelSet {
         if heads > 1 && head_stride < offset + rd {
             return Err(CudaError::invalid(K, "heads overlap"));
         }
+        if ntok > 1 && tok_stride < span(K, &[(heads - 1, head_stride)], offset + rd)? {
+            return Err(CudaError::invalid(K, "tokens overlap"));
+        }
         need(
             K,
             "x",
