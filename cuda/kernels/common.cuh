@@ -1,0 +1,130 @@
+// common.cuh: helpers shared by every colibri kernel.
+//
+// The kernels include no system or CUDA header: NVRTC compiles them with
+// nothing but its built-ins, so CI needs only libnvrtc (no toolkit) and the
+// conversions below are written out exactly instead of taken from
+// cuda_fp16.h / cuda_bf16.h.
+//
+// Determinism: every reduction here has a fixed shape (a butterfly over the
+// 32 lanes of a warp, then warps combined in index order), so a value
+// depends only on the inputs and the block size, which each kernel fixes at
+// compile time.
+#pragma once
+
+#define FULL_MASK 0xffffffffu
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Weight formats; the numbers are part of the ABI with cuda/src/ops.rs.
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_F8E4M3 3
+#define FMT_Q8_0 4
+#define FMT_Q4_0 5
+
+__device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
+
+// bf16 is the top half of an f32: exact.
+__device__ __forceinline__ float bf16_bits_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
+
+// f16 to f32 through the hardware conversion: exact (every f16 is an f32).
+__device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
+    float f;
+    unsigned short h = (unsigned short)bits;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// FP8 e4m3fn (bias 7, no infinities, S.1111.111 is NaN) to f32, exactly,
+// without a table (no lane waits on a divergent constant-memory read): the
+// 7 magnitude bits placed at the top of an f32's exponent/mantissa give
+// (1 + m/8)·2^(e − 127) for e ≥ 1 and the f32 subnormal (m/8)·2^−126 for
+// e = 0, so one exact multiplication by 2^120 yields (1 + m/8)·2^(e − 7)
+// and m·2^−9, the e4m3 values. (NVRTC keeps f32 subnormals: no -ftz.)
+// Checked against the CPU tier's decoder for all 256 codes.
+__device__ __forceinline__ float fp8e4m3_to_f32(u32 b) {
+    const float v = __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24)) * __int_as_float(0x7b800000);  // 2^120
+    return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : v;
+}
+
+// Sum over the 32 lanes of a warp: a fixed butterfly, every lane ends with
+// the same bits (each step adds two equal-shaped partial sums, and float
+// addition is commutative).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide sum for a block of NWARPS warps: warp butterflies, then warp 0
+// adds the warp sums in index order. `scratch` holds NWARPS floats. Every
+// thread returns the same value.
+template <int NWARPS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float s = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) s += scratch[w];
+    return s;
+}
+
+template <int NWARPS>
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double s = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) s += scratch[w];
+    return s;
+}
+
+template <int NWARPS>
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) m = fmaxf(m, scratch[w]);
+    return m;
+}
+
+// The order of Rust's f32::total_cmp as a signed integer key: larger key,
+// larger value (NaNs at the ends, -0 < +0), so top-k selection here orders
+// exactly as the CPU tier's `ops::top_k`.
+__device__ __forceinline__ int total_order_key(float v) {
+    int b = __float_as_int(v);
+    return b ^ (int)(((u32)(b >> 31)) >> 1);
+}
+
+// Sigmoid and SiLU as the CPU tier writes them (`1 / (1 + exp(-x))`,
+// `x * sigmoid(x)`), every step rounded on its own (no contraction).
+__device__ __forceinline__ float sigmoid_f32(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+}
+__device__ __forceinline__ float silu_f32(float x) { return __fmul_rn(x, sigmoid_f32(x)); }

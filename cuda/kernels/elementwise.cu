@@ -1,0 +1,123 @@
+// elementwise.cu: RMSNorm, rotary embeddings, SwiGLU and the MoE output
+// combine. Each output element is computed by one thread with the CPU
+// tier's own sequence of f32 operations (intrinsics with explicit rounding,
+// so nothing is fused into an FMA behind our back); only RMSNorm has a
+// reduction, and it is fixed by the row length alone.
+#include "common.cuh"
+
+#define RN_THREADS 256
+#define RN_WARPS (RN_THREADS / 32)
+
+// y[row] = w * (x[row] * rsqrt(mean(x[row]²) + eps)) for `rows` rows of `n`
+// values (one block per row; x and y may be the same buffer). The sum of
+// squares is taken in f64 as the CPU tier does (each square is exact in
+// f64), in a fixed order: thread i sums elements i, i + 256, ... and the
+// partial sums meet in a fixed tree.
+extern "C" __global__ void __launch_bounds__(RN_THREADS)
+    rms_norm(const float* x, u32 x_stride, const float* __restrict__ w, float* y, u32 y_stride,
+             u32 n, float eps) {
+    __shared__ double scratch[RN_WARPS];
+    const u64 row = blockIdx.x;
+    const float* xr = x + row * x_stride;
+    float* yr = y + row * y_stride;
+    double ss = 0.0;
+    for (u32 i = threadIdx.x; i < n; i += RN_THREADS) {
+        const double v = (double)xr[i];
+        ss += v * v;
+    }
+    const double total = block_sum_f64<RN_WARPS>(ss, scratch);
+    const float var = (float)(total / (double)n);
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    for (u32 i = threadIdx.x; i < n; i += RN_THREADS) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], r));
+}
+
+#define RP_THREADS 64
+#define RP_MAX_DIM 1024
+
+// Rotates dims [offset, offset + rot_dim) of every head in place; one block
+// per (head, token). cos/sin are host-computed tables of `half = rot_dim/2`
+// columns per position (YaRN's attention factor already applied), and
+// pos[token] picks the row. Halves layout: pair j is (x[j], x[j + half]).
+// Interleaved (DeepSeek): pair j is (x[2j], x[2j + 1]) and the result is
+// written de-interleaved, rotated evens first, as transformers does.
+extern "C" __global__ void __launch_bounds__(RP_THREADS)
+    rope(float* x, u32 tok_stride, u32 head_stride, u32 offset, u32 rot_dim,
+         const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+         const u32* __restrict__ pos, u32 table_rows, u32 interleaved) {
+    __shared__ float tmp[RP_MAX_DIM];
+    const u32 head = blockIdx.x, tok = blockIdx.y;
+    const u32 p = pos[tok];
+    float* h = x + (u64)tok * tok_stride + (u64)head * head_stride + offset;
+    const u32 half = rot_dim / 2;
+    // Positions live on the device, out of the host's sight: one past the
+    // table turns the head's rotary dims into NaN (loudly wrong) instead of
+    // reading outside the table.
+    if (p >= table_rows) {
+        for (u32 i = threadIdx.x; i < rot_dim; i += RP_THREADS) h[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    for (u32 i = threadIdx.x; i < rot_dim; i += RP_THREADS) tmp[i] = h[i];
+    __syncthreads();
+    const float* c = cos_t + (u64)p * half;
+    const float* s = sin_t + (u64)p * half;
+    for (u32 j = threadIdx.x; j < half; j += RP_THREADS) {
+        const float a = interleaved ? tmp[2 * j] : tmp[j];
+        const float b = interleaved ? tmp[2 * j + 1] : tmp[j + half];
+        h[j] = __fsub_rn(__fmul_rn(a, c[j]), __fmul_rn(b, s[j]));
+        h[j + half] = __fadd_rn(__fmul_rn(b, c[j]), __fmul_rn(a, s[j]));
+    }
+}
+
+#define EW_THREADS 256
+
+// out[t][i] = silu(gate[t][i]) * up[t][i]; grid = (ceil(cols / 256), rows).
+// out may be gate or up.
+extern "C" __global__ void __launch_bounds__(EW_THREADS)
+    swiglu(const float* gate, u32 g_stride, const float* up, u32 u_stride, float* out,
+           u32 o_stride, u32 cols) {
+    const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
+    const u64 t = blockIdx.y;
+    if (i >= cols) return;
+    out[t * o_stride + i] = __fmul_rn(silu_f32(gate[t * g_stride + i]), up[t * u_stride + i]);
+}
+
+#define CB_MAX_K 64
+
+// The MoE block's output for `rows` rows: the k expert outputs of each row
+// (slot_out[row][slot][hidden]) weighted and summed in ascending expert id
+// (ties by slot), then the shared expert added, gated by sigmoid of its
+// logit when `shared_gate` is given: the CPU tier's order, step for step.
+// grid = (ceil(hidden / 256), rows). `shared` and `shared_gate` may be null.
+extern "C" __global__ void __launch_bounds__(EW_THREADS)
+    moe_combine(const float* __restrict__ slot_out, const u32* __restrict__ experts,
+                const float* __restrict__ weights, const float* __restrict__ shared,
+                const float* __restrict__ shared_gate, float* __restrict__ out, u32 k,
+                u32 hidden) {
+    __shared__ u32 order[CB_MAX_K];
+    const u64 row = blockIdx.y;
+    if (threadIdx.x == 0) {
+        // Stable insertion sort of the slots by expert id (k is small).
+        for (u32 s = 0; s < k; ++s) {
+            const u32 e = experts[row * k + s];
+            u32 j = s;
+            while (j > 0 && experts[row * k + order[j - 1]] > e) {
+                order[j] = order[j - 1];
+                --j;
+            }
+            order[j] = s;
+        }
+    }
+    __syncthreads();
+    const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
+    if (i >= hidden) return;
+    float acc = 0.0f;
+    for (u32 j = 0; j < k; ++j) {
+        const u32 s = order[j];
+        acc = __fadd_rn(acc, __fmul_rn(slot_out[(row * k + s) * hidden + i], weights[row * k + s]));
+    }
+    if (shared != nullptr) {
+        const float sv = shared[row * hidden + i];
+        acc = __fadd_rn(acc, shared_gate != nullptr ? __fmul_rn(sigmoid_f32(shared_gate[row]), sv) : sv);
+    }
+    out[row * hidden + i] = acc;
+}

@@ -1,0 +1,357 @@
+// matvec.cu: y[t][r] = dot(W[r], x[t]) for every weight format, for up to a
+// few tokens per pass (decode and small batches), over one matrix or a
+// strided group of matrices (grid.z: the experts of a staging ring or of a
+// VRAM expert cache, each applied to its own tokens).
+//
+// The reduction order of one output element is fixed by `cols` alone:
+//
+//   * columns are cut into groups of 32 (ggml's block size; the last group
+//     of an f32/f16/bf16/fp8 row may be partial);
+//   * lane l of the warp that owns the row sums the groups g ≡ l (mod 32)
+//     in increasing order, each group's elements in increasing order, one
+//     fmaf per element on the element's exact f32 value;
+//   * the 32 lane sums are added by a fixed butterfly.
+//
+// So the result does not depend on the format the weights are stored in
+// (a q4_0 row gives bit for bit what its dequantized f32 row gives), nor on
+// how many tokens share the launch, nor on where the matrix lies in memory
+// (alignment only picks wider loads, never another order), nor on how many
+// matrices are in the group.
+//
+// Launch: block = MV_THREADS (8 warps), each warp owns MV_ROWS_PER_WARP
+// consecutive rows; grid = (ceil(rows / MV_ROWS_PER_BLOCK),
+// ceil(ntok / NT), matrices). The tokens of a pass are staged in shared
+// memory a tile of MV_TILE columns at a time, padded by 4 floats every 32 so
+// the lanes' float4 reads hit distinct banks.
+//
+// Memory contract: a weight buffer must be readable up to the next 4-byte
+// boundary past its last row (colibri-cuda pads every allocation to 16
+// bytes): misaligned q8_0/q4_0/fp8 groups are read as whole aligned words.
+#include "common.cuh"
+
+#define MV_WARPS 8
+#define MV_THREADS (MV_WARPS * 32)
+#define MV_ROWS_PER_WARP 4
+#define MV_ROWS_PER_BLOCK (MV_WARPS * MV_ROWS_PER_WARP)
+#define MV_TILE 1024
+#define MV_XS_STRIDE (MV_TILE + MV_TILE / 8)
+
+template <int FMT> struct Group;
+
+// f32: 32 floats (128 bytes).
+template <> struct Group<FMT_F32> {
+    const float* p;
+    u32 valid;
+    bool vec;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32 valid_, float) {
+        p = (const float*)row + (u64)g * 32;
+        valid = valid_;
+        vec = valid == 32 && (((u64)p & 15) == 0);
+    }
+    __device__ __forceinline__ void zero() { p = nullptr; valid = 0; vec = false; }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        if (vec) return __ldg((const float4*)p + sub);
+        const u32 e = sub * 4;
+        float4 r;
+        r.x = e + 0 < valid ? __ldg(p + e + 0) : 0.0f;
+        r.y = e + 1 < valid ? __ldg(p + e + 1) : 0.0f;
+        r.z = e + 2 < valid ? __ldg(p + e + 2) : 0.0f;
+        r.w = e + 3 < valid ? __ldg(p + e + 3) : 0.0f;
+        return r;
+    }
+};
+
+// f16 and bf16: 32 halves (64 bytes); `BF` picks the widening.
+template <bool BF> struct GroupHalf {
+    const u16* p;
+    u32 valid;
+    int mode;  // 0: 8-byte aligned, 1: 4-byte aligned, 2: 2-byte aligned or partial
+    __device__ __forceinline__ static float widen(u32 bits) {
+        return BF ? bf16_bits_to_f32(bits & 0xffffu) : f16_bits_to_f32(bits & 0xffffu);
+    }
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32 valid_, float) {
+        p = (const u16*)row + (u64)g * 32;
+        valid = valid_;
+        const u64 a = (u64)p;
+        mode = valid != 32 ? 2 : (a & 7) == 0 ? 0 : (a & 3) == 0 ? 1 : 2;
+    }
+    __device__ __forceinline__ void zero() { p = nullptr; valid = 0; mode = 2; }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const u32 e = sub * 4;
+        u32 lo, hi;
+        if (mode == 0) {
+            uint2 v = __ldg((const uint2*)(p + e));
+            lo = v.x;
+            hi = v.y;
+        } else if (mode == 1) {
+            lo = __ldg((const u32*)(p + e));
+            hi = __ldg((const u32*)(p + e + 2));
+        } else {
+            u32 h0 = e + 0 < valid ? __ldg(p + e + 0) : 0u;
+            u32 h1 = e + 1 < valid ? __ldg(p + e + 1) : 0u;
+            u32 h2 = e + 2 < valid ? __ldg(p + e + 2) : 0u;
+            u32 h3 = e + 3 < valid ? __ldg(p + e + 3) : 0u;
+            lo = h0 | (h1 << 16);
+            hi = h2 | (h3 << 16);
+        }
+        return make_float4(widen(lo), widen(lo >> 16), widen(hi), widen(hi >> 16));
+    }
+};
+template <> struct Group<FMT_F16> : GroupHalf<false> {};
+template <> struct Group<FMT_BF16> : GroupHalf<true> {};
+
+// Reads the `nwords` aligned words that hold bytes [p, p + nbytes) and
+// returns them realigned so that word i holds bytes p + 4i .. p + 4i + 3.
+template <int NW>
+__device__ __forceinline__ void load_realigned(const u8* p, u32 (&q)[NW], u32 nbytes) {
+    const u32 s = (u32)((u64)p & 3);
+    const u32* a = (const u32*)(p - s);
+    if (s == 0) {
+#pragma unroll
+        for (int i = 0; i < NW; ++i) q[i] = __ldg(a + i);
+    } else {
+        // NW + 1 words cover [p, p + 4 NW) when p is not aligned; the last
+        // one ends at most 3 bytes past p + nbytes rounded up to 4.
+        u32 w[NW + 1];
+#pragma unroll
+        for (int i = 0; i < NW + 1; ++i) w[i] = __ldg(a + i);
+#pragma unroll
+        for (int i = 0; i < NW; ++i) q[i] = __funnelshift_r(w[i], w[i + 1], 8 * s);
+    }
+    (void)nbytes;
+}
+
+// FP8 e4m3 with a block scale: 32 bytes, one f32 scale (groups never cross
+// a scale block: the host checks that the block is a multiple of 32).
+// Element = fp8 · scale rounded to f32, as the reference dequantizes it.
+template <> struct Group<FMT_F8E4M3> {
+    u32 q[8];
+    float s;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32 valid, float scale) {
+        const u8* p = row + (u64)g * 32;
+        s = scale;
+        if (valid == 32) {
+            if (((u64)p & 15) == 0) {
+                uint4 a = __ldg((const uint4*)p), b = __ldg((const uint4*)p + 1);
+                q[0] = a.x; q[1] = a.y; q[2] = a.z; q[3] = a.w;
+                q[4] = b.x; q[5] = b.y; q[6] = b.z; q[7] = b.w;
+            } else {
+                load_realigned<8>(p, q, 32);
+            }
+        } else {
+            // Partial last group: byte loads, zeros past the row (an fp8
+            // zero times anything adds nothing).
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                u32 v = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const u32 e = 4 * i + k;
+                    if (e < valid) v |= (u32)__ldg(p + e) << (8 * k);
+                }
+                q[i] = v;
+            }
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0;
+        s = 0.0f;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const u32 v = q[sub];
+        return make_float4(__fmul_rn(fp8e4m3_to_f32(v & 0xffu), s),
+                           __fmul_rn(fp8e4m3_to_f32((v >> 8) & 0xffu), s),
+                           __fmul_rn(fp8e4m3_to_f32((v >> 16) & 0xffu), s),
+                           __fmul_rn(fp8e4m3_to_f32(v >> 24), s));
+    }
+};
+
+// Byte k of `v` as the f32 2^23 + byte (PRMT puts the byte under the
+// exponent 0x4b), so subtracting a constant gives byte − c exactly with
+// one add instead of an int-to-float conversion.
+__device__ __forceinline__ float magic_byte(u32 v, int k) {
+    return __uint_as_float(__byte_perm(v, 0x4b000000u, 0x7650u + k));
+}
+
+// ggml Q8_0: f16 d, 32 × i8 (34 bytes, 2-byte aligned). Element = d · q (exact).
+template <> struct Group<FMT_Q8_0> {
+    u32 q[8];
+    float d;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* p = row + (u64)g * 34;
+        const u32 s = (u32)((u64)p & 2);
+        const u32* a = (const u32*)(p - s);
+        u32 w[9];
+#pragma unroll
+        for (int i = 0; i < 9; ++i) w[i] = __ldg(a + i);
+        d = f16_bits_to_f32((w[0] >> (8 * s)) & 0xffffu);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = s == 0 ? __funnelshift_r(w[i], w[i + 1], 16) : w[i + 1];
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0x80808080u;
+        d = 0.0f;
+    }
+    __device__ __forceinline__ float el(u32 v, int k) const {
+        // v holds the bytes ^ 0x80; (byte ^ 0x80) − 128 is the signed byte.
+        return __fmul_rn(d, magic_byte(v, k) - 8388736.0f);
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const u32 v = q[sub] ^ 0x80808080u;
+        return make_float4(el(v, 0), el(v, 1), el(v, 2), el(v, 3));
+    }
+};
+
+// ggml Q4_0: f16 d, 16 bytes of nibbles (18 bytes, 2-byte aligned); element
+// j < 16 is the low nibble of byte j, element j + 16 its high nibble.
+// Element = d · (q − 8) (exact).
+template <> struct Group<FMT_Q4_0> {
+    u32 q[4];
+    float d;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* p = row + (u64)g * 18;
+        const u32 s = (u32)((u64)p & 2);
+        const u32* a = (const u32*)(p - s);
+        u32 w[5];
+#pragma unroll
+        for (int i = 0; i < 5; ++i) w[i] = __ldg(a + i);
+        d = f16_bits_to_f32((w[0] >> (8 * s)) & 0xffffu);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = s == 0 ? __funnelshift_r(w[i], w[i + 1], 16) : w[i + 1];
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = 0x88888888u;
+        d = 0.0f;
+    }
+    __device__ __forceinline__ float el(u32 v, int k) const {
+        return __fmul_rn(d, magic_byte(v, k) - 8388616.0f);
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        // sub 0..3: low nibbles of word sub; sub 4..7: high nibbles of word
+        // sub - 4. One mask leaves the four nibbles as four bytes.
+        const u32 v = (q[sub & 3] >> (sub < 4 ? 0 : 4)) & 0x0f0f0f0fu;
+        return make_float4(el(v, 0), el(v, 1), el(v, 2), el(v, 3));
+    }
+};
+
+template <int FMT>
+__device__ __forceinline__ u64 row_bytes(u32 cols) {
+    switch (FMT) {
+        case FMT_F32: return (u64)cols * 4;
+        case FMT_F16:
+        case FMT_BF16: return (u64)cols * 2;
+        case FMT_F8E4M3: return (u64)cols;
+        case FMT_Q8_0: return (u64)(cols / 32) * 34;
+        default: return (u64)(cols / 32) * 18;
+    }
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstride,
+                                            const float* __restrict__ scales, u64 s_mstride,
+                                            u32 s_block, u32 s_cols, const float* __restrict__ x,
+                                            u64 x_mstride, u32 x_tstride, float* __restrict__ y,
+                                            u64 y_mstride, u32 y_tstride, u32 rows, u32 cols,
+                                            u32 ntok) {
+    constexpr int R = MV_ROWS_PER_WARP;
+    __shared__ __align__(16) float xs[NT][MV_XS_STRIDE];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 z = blockIdx.z;
+    const u32 t0 = blockIdx.y * NT;
+    const u32 nt = min((u32)NT, ntok - t0);
+    const u32 row0 = blockIdx.x * MV_ROWS_PER_BLOCK + warp * R;
+    const u64 rb = row_bytes<FMT>(cols);
+    const u8* wm = w + z * w_mstride;
+    const float* sm = scales == nullptr ? nullptr : scales + z * s_mstride;
+    const float* xm = x + z * x_mstride + (u64)t0 * x_tstride;
+    const u32 ngroups = (cols + 31) / 32;
+
+    float acc[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+
+    for (u32 c0 = 0; c0 < cols; c0 += MV_TILE) {
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < NT * MV_TILE; i += MV_THREADS) {
+            const u32 t = i / MV_TILE, j = i % MV_TILE, col = c0 + j;
+            xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[(u64)t * x_tstride + col] : 0.0f;
+        }
+        __syncthreads();
+        const u32 g = c0 / 32 + lane;
+        if (g < ngroups) {
+            const u32 valid = min(32u, cols - g * 32);
+            Group<FMT> grp[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 row = row0 + r;
+                if (row < rows) {
+                    float scale = 0.0f;
+                    if (FMT == FMT_F8E4M3) scale = sm[(u64)(row / s_block) * s_cols + (g * 32) / s_block];
+                    grp[r].load(wm + (u64)row * rb, g, valid, scale);
+                } else {
+                    grp[r].zero();
+                }
+            }
+            const float* xl = &xs[0][lane * 36];
+#pragma unroll
+            for (int sub = 0; sub < 8; ++sub) {
+                float4 xv[NT];
+#pragma unroll
+                for (int t = 0; t < NT; ++t) xv[t] = *(const float4*)(xl + t * MV_XS_STRIDE + sub * 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float4 wv = grp[r].get4(sub);
+#pragma unroll
+                    for (int t = 0; t < NT; ++t) {
+                        float a = acc[r][t];
+                        a = fmaf(wv.x, xv[t].x, a);
+                        a = fmaf(wv.y, xv[t].y, a);
+                        a = fmaf(wv.z, xv[t].z, a);
+                        a = fmaf(wv.w, xv[t].w, a);
+                        acc[r][t] = a;
+                    }
+                }
+            }
+        }
+    }
+
+    float* ym = y + z * y_mstride + (u64)t0 * y_tstride;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const float v = warp_sum(acc[r][t]);
+            const u32 row = row0 + r;
+            if (lane == (u32)((r * NT + t) & 31) && row < rows && (u32)t < nt)
+                ym[(u64)t * y_tstride + row] = v;
+        }
+    }
+}
+
+#define MATVEC_KERNEL(NAME, FMT, NT)                                                              \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS)                                    \
+        NAME(const u8* __restrict__ w, u64 w_mstride, const float* __restrict__ scales,         \
+             u64 s_mstride, u32 s_block, u32 s_cols, const float* __restrict__ x, u64 x_mstride, \
+             u32 x_tstride, float* __restrict__ y, u64 y_mstride, u32 y_tstride, u32 rows,       \
+             u32 cols, u32 ntok) {                                                              \
+        matvec_body<FMT, NT>(w, w_mstride, scales, s_mstride, s_block, s_cols, x, x_mstride,    \
+                             x_tstride, y, y_mstride, y_tstride, rows, cols, ntok);             \
+    }
+
+#define MATVEC_FORMAT(NAME, FMT)          \
+    MATVEC_KERNEL(NAME##_t1, FMT, 1)      \
+    MATVEC_KERNEL(NAME##_t2, FMT, 2)      \
+    MATVEC_KERNEL(NAME##_t4, FMT, 4)      \
+    MATVEC_KERNEL(NAME##_t8, FMT, 8)
+
+MATVEC_FORMAT(matvec_f32, FMT_F32)
+MATVEC_FORMAT(matvec_f16, FMT_F16)
+MATVEC_FORMAT(matvec_bf16, FMT_BF16)
+MATVEC_FORMAT(matvec_f8e4m3, FMT_F8E4M3)
+MATVEC_FORMAT(matvec_q8_0, FMT_Q8_0)
+MATVEC_FORMAT(matvec_q4_0, FMT_Q4_0)

@@ -1,0 +1,554 @@
+//! One GPU: its context, a compute stream and a copy stream, device buffers
+//! and their views, events, and host memory registered for DMA.
+//!
+//! Ordering is explicit, not tracked: cudarc's per-buffer event tracking is
+//! turned off (it would record events around every launch). The rules:
+//!
+//! * every kernel, memset, device-to-device copy and every synchronous
+//!   upload/download runs on the **compute** stream, so they are ordered
+//!   among themselves and buffers (allocated and freed stream-ordered on the
+//!   compute stream) are never freed under a running kernel;
+//! * host-to-device copies of expert bytes run on the **copy** stream from
+//!   registered host memory ([`HostRegistration`]) and return an [`Event`];
+//!   the compute stream must [`CudaDevice::compute_wait`] for it before a
+//!   kernel reads the destination.
+//!
+//! Copies from plain (pageable) host memory are synchronous by nature (the
+//! driver stages them), so [`CudaDevice::upload`] and friends are for setup
+//! and tests; the decode path uses registered memory on the copy stream.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, result, sys,
+};
+
+use crate::error::{CudaError, DriverResultExt, Result};
+use crate::kernels::Arch;
+
+/// The CUDA API version colibri is built against (`cuda-13000`): older
+/// drivers lack some of its entry points.
+pub const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// Every device allocation is rounded up to this many bytes, so kernels may
+/// read whole aligned words that straddle the end of the last row (see
+/// kernels/matvec.cu).
+pub const ALLOC_PAD: usize = 16;
+
+/// Element types of device buffers.
+pub trait DeviceElem: DeviceRepr + Copy + Default + Send + Sync + 'static {}
+impl DeviceElem for f32 {}
+impl DeviceElem for u8 {}
+impl DeviceElem for u16 {}
+impl DeviceElem for u32 {}
+impl DeviceElem for i32 {}
+impl DeviceElem for u64 {}
+
+/// What a device is.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: Arch,
+    pub total_mem: usize,
+    pub multiprocessors: u32,
+    pub l2_bytes: u32,
+    /// The driver's CUDA version, e.g. (13, 0).
+    pub driver_version: (i32, i32),
+}
+
+/// A GPU with its streams.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    info: DeviceInfo,
+}
+
+fn unavailable(reason: impl Into<String>) -> CudaError {
+    CudaError::Unavailable {
+        reason: reason.into(),
+    }
+}
+
+/// The driver's CUDA version, or why there is no usable driver.
+pub fn driver_version() -> Result<(i32, i32)> {
+    // SAFETY: only dlopens candidate names of libcuda and drops the handles.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(unavailable(
+            "no NVIDIA driver found (libcuda.so.1 is not loadable)",
+        ));
+    }
+    let mut v = 0;
+    // SAFETY: libcuda is loadable (checked above, so cudarc's loader does not
+    // panic); cuDriverGetVersion exists in every driver and needs no cuInit.
+    unsafe { sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .op("cuDriverGetVersion")?;
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+fn init_driver() -> Result<(i32, i32)> {
+    let (major, minor) = driver_version()?;
+    if major * 1000 + minor * 10 < MIN_DRIVER_VERSION {
+        return Err(unavailable(format!(
+            "the NVIDIA driver supports CUDA {major}.{minor}; colibri's GPU tier needs a CUDA 13.0 \
+             driver (R580 or newer)"
+        )));
+    }
+    result::init().map_err(|e| {
+        let why = CudaError::driver("cuInit", e);
+        unavailable(format!("the NVIDIA driver did not initialize: {why}"))
+    })?;
+    Ok((major, minor))
+}
+
+impl CudaDevice {
+    /// How many CUDA devices there are; `Unavailable` without a driver.
+    pub fn count() -> Result<usize> {
+        init_driver()?;
+        let n = result::device::get_count().op("cuDeviceGetCount")?;
+        Ok(n.max(0) as usize)
+    }
+
+    /// Opens device `ordinal` (its primary context) with a compute and a
+    /// copy stream. No driver, no such device or a driver older than CUDA
+    /// 13.0 give [`CudaError::Unavailable`].
+    pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        let driver_version = init_driver()?;
+        let count = result::device::get_count().op("cuDeviceGetCount")?.max(0) as usize;
+        if ordinal >= count {
+            return Err(unavailable(if count == 0 {
+                "no CUDA device is present".to_string()
+            } else {
+                format!("there is no CUDA device {ordinal} ({count} present)")
+            }));
+        }
+        let ctx = CudaContext::new(ordinal).op("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: before any buffer exists; from here on ordering between
+        // the two streams is ours to keep (module docs).
+        unsafe { ctx.disable_event_tracking() };
+        let compute = ctx.new_stream().op("cuStreamCreate")?;
+        let copy = ctx.new_stream().op("cuStreamCreate")?;
+        let (major, minor) = ctx.compute_capability().op("cuDeviceGetAttribute")?;
+        let attr = |a| ctx.attribute(a).op("cuDeviceGetAttribute");
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().op("cuDeviceGetName")?,
+            arch: Arch::new(major.max(0) as u32, minor.max(0) as u32),
+            total_mem: ctx.total_mem().op("cuDeviceTotalMem")?,
+            multiprocessors: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?
+            .max(0) as u32,
+            l2_bytes: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0)
+                as u32,
+            driver_version,
+        };
+        Ok(CudaDevice {
+            ctx,
+            compute,
+            copy,
+            info,
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    /// A zero-filled buffer of `len` elements (stream-ordered on the
+    /// compute stream), padded to [`ALLOC_PAD`] bytes.
+    pub fn alloc<T: DeviceElem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let elem = std::mem::size_of::<T>();
+        let bytes = len
+            .checked_mul(elem)
+            .and_then(|b| b.checked_next_multiple_of(ALLOC_PAD))
+            .ok_or_else(|| CudaError::invalid("alloc", format!("{len} elements overflow")))?
+            .max(ALLOC_PAD);
+        let padded = bytes.div_ceil(elem);
+        // SAFETY: the memory is zeroed right below, before anyone reads it.
+        let slice: CudaSlice<T> = unsafe { self.compute.alloc(padded) }.op("cuMemAllocAsync")?;
+        let ptr = {
+            let (p, _no_event) = slice.device_ptr(&self.compute);
+            p
+        };
+        // SAFETY: `ptr` is the start of an allocation of `padded * elem`
+        // bytes on this context, used in stream order.
+        unsafe { result::memset_d8_async(ptr, 0, padded * elem, self.compute.cu_stream()) }
+            .op("cuMemsetD8Async")?;
+        Ok(DeviceBuffer {
+            _alloc: slice,
+            ptr,
+            len,
+        })
+    }
+
+    /// A buffer holding `src` (synchronous; for setup and tests).
+    pub fn upload<T: DeviceElem>(&self, src: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut buf = self.alloc::<T>(src.len())?;
+        self.write(buf.as_mut(), src)?;
+        Ok(buf)
+    }
+
+    /// Copies `src` into `dst` (equal lengths) and waits for it.
+    pub fn write<T: DeviceElem>(&self, dst: BufMut<'_, T>, src: &[T]) -> Result<()> {
+        if dst.len != src.len() {
+            return Err(CudaError::invalid(
+                "write",
+                format!("{} elements into a view of {}", src.len(), dst.len),
+            ));
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: dst covers src.len() elements of a live allocation (views
+        // are bounds-checked); `src` outlives the synchronize below.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream()) }
+            .op("cuMemcpyHtoDAsync")?;
+        self.compute.synchronize().op("cuStreamSynchronize")
+    }
+
+    /// The contents of `src`, after all earlier compute work (synchronous).
+    pub fn download<T: DeviceElem>(&self, src: BufView<'_, T>) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); src.len];
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: src covers out.len() elements of a live allocation; `out`
+        // outlives the synchronize below.
+        unsafe { result::memcpy_dtoh_async(&mut out[..], src.ptr, self.compute.cu_stream()) }
+            .op("cuMemcpyDtoHAsync")?;
+        self.compute.synchronize().op("cuStreamSynchronize")?;
+        Ok(out)
+    }
+
+    /// Sets every byte of `dst` to `byte` (async, compute stream): tests
+    /// poison outputs with it before a kernel runs.
+    pub fn fill_bytes<T: DeviceElem>(&self, dst: BufMut<'_, T>, byte: u8) -> Result<()> {
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: dst is a bounds-checked view of a live allocation.
+        unsafe {
+            result::memset_d8_async(
+                dst.ptr,
+                byte,
+                dst.len * std::mem::size_of::<T>(),
+                self.compute.cu_stream(),
+            )
+        }
+        .op("cuMemsetD8Async")
+    }
+
+    /// Device-to-device copy on the compute stream (equal lengths).
+    pub fn copy<T: DeviceElem>(&self, src: BufView<'_, T>, dst: BufMut<'_, T>) -> Result<()> {
+        if src.len != dst.len {
+            return Err(CudaError::invalid(
+                "copy",
+                format!("{} elements into a view of {}", src.len, dst.len),
+            ));
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: both views are bounds-checked views of live allocations;
+        // `&`/`&mut` borrows keep them from overlapping.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr,
+                src.ptr,
+                src.len * std::mem::size_of::<T>(),
+                self.compute.cu_stream(),
+            )
+        }
+        .op("cuMemcpyDtoDAsync")
+    }
+
+    /// Waits for both streams and reports any error a kernel or an earlier
+    /// asynchronous call left behind.
+    pub fn synchronize(&self) -> Result<()> {
+        self.compute.synchronize().op("cuStreamSynchronize")?;
+        self.copy.synchronize().op("cuStreamSynchronize")?;
+        self.ctx.check_err().op("an earlier asynchronous call")
+    }
+
+    /// An event marking all compute work issued so far.
+    pub fn record_compute(&self) -> Result<Event> {
+        Ok(Event(self.compute.record_event(None).op("cuEventRecord")?))
+    }
+
+    /// Like [`Self::record_compute`], with timing enabled (for benchmarks).
+    pub fn record_compute_timed(&self) -> Result<Event> {
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(Event(
+            self.compute.record_event(Some(flags)).op("cuEventRecord")?,
+        ))
+    }
+
+    /// Makes later compute work wait for `event` (no host wait).
+    pub fn compute_wait(&self, event: &Event) -> Result<()> {
+        self.compute.wait(&event.0).op("cuStreamWaitEvent")
+    }
+
+    /// Makes later copies wait for `event` (e.g. until the kernels reading
+    /// a staging slot are done before it is refilled).
+    pub fn copy_wait(&self, event: &Event) -> Result<()> {
+        self.copy.wait(&event.0).op("cuStreamWaitEvent")
+    }
+
+    /// Page-locks and registers `len` bytes at `ptr` with the driver, so
+    /// that copies from them are true asynchronous DMA.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid host memory that stays allocated (and
+    /// is not registered elsewhere) until the returned registration drops.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<HostRegistration> {
+        if ptr.is_null() || len == 0 {
+            return Err(CudaError::invalid("register_host", "null or empty range"));
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: the caller guarantees the range is live host memory;
+        // PORTABLE makes it usable from every context (several GPUs).
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .op("cuMemHostRegister")?;
+        Ok(HostRegistration {
+            ptr,
+            len,
+            ctx: self.ctx.clone(),
+            copy: self.copy.clone(),
+        })
+    }
+
+    /// Starts copying `src[offset .. offset + dst.len()]` into `dst` on the
+    /// copy stream; the returned event completes with the copy. Make the
+    /// compute stream wait for it ([`Self::compute_wait`]) before reading
+    /// `dst`.
+    ///
+    /// # Safety
+    /// The source bytes must not be written, and `dst` neither read by
+    /// another stream nor freed, until the event has completed.
+    pub unsafe fn copy_to_device_async(
+        &self,
+        src: &HostRegistration,
+        offset: usize,
+        dst: BufMut<'_, u8>,
+    ) -> Result<Event> {
+        let end = offset
+            .checked_add(dst.len)
+            .filter(|&e| e <= src.len)
+            .ok_or_else(|| {
+                CudaError::invalid(
+                    "copy_to_device_async",
+                    format!(
+                        "{}..+{} outside a registration of {}",
+                        offset, dst.len, src.len
+                    ),
+                )
+            })?;
+        debug_assert!(end <= src.len);
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: the source range lies inside the registered range
+        // (checked), `dst` is a bounds-checked view; the caller keeps both
+        // untouched until the event completes.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.ptr,
+                src.ptr.add(offset).cast_const().cast(),
+                dst.len,
+                self.copy.cu_stream(),
+            )
+        }
+        .result()
+        .op("cuMemcpyHtoDAsync")?;
+        Ok(Event(self.copy.record_event(None).op("cuEventRecord")?))
+    }
+}
+
+/// A point in a stream's work.
+pub struct Event(CudaEvent);
+
+impl Event {
+    /// Blocks the host until the event's work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.0.synchronize().op("cuEventSynchronize")
+    }
+
+    /// Whether the event's work is done (errors of earlier work surface
+    /// here).
+    pub fn is_complete(&self) -> Result<bool> {
+        self.0.try_is_complete().op("cuEventQuery")
+    }
+
+    /// Milliseconds from `self` to `end` (both timed events; waits for both).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        self.0.elapsed_ms(&end.0).op("cuEventElapsedTime")
+    }
+}
+
+/// Host memory registered with the driver for DMA; unregistered on drop
+/// (after the copy stream has finished with it).
+pub struct HostRegistration {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    copy: Arc<CudaStream>,
+}
+
+// SAFETY: the registration is a plain (pointer, length) pair owned by this
+// value; the driver calls it makes are thread-safe.
+unsafe impl Send for HostRegistration {}
+// SAFETY: shared access only reads ptr/len.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // Copies still reading the range must finish before it is unpinned.
+        self.ctx.record_err(self.copy.synchronize());
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: `ptr` was registered by register_host and not since.
+        self.ctx
+            .record_err(unsafe { sys::cuMemHostUnregister(self.ptr.cast()) }.result());
+    }
+}
+
+/// Device memory for `len` elements of `T`.
+pub struct DeviceBuffer<T: DeviceElem> {
+    // Owns the allocation (freed stream-ordered on drop); kernels use `ptr`.
+    _alloc: CudaSlice<T>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl<T: DeviceElem> DeviceBuffer<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole buffer, shared.
+    pub fn as_view(&self) -> BufView<'_, T> {
+        BufView {
+            ptr: self.ptr,
+            len: self.len,
+            _p: PhantomData,
+        }
+    }
+
+    /// The whole buffer, exclusive.
+    pub fn as_mut(&mut self) -> BufMut<'_, T> {
+        BufMut {
+            ptr: self.ptr,
+            len: self.len,
+            _p: PhantomData,
+        }
+    }
+
+    /// Elements `r`, shared.
+    pub fn view(&self, r: Range<usize>) -> Result<BufView<'_, T>> {
+        self.as_view().slice(r)
+    }
+
+    /// Elements `r`, exclusive.
+    pub fn view_mut(&mut self, r: Range<usize>) -> Result<BufMut<'_, T>> {
+        let (ptr, len) = sub_range::<T>(self.ptr, self.len, r)?;
+        Ok(BufMut {
+            ptr,
+            len,
+            _p: PhantomData,
+        })
+    }
+}
+
+fn sub_range<T>(ptr: sys::CUdeviceptr, len: usize, r: Range<usize>) -> Result<(u64, usize)> {
+    if r.start > r.end || r.end > len {
+        return Err(CudaError::invalid(
+            "view",
+            format!("range {}..{} outside a view of {len}", r.start, r.end),
+        ));
+    }
+    Ok((
+        ptr + (r.start * std::mem::size_of::<T>()) as u64,
+        r.end - r.start,
+    ))
+}
+
+/// A shared view of device elements (what kernels read).
+#[derive(Clone, Copy, Debug)]
+pub struct BufView<'a, T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    _p: PhantomData<&'a T>,
+}
+
+impl<'a, T> BufView<'a, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of the first element.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Elements `r` of this view.
+    pub fn slice(&self, r: Range<usize>) -> Result<BufView<'a, T>> {
+        let (ptr, len) = sub_range::<T>(self.ptr, self.len, r)?;
+        Ok(BufView {
+            ptr,
+            len,
+            _p: PhantomData,
+        })
+    }
+}
+
+/// An exclusive view of device elements (what kernels write).
+#[derive(Debug)]
+pub struct BufMut<'a, T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    _p: PhantomData<&'a mut T>,
+}
+
+impl<T> BufMut<'_, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// A shorter-lived exclusive view of the same elements.
+    pub fn reborrow(&mut self) -> BufMut<'_, T> {
+        BufMut {
+            ptr: self.ptr,
+            len: self.len,
+            _p: PhantomData,
+        }
+    }
+}

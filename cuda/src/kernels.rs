@@ -1,0 +1,266 @@
+//! The kernel sources, how they are compiled, and [`KernelSet`]: the loaded
+//! modules of one device with their functions.
+//!
+//! Each `kernels/*.cu` file is one NVRTC program and one module; the shared
+//! header `common.cuh` is handed to NVRTC in memory. Modules are compiled to
+//! machine code (cubin) for the device's exact architecture, never to PTX:
+//! a cubin from a newer NVRTC still loads on an older 13.x driver, PTX would
+//! not. Compiled modules are cached on disk ([`crate::cache`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use crate::cache::{KernelCache, key_of};
+use crate::device::CudaDevice;
+use crate::error::{CudaError, DriverResultExt, Result};
+use crate::nvrtc;
+
+/// A compute capability, e.g. 9.0 for Hopper.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Arch {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl Arch {
+    pub const fn new(major: u32, minor: u32) -> Arch {
+        Arch { major, minor }
+    }
+
+    /// The number NVRTC uses (`90` for 9.0).
+    pub fn number(self) -> u32 {
+        self.major * 10 + self.minor
+    }
+
+    /// The real architecture name, `sm_90`.
+    pub fn sm(self) -> String {
+        format!("sm_{}", self.number())
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.sm())
+    }
+}
+
+/// The architectures CI compiles every kernel for: Ampere (A100, RTX 30),
+/// Ada (RTX 40, L4/L40) and Hopper (H100/H200).
+pub const CI_ARCHS: [Arch; 4] = [
+    Arch::new(8, 0),
+    Arch::new(8, 6),
+    Arch::new(8, 9),
+    Arch::new(9, 0),
+];
+
+/// One `.cu` file and the kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct ModuleSource {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+/// Headers the modules include, as (include name, text).
+pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../kernels/common.cuh"))];
+
+/// Every module colibri uses.
+pub const MODULES: &[ModuleSource] = &[
+    ModuleSource {
+        name: "matvec",
+        source: include_str!("../kernels/matvec.cu"),
+        kernels: &[
+            "matvec_f32_t1",
+            "matvec_f32_t2",
+            "matvec_f32_t4",
+            "matvec_f32_t8",
+            "matvec_f16_t1",
+            "matvec_f16_t2",
+            "matvec_f16_t4",
+            "matvec_f16_t8",
+            "matvec_bf16_t1",
+            "matvec_bf16_t2",
+            "matvec_bf16_t4",
+            "matvec_bf16_t8",
+            "matvec_f8e4m3_t1",
+            "matvec_f8e4m3_t2",
+            "matvec_f8e4m3_t4",
+            "matvec_f8e4m3_t8",
+            "matvec_q8_0_t1",
+            "matvec_q8_0_t2",
+            "matvec_q8_0_t4",
+            "matvec_q8_0_t8",
+            "matvec_q4_0_t1",
+            "matvec_q4_0_t2",
+            "matvec_q4_0_t4",
+            "matvec_q4_0_t8",
+        ],
+    },
+    ModuleSource {
+        name: "elementwise",
+        source: include_str!("../kernels/elementwise.cu"),
+        kernels: &["rms_norm", "rope", "swiglu", "moe_combine"],
+    },
+    ModuleSource {
+        name: "attention",
+        source: include_str!("../kernels/attention.cu"),
+        kernels: &["attention", "mla_absorb"],
+    },
+    ModuleSource {
+        name: "router",
+        source: include_str!("../kernels/router.cu"),
+        kernels: &["router_softmax_topk", "router_sigmoid_grouped_topk"],
+    },
+];
+
+/// NVRTC options for `arch`. No fast-math: the kernels rely on IEEE
+/// division, square root and explicit rounding. ptxas is asked to warn on
+/// register spills and local memory, so such a regression fails CI's
+/// no-warning check like any other warning.
+pub fn nvrtc_options(arch: Arch) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", arch.sm()),
+        "--std=c++17".into(),
+        "--fmad=true".into(),
+        "--ptxas-options=--warn-on-spills".into(),
+        "--ptxas-options=--warn-on-local-memory-usage".into(),
+    ]
+}
+
+/// A module compiled for one architecture.
+#[derive(Clone, Debug)]
+pub struct CompiledModule {
+    pub name: &'static str,
+    pub arch: Arch,
+    pub cubin: Vec<u8>,
+    /// NVRTC's log; empty unless it warned.
+    pub log: String,
+}
+
+/// Compiles one module for `arch` (no cache).
+pub fn compile_module(m: &ModuleSource, arch: Arch) -> Result<CompiledModule> {
+    compile_module_with(m, arch, &[])
+}
+
+/// Like [`compile_module`] with extra NVRTC options (e.g.
+/// `--ptxas-options=-v` for the resource report of examples/kernel_report).
+pub fn compile_module_with(
+    m: &ModuleSource,
+    arch: Arch,
+    extra: &[String],
+) -> Result<CompiledModule> {
+    let mut options = nvrtc_options(arch);
+    options.extend_from_slice(extra);
+    let out = nvrtc::compile(m.name, &arch.sm(), m.source, HEADERS, &options)?;
+    Ok(CompiledModule {
+        name: m.name,
+        arch,
+        cubin: out.cubin,
+        log: out.log,
+    })
+}
+
+/// Compiles every module for `arch` (no cache): what CI runs for each of
+/// [`CI_ARCHS`], and what [`KernelSet::load`] does on a cache miss.
+pub fn compile_all(arch: Arch) -> Result<Vec<CompiledModule>> {
+    MODULES.iter().map(|m| compile_module(m, arch)).collect()
+}
+
+/// The cache key of a module: everything that determines its cubin.
+fn cache_key(m: &ModuleSource, arch: Arch, nvrtc: &nvrtc::Nvrtc) -> Vec<u8> {
+    let version = format!("nvrtc {}.{}", nvrtc.version.0, nvrtc.version.1);
+    let options = nvrtc_options(arch).join("\n");
+    let sm = arch.sm();
+    let mut parts: Vec<&[u8]> = vec![
+        m.name.as_bytes(),
+        sm.as_bytes(),
+        version.as_bytes(),
+        options.as_bytes(),
+        m.source.as_bytes(),
+    ];
+    for (name, text) in HEADERS {
+        parts.push(name.as_bytes());
+        parts.push(text.as_bytes());
+    }
+    key_of(&parts)
+}
+
+/// The compiled cubin of `m` for `arch`, from `cache` or freshly compiled.
+fn cubin_for(m: &ModuleSource, arch: Arch, cache: &KernelCache) -> Result<Vec<u8>> {
+    let nv = nvrtc::load()?;
+    let sm = arch.sm();
+    let key = cache_key(m, arch, nv);
+    if let Some(cubin) = cache.get(m.name, &sm, &key) {
+        return Ok(cubin);
+    }
+    let compiled = compile_module(m, arch)?;
+    if !compiled.log.is_empty() {
+        tracing::warn!("NVRTC warnings for {}.cu ({sm}):\n{}", m.name, compiled.log);
+    }
+    if let Err(e) = cache.put(m.name, &sm, &key, &compiled.cubin) {
+        tracing::warn!(
+            "kernel cache {}: cannot store {}: {e}",
+            cache
+                .dir()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default(),
+            m.name
+        );
+    }
+    Ok(compiled.cubin)
+}
+
+/// Every kernel, loaded into one device's context.
+pub struct KernelSet {
+    // Modules stay loaded as long as a function of theirs exists (cudarc's
+    // CudaFunction holds its module); kept here too for clarity.
+    _modules: Vec<Arc<CudaModule>>,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl KernelSet {
+    /// Compiles (or takes from `cache`) and loads every module for `dev`.
+    pub fn load(dev: &CudaDevice, cache: &KernelCache) -> Result<KernelSet> {
+        let arch = dev.info().arch;
+        let nv = nvrtc::load()?;
+        if !nv.archs.contains(&arch.number()) {
+            return Err(CudaError::Unavailable {
+                reason: format!(
+                    "NVRTC {}.{} ({}) cannot compile for {arch} ({}); it supports {:?}",
+                    nv.version.0,
+                    nv.version.1,
+                    nv.origin,
+                    dev.info().name,
+                    nv.archs
+                ),
+            });
+        }
+        let mut modules = Vec::new();
+        let mut functions = HashMap::new();
+        for m in MODULES {
+            let cubin = cubin_for(m, arch, cache)?;
+            let module = dev
+                .context()
+                .load_module(Ptx::from_binary(cubin))
+                .op("cuModuleLoadData")?;
+            for &k in m.kernels {
+                let f = module.load_function(k).op("cuModuleGetFunction")?;
+                functions.insert(k, f);
+            }
+            modules.push(module);
+        }
+        Ok(KernelSet {
+            _modules: modules,
+            functions,
+        })
+    }
+
+    pub(crate) fn function(&self, name: &'static str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| CudaError::invalid(name, "no such kernel in the loaded modules"))
+    }
+}

@@ -1,0 +1,1182 @@
+//! Typed launch helpers: one method of [`KernelSet`] per kernel. Each
+//! checks that its views, sizes and strides fit together (every pointer
+//! range a kernel may touch lies inside its view; 32-bit kernel arguments
+//! fit) and launches on the device's compute stream with the kernel's fixed
+//! block size — the block size is part of each kernel's reduction order, so
+//! no caller can change it.
+//!
+//! Kernel arguments are passed as 8-byte slots: pointers and `u64`s fill
+//! one, a `u32`/`f32` its low half (little-endian), which is what the driver
+//! reads for a 4-byte parameter.
+
+use std::ffi::c_void;
+
+use cudarc::driver::result;
+
+use crate::device::{BufMut, BufView, CudaDevice};
+use crate::error::{CudaError, DriverResultExt, Result};
+use crate::kernels::KernelSet;
+
+/// How the rows of a weight matrix are stored (the CPU tier's formats).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    Bf16,
+    /// FP8 e4m3fn with one f32 scale per `block × block` tile.
+    F8E4M3,
+    /// ggml Q8_0: 32 × i8 + f16 scale per 34-byte block.
+    Q8_0,
+    /// ggml Q4_0: 32 × 4 bit + f16 scale per 18-byte block.
+    Q4_0,
+}
+
+impl WeightFormat {
+    /// Bytes of one row of `cols` elements; `None` for a block format whose
+    /// rows are not whole blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        match self {
+            WeightFormat::F32 => cols.checked_mul(4),
+            WeightFormat::F16 | WeightFormat::Bf16 => cols.checked_mul(2),
+            WeightFormat::F8E4M3 => Some(cols),
+            WeightFormat::Q8_0 => cols.is_multiple_of(32).then(|| cols / 32 * 34),
+            WeightFormat::Q4_0 => cols.is_multiple_of(32).then(|| cols / 32 * 18),
+        }
+    }
+
+    /// The FMT_* code of kernels/common.cuh.
+    fn code(self) -> u32 {
+        match self {
+            WeightFormat::F32 => 0,
+            WeightFormat::F16 => 1,
+            WeightFormat::Bf16 => 2,
+            WeightFormat::F8E4M3 => 3,
+            WeightFormat::Q8_0 => 4,
+            WeightFormat::Q4_0 => 5,
+        }
+    }
+
+    /// The alignment, in bytes, a matrix of this format must start at.
+    pub fn alignment(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4,
+            WeightFormat::F8E4M3 => 1,
+            _ => 2,
+        }
+    }
+
+    fn matvec_kernels(self) -> [&'static str; 4] {
+        match self {
+            WeightFormat::F32 => [
+                "matvec_f32_t1",
+                "matvec_f32_t2",
+                "matvec_f32_t4",
+                "matvec_f32_t8",
+            ],
+            WeightFormat::F16 => [
+                "matvec_f16_t1",
+                "matvec_f16_t2",
+                "matvec_f16_t4",
+                "matvec_f16_t8",
+            ],
+            WeightFormat::Bf16 => [
+                "matvec_bf16_t1",
+                "matvec_bf16_t2",
+                "matvec_bf16_t4",
+                "matvec_bf16_t8",
+            ],
+            WeightFormat::F8E4M3 => [
+                "matvec_f8e4m3_t1",
+                "matvec_f8e4m3_t2",
+                "matvec_f8e4m3_t4",
+                "matvec_f8e4m3_t8",
+            ],
+            WeightFormat::Q8_0 => [
+                "matvec_q8_0_t1",
+                "matvec_q8_0_t2",
+                "matvec_q8_0_t4",
+                "matvec_q8_0_t8",
+            ],
+            WeightFormat::Q4_0 => [
+                "matvec_q4_0_t1",
+                "matvec_q4_0_t2",
+                "matvec_q4_0_t4",
+                "matvec_q4_0_t8",
+            ],
+        }
+    }
+}
+
+/// The block scales of an FP8 matrix: `ceil(rows / block) × ceil(cols /
+/// block)` f32s, row-major. `block` must be a multiple of 32. A view into a
+/// larger matrix must start at a row that is a multiple of `block`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Scales<'a> {
+    pub scales: BufView<'a, f32>,
+    pub block: usize,
+}
+
+/// A weight matrix in device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    /// The rows, back to back (`format.row_bytes(cols)` each).
+    pub data: BufView<'a, u8>,
+    /// Required for (and only for) [`WeightFormat::F8E4M3`].
+    pub fp8: Option<Fp8Scales<'a>>,
+}
+
+/// A matrix-vector product over a strided group of equally shaped matrices
+/// (grid.z), each applied to its own `ntok` input rows: matrix z reads
+/// `x[z·x_mat_stride + t·x_tok_stride ..][..cols]` and writes
+/// `y[z·y_mat_stride + t·y_tok_stride ..][..rows]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatvecGroup<'a> {
+    /// Matrix 0 (its `data` view must hold all `matrices`).
+    pub w: WeightView<'a>,
+    pub matrices: usize,
+    /// Bytes from one matrix to the next.
+    pub w_stride: usize,
+    /// f32s from one matrix's FP8 scale grid to the next.
+    pub scale_stride: usize,
+    pub x: BufView<'a, f32>,
+    pub x_tok_stride: usize,
+    pub x_mat_stride: usize,
+    pub ntok: usize,
+    pub y_tok_stride: usize,
+    pub y_mat_stride: usize,
+}
+
+/// Rotary tables: `cos`/`sin` hold `rot_dim / 2` values per position for
+/// `positions` positions (YaRN's attention factor already multiplied in).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeTable<'a> {
+    pub cos: BufView<'a, f32>,
+    pub sin: BufView<'a, f32>,
+    pub rot_dim: usize,
+    pub positions: usize,
+    /// DeepSeek's interleaved pairs (written de-interleaved).
+    pub interleaved: bool,
+}
+
+/// Where one part of the cached keys or values lies: element
+/// `slot · slot_stride + kv_head · head_stride + d`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvView<'a> {
+    pub data: BufView<'a, f32>,
+    pub slot_stride: usize,
+    pub head_stride: usize,
+}
+
+/// Attention of `rows` query rows over a KV cache (see
+/// kernels/attention.cu). Row i attends to cache slots
+/// `slot0[i] + t` for t in `window_start ..= pos[i]`; the cache must hold
+/// `capacity` slots in every view. GQA: `key_b = None`, `dim_b = 0`. MLA:
+/// `key_a` = the latent cache, `key_b` = the rotary key cache, `value` =
+/// the latent cache, `group = heads`.
+#[derive(Clone, Copy, Debug)]
+pub struct Attention<'a> {
+    /// `[rows][heads][dim_a + dim_b]`.
+    pub q: BufView<'a, f32>,
+    pub rows: usize,
+    pub heads: usize,
+    pub dim_a: usize,
+    pub dim_b: usize,
+    pub dim_v: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    pub key_a: KvView<'a>,
+    pub key_b: Option<KvView<'a>>,
+    pub value: KvView<'a>,
+    pub capacity: usize,
+    pub pos: BufView<'a, u32>,
+    pub slot0: BufView<'a, u32>,
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+/// The kernels' block sizes (see the .cu files).
+const MV_ROWS_PER_BLOCK: usize = 32;
+const MV_THREADS: u32 = 256;
+const RN_THREADS: u32 = 256;
+const RP_THREADS: u32 = 64;
+const RP_MAX_DIM: usize = 1024;
+const EW_THREADS: u32 = 256;
+const CB_MAX_K: usize = 64;
+const AT_THREADS: u32 = 128;
+const AT_MAX_DQ: usize = 640;
+const AT_MAX_DV: usize = 512;
+const AB_THREADS: u32 = 256;
+const AB_MAX_DN: usize = 512;
+const RT_MAX_E: usize = 1024;
+const RT_MAX_K: usize = 64;
+const MAX_GRID_YZ: usize = 65535;
+const MAX_GRID_X: usize = i32::MAX as usize;
+
+/// Kernel arguments as 8-byte slots (see the module docs).
+struct Args {
+    slots: [u64; 24],
+    n: usize,
+}
+
+impl Args {
+    fn new() -> Args {
+        Args {
+            slots: [0; 24],
+            n: 0,
+        }
+    }
+    fn push(&mut self, v: u64) -> &mut Args {
+        self.slots[self.n] = v;
+        self.n += 1;
+        self
+    }
+    fn ptr(&mut self, p: u64) -> &mut Args {
+        self.push(p)
+    }
+    fn u32(&mut self, v: u32) -> &mut Args {
+        self.push(v as u64)
+    }
+    fn u64(&mut self, v: u64) -> &mut Args {
+        self.push(v)
+    }
+    fn f32(&mut self, v: f32) -> &mut Args {
+        self.push(v.to_bits() as u64)
+    }
+}
+
+fn u32_arg(kernel: &'static str, what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v)
+        .map_err(|_| CudaError::invalid(kernel, format!("{what} = {v} does not fit in 32 bits")))
+}
+
+/// `a·b + c` with overflow as an error.
+fn span(kernel: &'static str, terms: &[(usize, usize)], plus: usize) -> Result<usize> {
+    let mut total = plus;
+    for &(a, b) in terms {
+        total = a
+            .checked_mul(b)
+            .and_then(|p| p.checked_add(total))
+            .ok_or_else(|| CudaError::invalid(kernel, "sizes overflow"))?;
+    }
+    Ok(total)
+}
+
+fn need(kernel: &'static str, what: &str, needed: usize, have: usize) -> Result<()> {
+    if needed > have {
+        return Err(CudaError::invalid(
+            kernel,
+            format!("{what} needs {needed} elements, its view has {have}"),
+        ));
+    }
+    Ok(())
+}
+
+fn nonzero(kernel: &'static str, what: &str, v: usize) -> Result<()> {
+    if v == 0 {
+        return Err(CudaError::invalid(kernel, format!("{what} is 0")));
+    }
+    Ok(())
+}
+
+fn grid(kernel: &'static str, x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
+    if x == 0 || y == 0 || z == 0 || x > MAX_GRID_X || y > MAX_GRID_YZ || z > MAX_GRID_YZ {
+        return Err(CudaError::invalid(
+            kernel,
+            format!("grid ({x}, {y}, {z}) out of range"),
+        ));
+    }
+    Ok((x as u32, y as u32, z as u32))
+}
+
+impl KernelSet {
+    /// # Safety
+    /// `args` must match the parameter list of kernel `name` in count, order
+    /// and size, and every pointer in it must be valid for everything the
+    /// kernel reads or writes through it.
+    unsafe fn launch(
+        &self,
+        dev: &CudaDevice,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut Args,
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        dev.context().bind_to_thread().op("cuCtxSetCurrent")?;
+        let mut params: Vec<*mut c_void> = args.slots[..args.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: the caller vouches for the arguments; `params` points into
+        // `args`, which outlives the call (the driver copies the values at
+        // launch).
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                dev.compute_stream().cu_stream(),
+                &mut params,
+            )
+        }
+        .op("cuLaunchKernel")
+    }
+
+    /// `y[t][r] = dot(W[r], x[t])` for `ntok` contiguous rows of x
+    /// (`[ntok][cols]`) into y (`[ntok][rows]`).
+    pub fn matvec(
+        &self,
+        dev: &CudaDevice,
+        w: &WeightView<'_>,
+        x: BufView<'_, f32>,
+        ntok: usize,
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
+        self.matvec_group(
+            dev,
+            &MatvecGroup {
+                w: *w,
+                matrices: 1,
+                w_stride: 0,
+                scale_stride: 0,
+                x,
+                x_tok_stride: w.cols,
+                x_mat_stride: 0,
+                ntok,
+                y_tok_stride: w.rows,
+                y_mat_stride: 0,
+            },
+            y,
+        )
+    }
+
+    /// The grouped matrix-vector product of [`MatvecGroup`].
+    pub fn matvec_group(
+        &self,
+        dev: &CudaDevice,
+        g: &MatvecGroup<'_>,
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "matvec";
+        let w = &g.w;
+        nonzero(K, "rows", w.rows)?;
+        nonzero(K, "cols", w.cols)?;
+        nonzero(K, "ntok", g.ntok)?;
+        nonzero(K, "matrices", g.matrices)?;
+        let rb = w.format.row_bytes(w.cols).ok_or_else(|| {
+            CudaError::invalid(
+                K,
+                format!(
+                    "{:?} rows of {} columns are not whole 32-blocks",
+                    w.format, w.cols
+                ),
+            )
+        })?;
+        let mat_bytes = span(K, &[(w.rows, rb)], 0)?;
+        need(
+            K,
+            "weights",
+            span(K, &[(g.matrices - 1, g.w_stride)], mat_bytes)?,
+            w.data.len(),
+        )?;
+        let align = w.format.alignment() as u64;
+        if !w.data.device_ptr().is_multiple_of(align)
+            || (g.matrices > 1 && !(g.w_stride as u64).is_multiple_of(align))
+        {
+            return Err(CudaError::invalid(
+                K,
+                format!("{:?} weights must be {align}-byte aligned", w.format),
+            ));
+        }
+        let (scales_ptr, s_block, s_cols) = match (w.format, &w.fp8) {
+            (WeightFormat::F8E4M3, Some(s)) => {
+                if s.block == 0 || !s.block.is_multiple_of(32) {
+                    return Err(CudaError::invalid(
+                        K,
+                        format!("fp8 block {} is not a multiple of 32", s.block),
+                    ));
+                }
+                let (sr, sc) = (w.rows.div_ceil(s.block), w.cols.div_ceil(s.block));
+                need(
+                    K,
+                    "fp8 scales",
+                    span(K, &[(g.matrices - 1, g.scale_stride), (sr, sc)], 0)?,
+                    s.scales.len(),
+                )?;
+                (s.scales.device_ptr(), s.block, sc)
+            }
+            (WeightFormat::F8E4M3, None) => {
+                return Err(CudaError::invalid(K, "fp8 weights need their scales"));
+            }
+            (_, Some(_)) => return Err(CudaError::invalid(K, "scales given for a non-fp8 format")),
+            (_, None) => (0, 1, 0),
+        };
+        need(
+            K,
+            "x",
+            span(
+                K,
+                &[
+                    (g.matrices - 1, g.x_mat_stride),
+                    (g.ntok - 1, g.x_tok_stride),
+                ],
+                w.cols,
+            )?,
+            g.x.len(),
+        )?;
+        need(
+            K,
+            "y",
+            span(
+                K,
+                &[
+                    (g.matrices - 1, g.y_mat_stride),
+                    (g.ntok - 1, g.y_tok_stride),
+                ],
+                w.rows,
+            )?,
+            y.len(),
+        )?;
+        // Outputs must not overlap: one of the two strides nests the other.
+        let tok_span = span(K, &[(g.ntok - 1, g.y_tok_stride)], w.rows)?;
+        let mat_span = span(K, &[(g.matrices - 1, g.y_mat_stride)], w.rows)?;
+        let disjoint = (g.ntok == 1 || g.y_tok_stride >= w.rows)
+            && (g.matrices == 1 || g.y_mat_stride >= tok_span || g.y_tok_stride >= mat_span);
+        if !disjoint {
+            return Err(CudaError::invalid(K, "y strides make outputs overlap"));
+        }
+        let (nt, name) = match g.ntok {
+            1 => (1, w.format.matvec_kernels()[0]),
+            2 => (2, w.format.matvec_kernels()[1]),
+            3 | 4 => (4, w.format.matvec_kernels()[2]),
+            _ => (8, w.format.matvec_kernels()[3]),
+        };
+        let grid = grid(
+            K,
+            w.rows.div_ceil(MV_ROWS_PER_BLOCK),
+            g.ntok.div_ceil(nt),
+            g.matrices,
+        )?;
+        let mut a = Args::new();
+        a.ptr(w.data.device_ptr())
+            .u64(g.w_stride as u64)
+            .ptr(scales_ptr)
+            .u64(g.scale_stride as u64)
+            .u32(u32_arg(K, "fp8 block", s_block)?)
+            .u32(u32_arg(K, "fp8 scale columns", s_cols)?)
+            .ptr(g.x.device_ptr())
+            .u64(g.x_mat_stride as u64)
+            .u32(u32_arg(K, "x token stride", g.x_tok_stride)?)
+            .ptr(y.device_ptr())
+            .u64(g.y_mat_stride as u64)
+            .u32(u32_arg(K, "y token stride", g.y_tok_stride)?)
+            .u32(u32_arg(K, "rows", w.rows)?)
+            .u32(u32_arg(K, "cols", w.cols)?)
+            .u32(u32_arg(K, "ntok", g.ntok)?);
+        // SAFETY: 15 arguments in the order and sizes of MATVEC_KERNEL in
+        // kernels/matvec.cu (ptr, u64, ptr, u64, u32, u32, ptr, u64, u32,
+        // ptr, u64, u32, u32, u32, u32); weights, scales, x and y ranges were
+        // checked above against their views (weights may be read up to 3
+        // bytes past the view, inside the allocation's padding).
+        unsafe { self.launch(dev, name, grid, MV_THREADS, &mut a) }
+    }
+
+    /// RMSNorm of `rows` contiguous rows of `n` values: `y = w · x ·
+    /// rsqrt(mean(x²) + eps)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        dev: &CudaDevice,
+        x: BufView<'_, f32>,
+        w: BufView<'_, f32>,
+        y: BufMut<'_, f32>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        // SAFETY (of the call): x and y are distinct views (`&` vs `&mut`).
+        self.rms_norm_raw(
+            dev,
+            x.device_ptr(),
+            x.len(),
+            w,
+            y.device_ptr(),
+            y.len(),
+            rows,
+            n,
+            eps,
+        )
+    }
+
+    /// In-place RMSNorm (see [`Self::rms_norm`]).
+    pub fn rms_norm_inplace(
+        &self,
+        dev: &CudaDevice,
+        x: BufMut<'_, f32>,
+        w: BufView<'_, f32>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.rms_norm_raw(
+            dev,
+            x.device_ptr(),
+            x.len(),
+            w,
+            x.device_ptr(),
+            x.len(),
+            rows,
+            n,
+            eps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_raw(
+        &self,
+        dev: &CudaDevice,
+        x: u64,
+        x_len: usize,
+        w: BufView<'_, f32>,
+        y: u64,
+        y_len: usize,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "rms_norm";
+        nonzero(K, "n", n)?;
+        nonzero(K, "rows", rows)?;
+        let total = span(K, &[(rows, n)], 0)?;
+        need(K, "x", total, x_len)?;
+        need(K, "y", total, y_len)?;
+        need(K, "weight", n, w.len())?;
+        let n32 = u32_arg(K, "n", n)?;
+        let mut a = Args::new();
+        a.ptr(x)
+            .u32(n32)
+            .ptr(w.device_ptr())
+            .ptr(y)
+            .u32(n32)
+            .u32(n32)
+            .f32(eps);
+        // SAFETY: 7 arguments as rms_norm in kernels/elementwise.cu (ptr,
+        // u32, ptr, ptr, u32, u32, f32); rows × n elements of x and y and n
+        // of w were checked; x == y is allowed by the kernel.
+        unsafe { self.launch(dev, "rms_norm", grid(K, rows, 1, 1)?, RN_THREADS, &mut a) }
+    }
+
+    /// Rotates dims `offset .. offset + rot_dim` of each of `heads` heads of
+    /// `ntok` tokens in place: element (t, h, d) is at `t·tok_stride +
+    /// h·head_stride + d`. `pos[t]` picks the table row; a position past
+    /// the table makes that head's rotary dims NaN.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        dev: &CudaDevice,
+        x: BufMut<'_, f32>,
+        ntok: usize,
+        heads: usize,
+        tok_stride: usize,
+        head_stride: usize,
+        offset: usize,
+        table: &RopeTable<'_>,
+        pos: BufView<'_, u32>,
+    ) -> Result<()> {
+        const K: &str = "rope";
+        let rd = table.rot_dim;
+        if rd == 0 || !rd.is_multiple_of(2) || rd > RP_MAX_DIM {
+            return Err(CudaError::invalid(
+                K,
+                format!("rotary dim {rd} must be even, 2..={RP_MAX_DIM}"),
+            ));
+        }
+        nonzero(K, "ntok", ntok)?;
+        nonzero(K, "heads", heads)?;
+        if heads > 1 && head_stride < offset + rd {
+            return Err(CudaError::invalid(K, "heads overlap"));
+        }
+        if ntok > 1 && tok_stride < span(K, &[(heads - 1, head_stride)], offset + rd)? {
+            return Err(CudaError::invalid(K, "tokens overlap"));
+        }
+        need(
+            K,
+            "x",
+            span(
+                K,
+                &[(ntok - 1, tok_stride), (heads - 1, head_stride)],
+                offset + rd,
+            )?,
+            x.len(),
+        )?;
+        let table_len = span(K, &[(table.positions, rd / 2)], 0)?;
+        need(K, "cos table", table_len, table.cos.len())?;
+        need(K, "sin table", table_len, table.sin.len())?;
+        need(K, "positions", ntok, pos.len())?;
+        let mut a = Args::new();
+        a.ptr(x.device_ptr())
+            .u32(u32_arg(K, "token stride", tok_stride)?)
+            .u32(u32_arg(K, "head stride", head_stride)?)
+            .u32(u32_arg(K, "offset", offset)?)
+            .u32(rd as u32)
+            .ptr(table.cos.device_ptr())
+            .ptr(table.sin.device_ptr())
+            .ptr(pos.device_ptr())
+            .u32(u32_arg(K, "table rows", table.positions)?)
+            .u32(table.interleaved as u32);
+        // SAFETY: 10 arguments as rope in kernels/elementwise.cu (ptr, u32,
+        // u32, u32, u32, ptr, ptr, ptr, u32, u32); every head's rotary range,
+        // the tables and ntok positions were checked; the kernel never reads
+        // a table row ≥ table rows.
+        unsafe { self.launch(dev, "rope", grid(K, heads, ntok, 1)?, RP_THREADS, &mut a) }
+    }
+
+    /// `out = silu(gate) · up` over `rows × cols` contiguous elements.
+    pub fn swiglu(
+        &self,
+        dev: &CudaDevice,
+        gate: BufView<'_, f32>,
+        up: BufView<'_, f32>,
+        out: BufMut<'_, f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.swiglu_raw(
+            dev,
+            gate.device_ptr(),
+            gate.len(),
+            up,
+            out.device_ptr(),
+            out.len(),
+            rows,
+            cols,
+        )
+    }
+
+    /// `gate = silu(gate) · up` in place.
+    pub fn swiglu_inplace(
+        &self,
+        dev: &CudaDevice,
+        gate: BufMut<'_, f32>,
+        up: BufView<'_, f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.swiglu_raw(
+            dev,
+            gate.device_ptr(),
+            gate.len(),
+            up,
+            gate.device_ptr(),
+            gate.len(),
+            rows,
+            cols,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_raw(
+        &self,
+        dev: &CudaDevice,
+        gate: u64,
+        gate_len: usize,
+        up: BufView<'_, f32>,
+        out: u64,
+        out_len: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const K: &str = "swiglu";
+        nonzero(K, "rows", rows)?;
+        nonzero(K, "cols", cols)?;
+        let total = span(K, &[(rows, cols)], 0)?;
+        need(K, "gate", total, gate_len)?;
+        need(K, "up", total, up.len())?;
+        need(K, "out", total, out_len)?;
+        let c = u32_arg(K, "cols", cols)?;
+        let mut a = Args::new();
+        a.ptr(gate)
+            .u32(c)
+            .ptr(up.device_ptr())
+            .u32(c)
+            .ptr(out)
+            .u32(c)
+            .u32(c);
+        // SAFETY: 7 arguments as swiglu in kernels/elementwise.cu (ptr, u32,
+        // ptr, u32, ptr, u32, u32); rows × cols elements of each checked;
+        // out == gate is allowed (each thread reads before it writes).
+        unsafe {
+            self.launch(
+                dev,
+                "swiglu",
+                grid(K, cols.div_ceil(EW_THREADS as usize), rows, 1)?,
+                EW_THREADS,
+                &mut a,
+            )
+        }
+    }
+
+    /// The MoE output of `rows` rows: `slot_out` (`[rows][k][hidden]`)
+    /// weighted by `weights` (`[rows][k]`), summed in ascending expert id
+    /// (`experts`, `[rows][k]`), plus `shared` (`[rows][hidden]`) gated by
+    /// sigmoid(`shared_gate[row]`) when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        dev: &CudaDevice,
+        slot_out: BufView<'_, f32>,
+        experts: BufView<'_, u32>,
+        weights: BufView<'_, f32>,
+        shared: Option<BufView<'_, f32>>,
+        shared_gate: Option<BufView<'_, f32>>,
+        out: BufMut<'_, f32>,
+        rows: usize,
+        k: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: &str = "moe_combine";
+        nonzero(K, "rows", rows)?;
+        nonzero(K, "k", k)?;
+        nonzero(K, "hidden", hidden)?;
+        if k > CB_MAX_K {
+            return Err(CudaError::invalid(K, format!("k = {k} > {CB_MAX_K}")));
+        }
+        need(
+            K,
+            "slot outputs",
+            span(K, &[(rows, k), (0, 0)], 0).and_then(|rk| span(K, &[(rk, hidden)], 0))?,
+            slot_out.len(),
+        )?;
+        need(K, "experts", span(K, &[(rows, k)], 0)?, experts.len())?;
+        need(K, "weights", span(K, &[(rows, k)], 0)?, weights.len())?;
+        let total = span(K, &[(rows, hidden)], 0)?;
+        need(K, "out", total, out.len())?;
+        if let Some(s) = &shared {
+            need(K, "shared", total, s.len())?;
+        }
+        if let Some(g) = &shared_gate {
+            if shared.is_none() {
+                return Err(CudaError::invalid(
+                    K,
+                    "a shared gate without a shared expert",
+                ));
+            }
+            need(K, "shared gate", rows, g.len())?;
+        }
+        let mut a = Args::new();
+        a.ptr(slot_out.device_ptr())
+            .ptr(experts.device_ptr())
+            .ptr(weights.device_ptr())
+            .ptr(shared.map_or(0, |s| s.device_ptr()))
+            .ptr(shared_gate.map_or(0, |s| s.device_ptr()))
+            .ptr(out.device_ptr())
+            .u32(k as u32)
+            .u32(u32_arg(K, "hidden", hidden)?);
+        // SAFETY: 8 arguments as moe_combine in kernels/elementwise.cu (6
+        // pointers, u32, u32); every range checked above; null pointers only
+        // for the optional shared inputs, which the kernel tests.
+        unsafe {
+            self.launch(
+                dev,
+                "moe_combine",
+                grid(K, hidden.div_ceil(EW_THREADS as usize), rows, 1)?,
+                EW_THREADS,
+                &mut a,
+            )
+        }
+    }
+
+    /// Attention over the KV cache (see [`Attention`]); `out` is
+    /// `[rows][heads][dim_v]`.
+    pub fn attention(
+        &self,
+        dev: &CudaDevice,
+        at: &Attention<'_>,
+        out: BufMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention";
+        nonzero(K, "rows", at.rows)?;
+        nonzero(K, "heads", at.heads)?;
+        nonzero(K, "dim_a", at.dim_a)?;
+        nonzero(K, "dim_v", at.dim_v)?;
+        nonzero(K, "group", at.group)?;
+        nonzero(K, "capacity", at.capacity)?;
+        if !at.heads.is_multiple_of(at.group) {
+            return Err(CudaError::invalid(
+                K,
+                format!("{} heads in groups of {}", at.heads, at.group),
+            ));
+        }
+        let dq = at.dim_a + at.dim_b;
+        if dq > AT_MAX_DQ || at.dim_v > AT_MAX_DV {
+            return Err(CudaError::invalid(
+                K,
+                format!("query dim {dq} > {AT_MAX_DQ} or value dim > {AT_MAX_DV}"),
+            ));
+        }
+        if (at.dim_b == 0) != at.key_b.is_none() {
+            return Err(CudaError::invalid(
+                K,
+                "key_b must be given exactly when dim_b > 0",
+            ));
+        }
+        need(
+            K,
+            "q",
+            span(K, &[(at.rows, at.heads), (0, 0)], 0).and_then(|rh| span(K, &[(rh, dq)], 0))?,
+            at.q.len(),
+        )?;
+        let kv_heads = at.heads / at.group;
+        let check_kv = |what: &str, v: &KvView<'_>, dim: usize| -> Result<()> {
+            need(
+                K,
+                what,
+                span(
+                    K,
+                    &[
+                        (at.capacity - 1, v.slot_stride),
+                        (kv_heads - 1, v.head_stride),
+                    ],
+                    dim,
+                )?,
+                v.data.len(),
+            )
+        };
+        check_kv("key_a", &at.key_a, at.dim_a)?;
+        if let Some(kb) = &at.key_b {
+            check_kv("key_b", kb, at.dim_b)?;
+        }
+        check_kv("value", &at.value, at.dim_v)?;
+        need(K, "pos", at.rows, at.pos.len())?;
+        need(K, "slot0", at.rows, at.slot0.len())?;
+        need(
+            K,
+            "out",
+            span(K, &[(at.rows, at.heads), (0, 0)], 0)
+                .and_then(|rh| span(K, &[(rh, at.dim_v)], 0))?,
+            out.len(),
+        )?;
+        let kb = at.key_b.unwrap_or(KvView {
+            data: at.key_a.data,
+            slot_stride: 0,
+            head_stride: 0,
+        });
+        let mut a = Args::new();
+        a.ptr(at.q.device_ptr())
+            .u32(u32_arg(K, "heads", at.heads)?)
+            .u32(at.dim_a as u32)
+            .u32(at.dim_b as u32)
+            .ptr(at.key_a.data.device_ptr())
+            .u32(u32_arg(K, "key_a slot stride", at.key_a.slot_stride)?)
+            .u32(u32_arg(K, "key_a head stride", at.key_a.head_stride)?)
+            .ptr(kb.data.device_ptr())
+            .u32(u32_arg(K, "key_b slot stride", kb.slot_stride)?)
+            .u32(u32_arg(K, "key_b head stride", kb.head_stride)?)
+            .ptr(at.value.data.device_ptr())
+            .u32(u32_arg(K, "value slot stride", at.value.slot_stride)?)
+            .u32(u32_arg(K, "value head stride", at.value.head_stride)?)
+            .u32(at.dim_v as u32)
+            .u32(u32_arg(K, "group", at.group)?)
+            .ptr(at.pos.device_ptr())
+            .ptr(at.slot0.device_ptr())
+            .u32(u32_arg(K, "capacity", at.capacity)?)
+            .u32(u32_arg(K, "window", at.window.unwrap_or(0))?)
+            .f32(at.scale)
+            .ptr(out.device_ptr());
+        // SAFETY: 21 arguments as attention in kernels/attention.cu (ptr,
+        // u32 ×3, ptr, u32 ×2, ptr, u32 ×2, ptr, u32 ×4, ptr, ptr, u32 ×2,
+        // f32, ptr); every cache view holds `capacity` slots of every KV
+        // head, and the kernel reads only slots below `capacity` (rows whose
+        // slot0 + pos reach it get NaN).
+        unsafe {
+            self.launch(
+                dev,
+                "attention",
+                grid(K, at.heads, at.rows, 1)?,
+                AT_THREADS,
+                &mut a,
+            )
+        }
+    }
+
+    /// MLA query absorption: `qa[row][head][c] = Σ_{j<dn} q[row][head][j] ·
+    /// kv_b[head·(dn+dv) + j][c]`; q element (row, head, j) is at
+    /// `row·q_row_stride + head·q_head_stride + j`, qa likewise.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb(
+        &self,
+        dev: &CudaDevice,
+        kv_b: &WeightView<'_>,
+        heads: usize,
+        dn: usize,
+        dv: usize,
+        q: BufView<'_, f32>,
+        q_row_stride: usize,
+        q_head_stride: usize,
+        rows: usize,
+        qa: BufMut<'_, f32>,
+        qa_row_stride: usize,
+        qa_head_stride: usize,
+    ) -> Result<()> {
+        const K: &str = "mla_absorb";
+        nonzero(K, "heads", heads)?;
+        nonzero(K, "dn", dn)?;
+        nonzero(K, "rows", rows)?;
+        if dn > AB_MAX_DN {
+            return Err(CudaError::invalid(K, format!("dn = {dn} > {AB_MAX_DN}")));
+        }
+        let r = kv_b.cols;
+        nonzero(K, "kv_lora_rank", r)?;
+        let head_rows = dn + dv;
+        need(
+            K,
+            "kv_b rows",
+            span(K, &[(heads, head_rows)], 0)?,
+            kv_b.rows,
+        )?;
+        let rb = kv_b
+            .format
+            .row_bytes(r)
+            .ok_or_else(|| CudaError::invalid(K, "kv_b rows are not whole 32-blocks"))?;
+        need(K, "kv_b", span(K, &[(kv_b.rows, rb)], 0)?, kv_b.data.len())?;
+        if !kv_b
+            .data
+            .device_ptr()
+            .is_multiple_of(kv_b.format.alignment() as u64)
+        {
+            return Err(CudaError::invalid(K, "kv_b is misaligned"));
+        }
+        let (sp, sb, sc) = match (kv_b.format, &kv_b.fp8) {
+            (WeightFormat::F8E4M3, Some(s)) => {
+                nonzero(K, "fp8 block", s.block)?;
+                let sc = r.div_ceil(s.block);
+                need(
+                    K,
+                    "fp8 scales",
+                    span(K, &[(kv_b.rows.div_ceil(s.block), sc)], 0)?,
+                    s.scales.len(),
+                )?;
+                (s.scales.device_ptr(), s.block, sc)
+            }
+            (WeightFormat::F8E4M3, None) => {
+                return Err(CudaError::invalid(K, "fp8 weights need their scales"));
+            }
+            (_, Some(_)) => return Err(CudaError::invalid(K, "scales given for a non-fp8 format")),
+            (_, None) => (0, 1, 0),
+        };
+        need(
+            K,
+            "q",
+            span(
+                K,
+                &[(rows - 1, q_row_stride), (heads - 1, q_head_stride)],
+                dn,
+            )?,
+            q.len(),
+        )?;
+        need(
+            K,
+            "qa",
+            span(
+                K,
+                &[(rows - 1, qa_row_stride), (heads - 1, qa_head_stride)],
+                r,
+            )?,
+            qa.len(),
+        )?;
+        if (heads > 1 && qa_head_stride < r)
+            || (rows > 1 && qa_row_stride < span(K, &[(heads - 1, qa_head_stride)], r)?)
+        {
+            return Err(CudaError::invalid(K, "qa strides make outputs overlap"));
+        }
+        let mut a = Args::new();
+        a.ptr(kv_b.data.device_ptr())
+            .u32(kv_b.format.code())
+            .u32(u32_arg(K, "kv_lora_rank", r)?)
+            .ptr(sp)
+            .u32(u32_arg(K, "fp8 block", sb)?)
+            .u32(u32_arg(K, "fp8 scale columns", sc)?)
+            .u32(u32_arg(K, "rows per head", head_rows)?)
+            .u32(dn as u32)
+            .ptr(q.device_ptr())
+            .u32(u32_arg(K, "q head stride", q_head_stride)?)
+            .u32(u32_arg(K, "q row stride", q_row_stride)?)
+            .ptr(qa.device_ptr())
+            .u32(u32_arg(K, "qa head stride", qa_head_stride)?)
+            .u32(u32_arg(K, "qa row stride", qa_row_stride)?);
+        // SAFETY: 14 arguments as mla_absorb in kernels/attention.cu (ptr,
+        // u32 ×2, ptr, u32 ×4, ptr, u32 ×2, ptr, u32 ×2); the head rows of
+        // kv_b, its scales, q and qa ranges were checked above.
+        unsafe {
+            self.launch(
+                dev,
+                "mla_absorb",
+                grid(K, r.div_ceil(AB_THREADS as usize), heads, rows)?,
+                AB_THREADS,
+                &mut a,
+            )
+        }
+    }
+
+    /// Softmax router: for each of `rows` rows of `experts` logits, the top
+    /// `k` experts (ids into `idx`, probabilities — renormalised over the k
+    /// when `norm` — into `weights`), largest first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_softmax_topk(
+        &self,
+        dev: &CudaDevice,
+        logits: BufView<'_, f32>,
+        rows: usize,
+        experts: usize,
+        k: usize,
+        norm: bool,
+        idx: BufMut<'_, u32>,
+        weights: BufMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "router_softmax_topk";
+        check_router(K, logits, rows, experts, k, &idx, &weights)?;
+        let mut a = Args::new();
+        a.ptr(logits.device_ptr())
+            .u32(experts as u32)
+            .u32(k as u32)
+            .u32(norm as u32)
+            .ptr(idx.device_ptr())
+            .ptr(weights.device_ptr());
+        // SAFETY: 6 arguments as router_softmax_topk in kernels/router.cu
+        // (ptr, u32 ×3, ptr, ptr); rows × experts logits and rows × k outputs
+        // checked; experts ≤ RT_MAX_E and k ≤ RT_MAX_K fit its shared arrays.
+        unsafe { self.launch(dev, "router_softmax_topk", grid(K, rows, 1, 1)?, 32, &mut a) }
+    }
+
+    /// DeepSeek-V3's sigmoid router with group-limited selection (see
+    /// kernels/router.cu); `bias` is the per-expert selection bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_sigmoid_grouped_topk(
+        &self,
+        dev: &CudaDevice,
+        logits: BufView<'_, f32>,
+        bias: Option<BufView<'_, f32>>,
+        rows: usize,
+        experts: usize,
+        n_group: usize,
+        topk_group: usize,
+        k: usize,
+        norm: bool,
+        scaling: f32,
+        idx: BufMut<'_, u32>,
+        weights: BufMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "router_sigmoid_grouped_topk";
+        check_router(K, logits, rows, experts, k, &idx, &weights)?;
+        if n_group == 0 || n_group > 32 || !experts.is_multiple_of(n_group) || experts / n_group < 2
+        {
+            return Err(CudaError::invalid(
+                K,
+                format!("{experts} experts in {n_group} groups (need ≤ 32 groups of ≥ 2)"),
+            ));
+        }
+        if topk_group == 0 || topk_group > n_group {
+            return Err(CudaError::invalid(
+                K,
+                format!("topk_group {topk_group} of {n_group} groups"),
+            ));
+        }
+        if let Some(b) = &bias {
+            need(K, "bias", experts, b.len())?;
+        }
+        let mut a = Args::new();
+        a.ptr(logits.device_ptr())
+            .ptr(bias.map_or(0, |b| b.device_ptr()))
+            .u32(experts as u32)
+            .u32(n_group as u32)
+            .u32(topk_group as u32)
+            .u32(k as u32)
+            .u32(norm as u32)
+            .f32(scaling)
+            .ptr(idx.device_ptr())
+            .ptr(weights.device_ptr());
+        // SAFETY: 10 arguments as router_sigmoid_grouped_topk in
+        // kernels/router.cu (ptr, ptr, u32 ×5, f32, ptr, ptr); sizes checked
+        // above and against the kernel's shared arrays; bias may be null.
+        unsafe {
+            self.launch(
+                dev,
+                "router_sigmoid_grouped_topk",
+                grid(K, rows, 1, 1)?,
+                32,
+                &mut a,
+            )
+        }
+    }
+}
+
+fn check_router(
+    k_name: &'static str,
+    logits: BufView<'_, f32>,
+    rows: usize,
+    experts: usize,
+    k: usize,
+    idx: &BufMut<'_, u32>,
+    weights: &BufMut<'_, f32>,
+) -> Result<()> {
+    nonzero(k_name, "rows", rows)?;
+    nonzero(k_name, "experts", experts)?;
+    nonzero(k_name, "k", k)?;
+    if experts > RT_MAX_E || k > RT_MAX_K || k > experts {
+        return Err(CudaError::invalid(
+            k_name,
+            format!("{experts} experts, top {k} (limits: {RT_MAX_E} experts, k ≤ {RT_MAX_K})"),
+        ));
+    }
+    need(
+        k_name,
+        "logits",
+        span(k_name, &[(rows, experts)], 0)?,
+        logits.len(),
+    )?;
+    let out = span(k_name, &[(rows, k)], 0)?;
+    need(k_name, "ids", out, idx.len())?;
+    need(k_name, "weights", out, weights.len())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_bytes_follow_the_formats() {
+        assert_eq!(WeightFormat::F32.row_bytes(7), Some(28));
+        assert_eq!(WeightFormat::Bf16.row_bytes(7), Some(14));
+        assert_eq!(WeightFormat::F8E4M3.row_bytes(7), Some(7));
+        assert_eq!(WeightFormat::Q8_0.row_bytes(64), Some(68));
+        assert_eq!(WeightFormat::Q4_0.row_bytes(64), Some(36));
+        assert_eq!(WeightFormat::Q4_0.row_bytes(48), None);
+        assert_eq!(WeightFormat::F32.row_bytes(usize::MAX), None);
+    }
+
+    #[test]
+    fn four_byte_arguments_sit_in_the_low_half() {
+        let mut a = Args::new();
+        a.u32(7).f32(1.5).u64(u64::MAX).ptr(0x1000);
+        assert_eq!(a.n, 4);
+        // What the driver reads for a 4-byte parameter: the first 4 bytes.
+        let first4 = |s: u64| u32::from_le_bytes(s.to_le_bytes()[..4].try_into().unwrap());
+        assert_eq!(first4(a.slots[0]), 7);
+        assert_eq!(f32::from_bits(first4(a.slots[1])), 1.5);
+        assert_eq!(a.slots[2], u64::MAX);
+    }
+
+    #[test]
+    fn sizes_overflow_into_errors_not_wraps() {
+        assert!(span("t", &[(usize::MAX, 2)], 0).is_err());
+        assert!(span("t", &[(3, 4), (5, 6)], 7).is_ok_and(|v| v == 49));
+        assert!(grid("t", 1, 65536, 1).is_err());
+        assert!(grid("t", 0, 1, 1).is_err());
+        assert!(u32_arg("t", "x", 1 << 32).is_err());
+    }
+}

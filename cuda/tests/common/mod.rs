@@ -1,0 +1,202 @@
+//! Shared pieces of the GPU tests: the device, random inputs (never zeros),
+//! weight encoders for every format with their exact f32 values, and the
+//! comparison helpers that state each bound.
+
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use colibri_cuda::{CudaDevice, DeviceBuffer, KernelCache, KernelSet, WeightFormat};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub struct Gpu {
+    pub dev: CudaDevice,
+    pub k: KernelSet,
+}
+
+/// The device and kernels, opened once per test binary. A machine without
+/// a usable GPU fails here with the reason (these tests are only run on
+/// purpose, with `--ignored`).
+pub fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let dev = CudaDevice::open(0).unwrap_or_else(|e| panic!("{e}"));
+        let k =
+            KernelSet::load(&dev, &KernelCache::user_default()).unwrap_or_else(|e| panic!("{e}"));
+        let i = dev.info();
+        eprintln!(
+            "GPU: {} ({}), {} SMs, {} MiB, driver CUDA {}.{}",
+            i.name,
+            i.arch,
+            i.multiprocessors,
+            i.total_mem >> 20,
+            i.driver_version.0,
+            i.driver_version.1
+        );
+        Gpu { dev, k }
+    })
+}
+
+/// A seeded generator; `COLIBRI_TEST_SEED` draws other inputs.
+pub fn rng(test: u64) -> ChaCha8Rng {
+    let base: u64 = std::env::var("COLIBRI_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed);
+    ChaCha8Rng::seed_from_u64(base ^ test.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Uniform in ±[lo, hi) with a random sign: never zero.
+pub fn nonzero(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let v = rng.random_range(lo..hi);
+            if rng.random::<bool>() { v } else { -v }
+        })
+        .collect()
+}
+
+pub fn upload<T: colibri_cuda::DeviceElem>(v: &[T]) -> DeviceBuffer<T> {
+    gpu().dev.upload(v).unwrap()
+}
+
+/// An f32 output buffer filled with NaN bit patterns, so an element the
+/// kernel forgot to write fails every comparison.
+pub fn poisoned(n: usize) -> DeviceBuffer<f32> {
+    let mut b = gpu().dev.alloc::<f32>(n).unwrap();
+    gpu().dev.fill_bytes(b.as_mut(), 0xff).unwrap();
+    b
+}
+
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((b >> 3) & 0x0f) as i32;
+    let man = (b & 7) as f32;
+    if exp == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man * (1.0 / 512.0)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// A random matrix in `fmt`: its bytes, its exact f32 elements (row-major)
+/// and, for FP8, its block scales.
+pub struct Weights {
+    pub bytes: Vec<u8>,
+    pub f32: Vec<f32>,
+    pub scales: Vec<f32>,
+    pub block: usize,
+}
+
+pub fn random_weights(
+    rng: &mut ChaCha8Rng,
+    fmt: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> Weights {
+    let mut w = Weights {
+        bytes: Vec::new(),
+        f32: Vec::with_capacity(rows * cols),
+        scales: Vec::new(),
+        block: 128,
+    };
+    match fmt {
+        WeightFormat::F32 => {
+            w.f32 = nonzero(rng, rows * cols, 0.01, 1.0);
+            w.bytes = w.f32.iter().flat_map(|v| v.to_le_bytes()).collect();
+        }
+        WeightFormat::F16 | WeightFormat::Bf16 => {
+            for v in nonzero(rng, rows * cols, 0.01, 1.0) {
+                let (bits, exact) = if fmt == WeightFormat::F16 {
+                    let h = half::f16::from_f32(v);
+                    (h.to_bits(), h.to_f32())
+                } else {
+                    let h = half::bf16::from_f32(v);
+                    (h.to_bits(), h.to_f32())
+                };
+                w.bytes.extend_from_slice(&bits.to_le_bytes());
+                w.f32.push(exact);
+            }
+        }
+        WeightFormat::F8E4M3 => {
+            let (gr, gc) = (rows.div_ceil(w.block), cols.div_ceil(w.block));
+            w.scales = (0..gr * gc)
+                .map(|_| rng.random_range(0.001f32..0.01))
+                .collect();
+            for r in 0..rows {
+                for c in 0..cols {
+                    let mut b: u8 = rng.random();
+                    if b & 0x7f == 0x7f || b & 0x7f == 0 {
+                        b ^= 0x11; // no NaN, no zero
+                    }
+                    w.bytes.push(b);
+                    w.f32
+                        .push(fp8_e4m3_to_f32(b) * w.scales[(r / w.block) * gc + c / w.block]);
+                }
+            }
+        }
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+            assert!(cols.is_multiple_of(32));
+            for _ in 0..rows * cols / 32 {
+                let d = half::f16::from_f32(rng.random_range(0.002f32..0.05));
+                w.bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+                let d = d.to_f32();
+                if fmt == WeightFormat::Q8_0 {
+                    for _ in 0..32 {
+                        let q: i8 = rng.random_range(-127..=127);
+                        w.bytes.push(q as u8);
+                        w.f32.push(d * q as f32);
+                    }
+                } else {
+                    let nib: Vec<u8> = (0..32).map(|_| rng.random_range(0..16u8)).collect();
+                    for j in 0..16 {
+                        w.bytes.push(nib[j] | (nib[j + 16] << 4));
+                    }
+                    w.f32.extend(nib.iter().map(|&q| d * (q as i32 - 8) as f32));
+                }
+            }
+        }
+    }
+    w
+}
+
+/// Fails unless `got` is within `tol(i)` of the f64 `want`, element by
+/// element (NaN never passes).
+pub fn assert_close(what: &str, got: &[f32], want: &[f64], tol: impl Fn(usize) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
+        let t = tol(i);
+        assert!(
+            err <= t,
+            "{what}[{i}]: got {g}, want {w} (error {err:e} > bound {t:e})"
+        );
+        if t > 0.0 && err / t > worst.0 {
+            worst = (err / t, i);
+        }
+    }
+    eprintln!(
+        "{what}: {} elements, worst error {:.3} of its bound (at {})",
+        got.len(),
+        worst.0,
+        worst.1
+    );
+}
+
+/// Fails unless the two are the same bits.
+pub fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits(),
+            "{what}[{i}]: {g} ({:#x}) != {w} ({:#x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}

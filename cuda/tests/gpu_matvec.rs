@@ -1,0 +1,275 @@
+//! GPU checks of the matvec kernels (run on a GPU machine with
+//! `cargo test -p colibri-cuda -- --ignored`, or tools/gpu_check.sh).
+//!
+//! For every format, on random matrices of awkward shapes (columns not a
+//! multiple of 32 or 128 where the format allows, odd row lengths that
+//! misalign rows, several shared-memory tiles):
+//!
+//! * against an f64 reference on the exact f32 elements: per element
+//!   `|y − ref| ≤ 1e-5 · Σ|wᵢ·xᵢ|` — the sum's own scale, since cancellation
+//!   can bring `ref` arbitrarily close to 0 (a wrong index or a lost group
+//!   errs by ~Σ|wᵢxᵢ|/√n, thousands of times the bound);
+//! * bit-identical across batch sizes (each token alone vs. 13 at once),
+//!   repeated runs, placement (the same matrix at another alignment), and
+//!   against the dequantized f32 twin of the same matrix;
+//! * the grouped launch gives each matrix what a single launch gives.
+
+mod common;
+
+use colibri_cuda::{Fp8Scales, MatvecGroup, WeightFormat, WeightView};
+use common::*;
+
+const BOUND: f64 = 1e-5;
+
+/// Runs `y = W x` for `ntok` tokens with the matrix placed `shift` bytes
+/// into its buffer.
+fn run(
+    fmt: WeightFormat,
+    w: &Weights,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    ntok: usize,
+    shift: usize,
+) -> Vec<f32> {
+    let g = gpu();
+    let mut bytes = vec![0xa5u8; shift];
+    bytes.extend_from_slice(&w.bytes);
+    let wb = upload(&bytes);
+    let sb = upload(if w.scales.is_empty() {
+        &[0.0f32][..]
+    } else {
+        &w.scales
+    });
+    let xb = upload(&x[..ntok * cols]);
+    let mut y = poisoned(ntok * rows);
+    let view = WeightView {
+        format: fmt,
+        rows,
+        cols,
+        data: wb.view(shift..bytes.len()).unwrap(),
+        fp8: (fmt == WeightFormat::F8E4M3).then(|| Fp8Scales {
+            scales: sb.as_view(),
+            block: w.block,
+        }),
+    };
+    g.k.matvec(&g.dev, &view, xb.as_view(), ntok, y.as_mut())
+        .unwrap();
+    g.dev.download(y.as_view()).unwrap()
+}
+
+fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
+    let mut rng = rng(seed);
+    let w = random_weights(&mut rng, fmt, rows, cols);
+    let max_tok = 13;
+    let x = nonzero(&mut rng, max_tok * cols, 0.01, 1.0);
+    let name = format!("{fmt:?} {rows}x{cols}");
+
+    let all = run(fmt, &w, rows, cols, &x, max_tok, 0);
+    let (want, scale): (Vec<f64>, Vec<f64>) = (0..max_tok * rows)
+        .map(|i| {
+            let (t, r) = (i / rows, i % rows);
+            let row = &w.f32[r * cols..(r + 1) * cols];
+            let xt = &x[t * cols..(t + 1) * cols];
+            let terms = row.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64);
+            (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>())
+        })
+        .unzip();
+    assert_close(&format!("{name} vs f64"), &all, &want, |i| BOUND * scale[i]);
+
+    for ntok in [1, 2, 3, 5, 8] {
+        let part = run(fmt, &w, rows, cols, &x, ntok, 0);
+        assert_bits(
+            &format!("{name}: {ntok} tokens vs 13"),
+            &part,
+            &all[..ntok * rows],
+        );
+    }
+    for t in [0, 7, 12] {
+        let one = run(fmt, &w, rows, cols, &x[t * cols..], 1, 0);
+        assert_bits(
+            &format!("{name}: token {t} alone"),
+            &one,
+            &all[t * rows..(t + 1) * rows],
+        );
+    }
+    assert_bits(
+        &format!("{name}: repeated"),
+        &run(fmt, &w, rows, cols, &x, max_tok, 0),
+        &all,
+    );
+    let shifts: &[usize] = match fmt {
+        WeightFormat::F32 => &[4, 8],
+        WeightFormat::F8E4M3 => &[1, 2, 3],
+        _ => &[2, 4, 6],
+    };
+    for &s in shifts {
+        let moved = run(fmt, &w, rows, cols, &x, max_tok, s);
+        assert_bits(&format!("{name}: placed {s} bytes further"), &moved, &all);
+    }
+    if fmt != WeightFormat::F32 {
+        let twin = Weights {
+            bytes: w.f32.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            f32: w.f32.clone(),
+            scales: Vec::new(),
+            block: w.block,
+        };
+        let f32_out = run(WeightFormat::F32, &twin, rows, cols, &x, max_tok, 0);
+        assert_bits(
+            &format!("{name} vs its dequantized f32 twin"),
+            &all,
+            &f32_out,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_f32() {
+    check(WeightFormat::F32, 77, 1000, 1);
+    check(WeightFormat::F32, 45, 131, 2);
+    check(WeightFormat::F32, 33, 2500, 3);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_f16() {
+    check(WeightFormat::F16, 77, 1000, 11);
+    check(WeightFormat::F16, 45, 131, 12);
+    check(WeightFormat::F16, 33, 2500, 13);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_bf16() {
+    check(WeightFormat::Bf16, 77, 1000, 21);
+    check(WeightFormat::Bf16, 45, 131, 22);
+    check(WeightFormat::Bf16, 33, 2500, 23);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_fp8_block_scaled() {
+    check(WeightFormat::F8E4M3, 259, 333, 31);
+    check(WeightFormat::F8E4M3, 45, 131, 32);
+    check(WeightFormat::F8E4M3, 130, 2100, 33);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q8_0() {
+    check(WeightFormat::Q8_0, 301, 1184, 41);
+    check(WeightFormat::Q8_0, 7, 96, 42);
+    check(WeightFormat::Q8_0, 45, 2080, 43);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_0() {
+    check(WeightFormat::Q4_0, 301, 1184, 51);
+    check(WeightFormat::Q4_0, 7, 96, 52);
+    check(WeightFormat::Q4_0, 45, 2080, 53);
+}
+
+/// Three q4_0 matrices at an odd stride, each with its own 3 tokens, in one
+/// launch: each equals its own single launch, bit for bit.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_grouped_equals_single() {
+    let g = gpu();
+    let mut rng = rng(61);
+    let (rows, cols, n, ntok) = (83, 640, 3, 3);
+    let stride = rows * (cols / 32 * 18) + 6;
+    let mut bytes = Vec::new();
+    let mut mats = Vec::new();
+    for _ in 0..n {
+        let w = random_weights(&mut rng, WeightFormat::Q4_0, rows, cols);
+        bytes.extend_from_slice(&w.bytes);
+        bytes.resize(bytes.len() + 6, 0x5a);
+        mats.push(w);
+    }
+    let x = nonzero(&mut rng, n * ntok * cols, 0.01, 1.0);
+    let wb = upload(&bytes);
+    let xb = upload(&x);
+    let mut y = poisoned(n * ntok * rows);
+    let group = MatvecGroup {
+        w: WeightView {
+            format: WeightFormat::Q4_0,
+            rows,
+            cols,
+            data: wb.as_view(),
+            fp8: None,
+        },
+        matrices: n,
+        w_stride: stride,
+        scale_stride: 0,
+        x: xb.as_view(),
+        x_tok_stride: cols,
+        x_mat_stride: ntok * cols,
+        ntok,
+        y_tok_stride: rows,
+        y_mat_stride: ntok * rows,
+    };
+    g.k.matvec_group(&g.dev, &group, y.as_mut()).unwrap();
+    let all = g.dev.download(y.as_view()).unwrap();
+    for (z, w) in mats.iter().enumerate() {
+        let single = run(
+            WeightFormat::Q4_0,
+            w,
+            rows,
+            cols,
+            &x[z * ntok * cols..],
+            ntok,
+            0,
+        );
+        assert_bits(
+            &format!("matrix {z}"),
+            &all[z * ntok * rows..(z + 1) * ntok * rows],
+            &single,
+        );
+    }
+}
+
+/// Views that do not fit are refused before anything is launched.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_rejects_bad_views() {
+    let g = gpu();
+    let wb = upload(&vec![1u8; 18 * 4 * 10]);
+    let xb = upload(&vec![1.0f32; 128]);
+    let mut y = poisoned(10);
+    let mut view = WeightView {
+        format: WeightFormat::Q4_0,
+        rows: 10,
+        cols: 128,
+        data: wb.as_view(),
+        fp8: None,
+    };
+    assert!(
+        g.k.matvec(&g.dev, &view, xb.as_view(), 1, y.as_mut())
+            .is_ok()
+    );
+    view.rows = 11; // one row past the buffer
+    assert!(
+        g.k.matvec(&g.dev, &view, xb.as_view(), 1, y.as_mut())
+            .is_err()
+    );
+    view.rows = 10;
+    view.cols = 120; // not whole blocks
+    assert!(
+        g.k.matvec(&g.dev, &view, xb.as_view(), 1, y.as_mut())
+            .is_err()
+    );
+    view.cols = 128;
+    assert!(
+        g.k.matvec(&g.dev, &view, xb.as_view(), 2, y.as_mut())
+            .is_err()
+    ); // x too short
+    view.data = wb.view(1..wb.len()).unwrap(); // misaligned
+    view.rows = 9;
+    assert!(
+        g.k.matvec(&g.dev, &view, xb.as_view(), 1, y.as_mut())
+            .is_err()
+    );
+    g.dev.synchronize().unwrap();
+}
