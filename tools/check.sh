@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export COLIBRI_TOKENIZER_DIR="${COLIBRI_TOKENIZER_DIR:-$PWD/target/tokenizer-wheels}"
+export COLIBRI_NVRTC_DIR="${COLIBRI_NVRTC_DIR:-$PWD/target/nvrtc/lib}"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

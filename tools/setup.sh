@@ -16,4 +16,6 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tools/requirements-test.txt
 
 tools/fetch_tokenizer_wheels.sh target/tokenizer-wheels
+# NVRTC (runs without a GPU): CI compiles every CUDA kernel for sm_80..sm_90.
+tools/fetch_nvrtc.sh target/nvrtc
 echo "setup done"
