@@ -8,8 +8,10 @@
 //! each block's products are summed exactly as integers into 8 lanes of 4
 //! elements (what `maddubs` + `madd` produce), each lane is accumulated
 //! with one fused multiply-add per block (`f32::mul_add`, as
-//! `_mm256_fmadd_ps`), and the 8 lanes are reduced in the vector kernels'
-//! order. So scalar and AVX2 agree bit for bit, which the tests check.
+//! `_mm256_fmadd_ps`) into one of two accumulators (even and odd blocks, so
+//! consecutive blocks do not wait on each other), the two are added lane by
+//! lane and the 8 lanes reduced in the vector kernels' order. So scalar and
+//! AVX2 agree bit for bit, which the tests check.
 //!
 //! Quantizing the activation is a (small) approximation of the exact
 //! dequantize-then-multiply product, as in llama.cpp; it applies only to
@@ -68,23 +70,33 @@ fn accumulate(acc: &mut [f32; 8], d: f32, w: &[i8; QK], q: &[i8]) {
     }
 }
 
+/// The final reduction of the even- and odd-block accumulators.
+#[inline(always)]
+fn finish(acc: [[f32; 8]; 2]) -> f32 {
+    let mut s = [0.0f32; 8];
+    for (k, v) in s.iter_mut().enumerate() {
+        *v = acc[0][k] + acc[1][k];
+    }
+    hsum8(s)
+}
+
 /// Scalar reference: a Q8_0 row (`n/32` blocks of 34 bytes) · activation.
 pub fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    let mut acc = [0.0f32; 8];
+    let mut acc = [[0.0f32; 8]; 2];
     for (b, blk) in w.chunks_exact(Q8_0_BLOCK_BYTES).enumerate() {
         let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * x.scales[b];
         let mut wq = [0i8; QK];
         for (o, &v) in wq.iter_mut().zip(&blk[2..]) {
             *o = v as i8;
         }
-        accumulate(&mut acc, d, &wq, &x.quants[b * QK..(b + 1) * QK]);
+        accumulate(&mut acc[b % 2], d, &wq, &x.quants[b * QK..(b + 1) * QK]);
     }
-    hsum8(acc)
+    finish(acc)
 }
 
 /// Scalar reference: a Q4_0 row (`n/32` blocks of 18 bytes) · activation.
 pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    let mut acc = [0.0f32; 8];
+    let mut acc = [[0.0f32; 8]; 2];
     for (b, blk) in w.chunks_exact(Q4_0_BLOCK_BYTES).enumerate() {
         let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * x.scales[b];
         let mut wq = [0i8; QK];
@@ -92,15 +104,15 @@ pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
             wq[j] = (v & 0x0f) as i8 - 8;
             wq[j + QK / 2] = (v >> 4) as i8 - 8;
         }
-        accumulate(&mut acc, d, &wq, &x.quants[b * QK..(b + 1) * QK]);
+        accumulate(&mut acc[b % 2], d, &wq, &x.quants[b * QK..(b + 1) * QK]);
     }
-    hsum8(acc)
+    finish(acc)
 }
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     //! # Safety
-    //! Every function requires AVX2 and FMA (checked by the caller with
+    //! Every function requires AVX2, FMA and F16C (checked by the caller with
     //! `is_x86_feature_detected!`), `w.len() == blocks × block bytes` and an
     //! activation of `blocks × 32` quants.
 
@@ -133,40 +145,53 @@ pub mod avx2 {
         }
     }
 
+    /// The block's f16 scale times the activation's, broadcast. F16C
+    /// converts exactly, as `f16_to_f32` does.
     #[inline(always)]
-    unsafe fn scale(blk: *const u8) -> f32 {
-        // SAFETY: the block's first two bytes are in bounds (caller).
-        unsafe { crate::format::f16_to_f32(u16::from_le_bytes([*blk, *blk.add(1)])) }
+    unsafe fn scale(blk: *const u8, xs: f32) -> __m256 {
+        // SAFETY: the block's first two bytes are in bounds (caller);
+        // register arithmetic under the caller's avx2/f16c guarantee.
+        unsafe {
+            let bits = (blk as *const u16).read_unaligned() as i32;
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+            _mm256_set1_ps(d * xs)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish(a0: __m256, a1: __m256) -> f32 {
+        // SAFETY: register arithmetic under the caller's avx guarantee.
+        unsafe { hsum(_mm256_add_ps(a0, a1)) }
     }
 
     /// # Safety
     /// See the module docs.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let blocks = w.len() / Q8_0_BLOCK_BYTES;
         let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); 2];
         // SAFETY: block b reads w[34b..34b+34] and quants[32b..32b+32],
         // in bounds for b < blocks (module docs).
         unsafe {
             for b in 0..blocks {
                 let blk = wp.add(b * Q8_0_BLOCK_BYTES);
-                let d = _mm256_set1_ps(scale(blk) * *x.scales.get_unchecked(b));
+                let d = scale(blk, *x.scales.get_unchecked(b));
                 let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                 let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
-                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc);
+                acc[b % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc[b % 2]);
             }
-            hsum(acc)
+            finish(acc[0], acc[1])
         }
     }
 
     /// # Safety
     /// See the module docs.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let blocks = w.len() / Q4_0_BLOCK_BYTES;
         let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); 2];
         let low = _mm_set1_epi8(0x0f);
         let eight = _mm256_set1_epi8(8);
         // SAFETY: block b reads w[18b..18b+18] and quants[32b..32b+32],
@@ -174,16 +199,16 @@ pub mod avx2 {
         unsafe {
             for b in 0..blocks {
                 let blk = wp.add(b * Q4_0_BLOCK_BYTES);
-                let d = _mm256_set1_ps(scale(blk) * *x.scales.get_unchecked(b));
+                let d = scale(blk, *x.scales.get_unchecked(b));
                 let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
                 // Elements 0..16 are the low nibbles, 16..32 the high ones.
                 let lo = _mm_and_si128(raw, low);
                 let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
                 let wq = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
                 let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
-                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc);
+                acc[b % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc[b % 2]);
             }
-            hsum(acc)
+            finish(acc[0], acc[1])
         }
     }
 }
@@ -275,8 +300,11 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_equals_the_scalar_reference_bit_for_bit() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("SKIP: this CPU has no AVX2+FMA (probe: is_x86_feature_detected)");
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("SKIP: this CPU has no AVX2+FMA+F16C (probe: is_x86_feature_detected)");
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
