@@ -36,6 +36,9 @@ pub struct KernelSet {
     pub dot_q4_0: fn(&[u8], &[f32]) -> f32,
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// One Q4_0 (`true`) or Q8_0 row against up to [`q8act::MULTI`]
+    /// activations, each result identical to the single-token kernel's.
+    pub dot_q_q8_multi: fn(&[u8], bool, &[&Q8Activation], &mut [f32]),
     /// Matrix products over Q8_0/Q4_0 weights quantize their input to
     /// 8-bit blocks and use the integer kernels (the default); false keeps
     /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
@@ -52,6 +55,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0: scalar::dot_q4_0,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q8act::dot_q4_0_q8,
+    dot_q_q8_multi: q8act::dot_q_q8_multi,
     int_activations: true,
 };
 
@@ -86,6 +90,9 @@ mod avx2_wrappers {
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q8act::avx2::dot_q4_0_q8(w, x) }
     }
+    pub fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&super::Q8Activation], out: &mut [f32]) {
+        unsafe { super::q8act::avx2::dot_q_q8_multi(w, q4, xs, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -99,6 +106,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0: avx2_wrappers::dot_q4_0,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
+    dot_q_q8_multi: avx2_wrappers::dot_q_q8_multi,
     int_activations: true,
 };
 
@@ -357,9 +365,32 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
                 // Token-major output, but row-major loop: each weight row is
                 // read from memory once and reused from L1 for every token.
                 let mut out = vec![0.0f32; (r1 - r0) * n];
-                for r in r0..r1 {
-                    for (t, input) in inputs.iter().enumerate() {
-                        out[t * (r1 - r0) + (r - r0)] = dot_input(k, w, r, input);
+                let q8: Vec<&Q8Activation> = inputs
+                    .iter()
+                    .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
+                    .collect();
+                let len = r1 - r0;
+                if q8.len() == n {
+                    // Integer kernels: one pass over each row serves up to
+                    // MULTI tokens (same results as one token at a time).
+                    let q4 = w.format == WeightFormat::Q4_0;
+                    let rb = w.data().len() / w.rows;
+                    let bytes = w.data().as_slice();
+                    let mut tmp = [0.0f32; q8act::MULTI];
+                    for r in r0..r1 {
+                        let row = &bytes[r * rb..(r + 1) * rb];
+                        for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
+                            (k.dot_q_q8_multi)(row, q4, group, &mut tmp[..group.len()]);
+                            for (j, v) in tmp[..group.len()].iter().enumerate() {
+                                out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
+                            }
+                        }
+                    }
+                } else {
+                    for r in r0..r1 {
+                        for (t, input) in inputs.iter().enumerate() {
+                            out[t * len + (r - r0)] = dot_input(k, w, r, input);
+                        }
                     }
                 }
                 out

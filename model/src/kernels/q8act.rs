@@ -170,18 +170,27 @@ pub mod avx2 {
     pub unsafe fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let blocks = w.len() / Q8_0_BLOCK_BYTES;
         let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 2];
         // SAFETY: block b reads w[34b..34b+34] and quants[32b..32b+32],
         // in bounds for b < blocks (module docs).
         unsafe {
-            for b in 0..blocks {
+            let step = |b: usize, acc: __m256| {
                 let blk = wp.add(b * Q8_0_BLOCK_BYTES);
                 let d = scale(blk, *x.scales.get_unchecked(b));
                 let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                 let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
-                acc[b % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc[b % 2]);
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc)
+            };
+            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut b = 0;
+            while b + 2 <= blocks {
+                even = step(b, even);
+                odd = step(b + 1, odd);
+                b += 2;
             }
-            finish(acc[0], acc[1])
+            if b < blocks {
+                even = step(b, even);
+            }
+            finish(even, odd)
         }
     }
 
@@ -191,13 +200,12 @@ pub mod avx2 {
     pub unsafe fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let blocks = w.len() / Q4_0_BLOCK_BYTES;
         let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 2];
         let low = _mm_set1_epi8(0x0f);
         let eight = _mm256_set1_epi8(8);
         // SAFETY: block b reads w[18b..18b+18] and quants[32b..32b+32],
         // in bounds for b < blocks (module docs).
         unsafe {
-            for b in 0..blocks {
+            let step = |b: usize, acc: __m256| {
                 let blk = wp.add(b * Q4_0_BLOCK_BYTES);
                 let d = scale(blk, *x.scales.get_unchecked(b));
                 let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
@@ -206,10 +214,129 @@ pub mod avx2 {
                 let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
                 let wq = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
                 let xq = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
-                acc[b % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc[b % 2]);
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lane_sums(wq, xq)), acc)
+            };
+            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut b = 0;
+            while b + 2 <= blocks {
+                even = step(b, even);
+                odd = step(b + 1, odd);
+                b += 2;
             }
-            finish(acc[0], acc[1])
+            if b < blocks {
+                even = step(b, even);
+            }
+            finish(even, odd)
         }
+    }
+
+    /// Up to [`super::MULTI`] activations against one row: the row's blocks
+    /// are loaded and unpacked once; each token runs exactly the arithmetic
+    /// of the single-token kernel (same lanes, accumulators and order), so
+    /// `out[t]` equals `dot_*_q8(w, xs[t])` bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs; `xs.len() == out.len() <= MULTI`, each activation
+    /// of `blocks × 32` quants.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: forwarded contract; N matches the slice lengths.
+        unsafe {
+            match (xs.len().min(out.len()), q4) {
+                (1, true) => multi::<1, true>(w, xs, out),
+                (2, true) => multi::<2, true>(w, xs, out),
+                (3, true) => multi::<3, true>(w, xs, out),
+                (4, true) => multi::<4, true>(w, xs, out),
+                (1, false) => multi::<1, false>(w, xs, out),
+                (2, false) => multi::<2, false>(w, xs, out),
+                (3, false) => multi::<3, false>(w, xs, out),
+                (4, false) => multi::<4, false>(w, xs, out),
+                _ => {}
+            }
+        }
+    }
+
+    /// The multi-token kernel for exactly `N` tokens (a compile-time count,
+    /// so the accumulators stay in registers).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn multi<const N: usize, const Q4: bool>(
+        w: &[u8],
+        xs: &[&Q8Activation],
+        out: &mut [f32],
+    ) {
+        let bb = if Q4 {
+            Q4_0_BLOCK_BYTES
+        } else {
+            Q8_0_BLOCK_BYTES
+        };
+        let blocks = w.len() / bb;
+        let wp = w.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let qp: [*const i8; N] = std::array::from_fn(|t| xs[t].quants.as_ptr());
+        let sp: [*const f32; N] = std::array::from_fn(|t| xs[t].scales.as_ptr());
+        let low = _mm_set1_epi8(0x0f);
+        let eight = _mm256_set1_epi8(8);
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: block b reads w[bb·b..bb·b+bb] and each activation's
+        // quants[32b..32b+32] and scales[b], in bounds for b < blocks
+        // (caller).
+        unsafe {
+            // One block into accumulator set P (even blocks 0, odd 1): the
+            // parity is a constant in each call, so nothing is indexed at
+            // run time and the accumulators stay in registers.
+            let step = |b: usize, acc: &mut [__m256; N]| {
+                let blk = wp.add(b * bb);
+                let bits = (blk as *const u16).read_unaligned() as i32;
+                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                let wq = if Q4 {
+                    let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
+                    let lo = _mm_and_si128(raw, low);
+                    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+                } else {
+                    _mm256_loadu_si256(blk.add(2) as *const __m256i)
+                };
+                let aw = _mm256_sign_epi8(wq, wq);
+                for t in 0..N {
+                    let d = _mm256_set1_ps(dw * *sp[t].add(b));
+                    let xq = _mm256_loadu_si256(qp[t].add(b * QK) as *const __m256i);
+                    let pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, wq));
+                    let lanes = _mm256_madd_epi16(pairs, ones);
+                    acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[t]);
+                }
+            };
+            let (mut even, mut odd) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
+            let mut b = 0;
+            while b + 2 <= blocks {
+                step(b, &mut even);
+                step(b + 1, &mut odd);
+                b += 2;
+            }
+            if b < blocks {
+                step(b, &mut even);
+            }
+            for t in 0..N {
+                acc[t] = [even[t], odd[t]];
+            }
+            for t in 0..N {
+                out[t] = finish(acc[t][0], acc[t][1]);
+            }
+        }
+    }
+}
+
+/// Most activations one multi-token call takes.
+pub const MULTI: usize = 4;
+
+/// Scalar reference of the multi-token kernels: the single-token reference
+/// per token.
+pub fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&Q8Activation], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = if q4 {
+            dot_q4_0_q8(w, x)
+        } else {
+            dot_q8_0_q8(w, x)
+        };
     }
 }
 
@@ -328,6 +455,33 @@ mod tests {
                     dot_q4_0_q8(&q4, &a).to_bits(),
                     "q4_0 {blocks} blocks"
                 );
+            }
+        }
+        // Multi-token: each token's result equals its single-token call.
+        for &blocks in &[1usize, 5, 64] {
+            let n = blocks * QK;
+            let w = data(&mut rng, n, 1.0);
+            let acts: Vec<Q8Activation> = (0..MULTI)
+                .map(|_| Q8Activation::quantize(&data(&mut rng, n, 2.0)))
+                .collect();
+            let refs: Vec<&Q8Activation> = acts.iter().collect();
+            for (bytes, q4) in [
+                (quantize_q8_0(&w).unwrap(), false),
+                (quantize_q4_0(&w).unwrap(), true),
+            ] {
+                for m in 1..=MULTI {
+                    let mut out = vec![f32::NAN; m];
+                    // SAFETY: features checked above; lengths from the quantizers.
+                    unsafe { avx2::dot_q_q8_multi(&bytes, q4, &refs[..m], &mut out) };
+                    for (t, o) in out.iter().enumerate() {
+                        let single = if q4 {
+                            dot_q4_0_q8(&bytes, refs[t])
+                        } else {
+                            dot_q8_0_q8(&bytes, refs[t])
+                        };
+                        assert_eq!(o.to_bits(), single.to_bits(), "q4={q4} m={m} t={t}");
+                    }
+                }
             }
         }
         // Extreme bytes (-128 in a Q8_0 row) stay exact.
