@@ -301,6 +301,7 @@ impl HfExpertLocator {
                             gate: loc(&g, i, h)?,
                             up: loc(&u, i, h)?,
                             down: loc(&d, h, i)?,
+                            record: None,
                         },
                     );
                 }
