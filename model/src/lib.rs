@@ -33,6 +33,7 @@ pub mod rope;
 pub mod sampling;
 pub mod source;
 pub mod stop;
+pub mod synth;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;

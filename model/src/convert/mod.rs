@@ -366,6 +366,11 @@ fn plan(src: &dyn ConvertSource, quant: Quant, kept: &mut Kept) -> Result<Manife
     Manifest::layout(src.architecture()?, copied, &dense, &experts)
 }
 
+/// The store `src` converted with `quant` would be (nothing is written).
+pub fn plan_store(src: &dyn ConvertSource, quant: Quant) -> Result<Manifest> {
+    plan(src, quant, &mut Kept::default())
+}
+
 struct RunStats {
     written: u64,
     rounded: usize,

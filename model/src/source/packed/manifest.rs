@@ -547,9 +547,9 @@ mod tests {
         );
         let l = &man.experts.layers[0];
         assert_eq!(l.payload_bytes, 2 * 64 * 36 + 64 * 68);
-        assert_eq!(l.record_bytes, ALIGN * 2);
+        assert_eq!(l.record_bytes, ALIGN * 3);
         assert_eq!(l.up.offset, l.gate.bytes);
-        assert_eq!(man.experts.bytes, 3 * 2 * ALIGN);
+        assert_eq!(man.experts.bytes, 3 * 3 * ALIGN);
         man.validate().unwrap();
         let text = serde_json::to_string(&man).unwrap();
         let back: Manifest = serde_json::from_str(&text).unwrap();
