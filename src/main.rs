@@ -4,9 +4,11 @@
 //! stderr through `tracing` (`RUST_LOG=debug` for more).
 
 mod common;
+mod convert;
 mod perplexity;
 mod run;
 mod serve;
+mod synth;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +31,12 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Convert a model (Hugging Face, GGUF or packed) to a packed expert
+    /// store, optionally re-quantized (resumable, bounded memory).
+    Convert(convert::ConvertArgs),
+    /// Write a synthetic model (random weights) with a real model's
+    /// geometry, as a packed store or a GGUF file.
+    Synth(synth::SynthArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +53,8 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::main(a),
         Command::Perplexity(a) => perplexity::main(a),
         Command::Serve(a) => serve::main(a),
+        Command::Convert(a) => convert::main(a),
+        Command::Synth(a) => synth::main(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
