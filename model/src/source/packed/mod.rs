@@ -70,7 +70,8 @@ pub fn is_packed(path: &Path) -> bool {
 /// An open packed store: its manifest over read-only maps of its files.
 pub struct PackedStore {
     dir: PathBuf,
-    manifest: Manifest,
+    /// Boxed: a manifest is large and stores live in `WeightSource`.
+    manifest: Box<Manifest>,
     dense_path: PathBuf,
     experts_path: Arc<Path>,
     dense: Arc<dyn ByteStorage>,
@@ -158,7 +159,7 @@ impl PackedStore {
             experts: map(&experts_path)?,
             dense_path,
             experts_path: experts_path.into(),
-            manifest,
+            manifest: Box::new(manifest),
             by_name,
         })
     }
