@@ -62,9 +62,13 @@ use crate::weights::TensorReader;
 pub use self::manifest::Manifest;
 pub use self::writer::{PackedWriter, Unit};
 
-/// Whether `path` is a packed store (a directory with a `manifest.json`).
+/// Whether `path` is a packed store: a directory with a `manifest.json`
+/// and no `config.json` (a Hugging Face directory may carry a file of that
+/// name; a store keeps its config inside the manifest).
 pub fn is_packed(path: &Path) -> bool {
-    path.is_dir() && path.join(manifest::MANIFEST_FILE).is_file()
+    path.is_dir()
+        && path.join(manifest::MANIFEST_FILE).is_file()
+        && !path.join("config.json").exists()
 }
 
 /// An open packed store: its manifest over read-only maps of its files.
