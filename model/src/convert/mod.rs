@@ -66,6 +66,9 @@ pub trait ConvertSource {
         unit: Unit,
         f: &mut dyn FnMut(&[SourceTensor<'_>]) -> Result<()>,
     ) -> Result<()>;
+    /// Called after each unit: a mapped source drops the pages it read
+    /// from the resident set (they stay in the page cache).
+    fn release(&self) {}
     /// Calls `f` with expert `expert` of `layer`'s gate, up and down.
     fn with_expert(
         &self,
@@ -143,6 +146,10 @@ impl ConvertSource for SourceReader<'_> {
             WeightSource::Gguf(_) => Vec::new(),
             WeightSource::Packed(p) => p.tokenizer_files(),
         }
+    }
+
+    fn release(&self) {
+        self.src.release_pages();
     }
 
     fn with_unit(
@@ -447,6 +454,7 @@ fn write_unit(
             }
             w.end()?;
             mem.sample();
+            src.release();
         }
         Ok(())
     })?;
@@ -486,6 +494,9 @@ fn write_unit(
                 w.end()
             })?;
             mem.sample();
+            // One expert's source pages at a time in the resident set (a
+            // layer of a large bf16 model is tens of GB).
+            src.release();
         }
     }
     w.finish_unit(unit)
@@ -502,6 +513,7 @@ pub fn write_store(
     let mem = PeakMemory::new();
     let mut kept = Kept::default();
     let plan = plan(src, opts.quant, &mut kept)?;
+    src.release();
     let kept = kept.lines();
     for k in &kept {
         tracing::warn!("{k}");
@@ -535,6 +547,7 @@ pub fn write_store(
         }
         progress.message(&unit.to_string());
         write_unit(src, &mut w, unit, opts.quant, progress, &mem, &mut stats)?;
+        src.release();
         written_units += 1;
         if let Unit::Layer(_) = unit {
             layers_written += 1;

@@ -227,6 +227,16 @@ impl WeightSource {
         }
     }
 
+    /// Drops the source's mapped pages from the resident set; views stay
+    /// valid (see [`crate::tensor::ByteStorage::release`]).
+    pub fn release_pages(&self) {
+        match self {
+            WeightSource::Hf(ck) => ck.release_pages(),
+            WeightSource::Gguf(f) => f.release_pages(),
+            WeightSource::Packed(p) => p.release_pages(),
+        }
+    }
+
     /// All dense weights.
     pub fn load_dense(&self, spec: &ModelSpec) -> Result<crate::weights::DenseWeights> {
         let g = self.load_globals(spec)?;

@@ -78,6 +78,12 @@ impl GgufFile {
         &self.path
     }
 
+    /// Drops the file's mapped pages from the resident set (see
+    /// [`ByteStorage::release`]).
+    pub fn release_pages(&self) {
+        self.map.release();
+    }
+
     pub fn header(&self) -> &GgufHeader {
         &self.header
     }

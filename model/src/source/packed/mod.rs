@@ -176,6 +176,13 @@ impl PackedStore {
         &self.manifest
     }
 
+    /// Drops the store's mapped pages from the resident set (see
+    /// [`ByteStorage::release`]).
+    pub fn release_pages(&self) {
+        self.dense.release();
+        self.experts.release();
+    }
+
     pub fn experts_path(&self) -> &Path {
         &self.experts_path
     }
