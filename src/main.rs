@@ -5,10 +5,12 @@
 
 mod bench_io;
 mod common;
+mod convert;
 mod perplexity;
 mod plan;
 mod run;
 mod serve;
+mod synth;
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +39,12 @@ enum Command {
     /// Measure the disk path: raw reads of a file, or cold-cache decoding of
     /// a model against the drive's raw bandwidth.
     BenchIo(bench_io::BenchIoArgs),
+    /// Convert a model (Hugging Face, GGUF or packed) to a packed expert
+    /// store, optionally re-quantized (resumable, bounded memory).
+    Convert(convert::ConvertArgs),
+    /// Write a synthetic model (random weights) with a real model's
+    /// geometry, as a packed store or a GGUF file.
+    Synth(synth::SynthArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,6 +63,8 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => serve::main(a),
         Command::Plan(a) => plan::main(a),
         Command::BenchIo(a) => bench_io::main(a),
+        Command::Convert(a) => convert::main(a),
+        Command::Synth(a) => synth::main(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -360,18 +360,25 @@ impl ModelSpec {
             path: path.clone(),
             source: e,
         })?;
-        let mut spec = ModelSpec::from_json(&value)?;
         let gen_path = dir.join("generation_config.json");
-        if let Ok(text) = std::fs::read_to_string(&gen_path) {
-            let gen_cfg: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        let gen_cfg = match std::fs::read_to_string(&gen_path) {
+            Ok(text) => Some(serde_json::from_str(&text).map_err(|e| ModelError::Json {
                 path: gen_path.clone(),
                 source: e,
-            })?;
-            if let Some(map) = gen_cfg.as_object() {
-                for id in (Cfg { map }).ids("eos_token_id")? {
-                    if !spec.eos_token_ids.contains(&id) {
-                        spec.eos_token_ids.push(id);
-                    }
+            })?),
+            Err(_) => None,
+        };
+        ModelSpec::from_parts(&value, gen_cfg.as_ref())
+    }
+
+    /// The spec from a parsed `config.json` and, when there is one,
+    /// `generation_config.json` (which may add EOS ids).
+    pub fn from_parts(config: &Value, generation: Option<&Value>) -> Result<ModelSpec> {
+        let mut spec = ModelSpec::from_json(config)?;
+        if let Some(map) = generation.and_then(Value::as_object) {
+            for id in (Cfg { map }).ids("eos_token_id")? {
+                if !spec.eos_token_ids.contains(&id) {
+                    spec.eos_token_ids.push(id);
                 }
             }
         }

@@ -27,6 +27,24 @@ pub enum ModelError {
     Safetensors { file: PathBuf, reason: String },
     #[error("{file}: not a valid GGUF model: {reason}")]
     Gguf { file: PathBuf, reason: String },
+    #[error("{file}: not a valid packed expert store: {reason}")]
+    Packed { file: PathBuf, reason: String },
+    /// Bytes read back do not hash to what the store's manifest recorded:
+    /// the file is corrupt (or was changed after it was written).
+    #[error(
+        "{file}: {what}: checksum mismatch (xxh3 {got:016x}, the manifest says {expected:016x}): the data is corrupt; convert the model again"
+    )]
+    Checksum {
+        file: PathBuf,
+        /// `layer L expert E` or `tensor NAME`.
+        what: String,
+        expected: u64,
+        got: u64,
+    },
+    /// A conversion stopped on purpose before it finished (the test hook
+    /// `ConvertOptions::stop_after_layers`); running it again resumes.
+    #[error("stopped after {0} layers as asked; run the same command again to resume")]
+    Interrupted(usize),
     #[error("tensor `{0}` is missing from the checkpoint")]
     MissingTensor(String),
     #[error("tensor `{name}` has unsupported dtype {dtype} (supported: {supported})")]

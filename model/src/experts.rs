@@ -87,8 +87,35 @@ pub fn load_expert(
     Err(ModelError::MissingTensor(g))
 }
 
+/// An expert as a loader hands it out.
+pub struct LoadedExpert {
+    pub weights: ExpertWeights,
+    /// For sources with record checksums (the packed store): the location
+    /// whose checksum `weights`' bytes must match. Loaders leave it to the
+    /// caller so that a resident source can verify on first use instead of
+    /// reading every expert at load; [`LoadedExpert::verified`] checks now.
+    pub check: Option<crate::source::ExpertLocation>,
+}
+
+impl LoadedExpert {
+    pub fn unchecked(weights: ExpertWeights) -> LoadedExpert {
+        LoadedExpert {
+            weights,
+            check: None,
+        }
+    }
+
+    /// The weights, after verifying their checksum (if the source has one).
+    pub fn verified(self) -> Result<ExpertWeights> {
+        if let Some(loc) = &self.check {
+            loc.verify_weights(&self.weights)?;
+        }
+        Ok(self.weights)
+    }
+}
+
 /// Loads expert `e` of layer `l`.
-pub type ExpertLoader<'a> = Box<dyn Fn(usize, usize) -> Result<ExpertWeights> + 'a>;
+pub type ExpertLoader<'a> = Box<dyn Fn(usize, usize) -> Result<LoadedExpert> + 'a>;
 
 /// Something routed experts can be loaded from, resident.
 pub trait ExpertStore {
@@ -98,7 +125,9 @@ pub trait ExpertStore {
 
 impl ExpertStore for Checkpoint {
     fn expert_loader<'a>(&'a self, spec: &'a ModelSpec) -> Result<ExpertLoader<'a>> {
-        Ok(Box::new(move |l, e| load_expert(spec, self, l, e)))
+        Ok(Box::new(move |l, e| {
+            load_expert(spec, self, l, e).map(LoadedExpert::unchecked)
+        }))
     }
 }
 
@@ -107,6 +136,7 @@ impl ExpertStore for crate::source::GgufFile {
         let locator = crate::source::GgufExpertLocator::new(spec, self)?;
         Ok(Box::new(move |l, e| {
             crate::source::gguf::experts::load_expert(&locator, self, l, e)
+                .map(LoadedExpert::unchecked)
         }))
     }
 }
@@ -116,20 +146,34 @@ impl ExpertStore for crate::source::WeightSource {
         match self {
             crate::source::WeightSource::Hf(ck) => ck.expert_loader(spec),
             crate::source::WeightSource::Gguf(f) => f.expert_loader(spec),
+            crate::source::WeightSource::Packed(p) => p.expert_loader(spec),
         }
     }
 }
 
+/// One resident expert and, for checksummed sources, whether its bytes
+/// have been verified yet.
+struct Resident {
+    weights: Arc<ExpertWeights>,
+    check: Option<crate::source::ExpertLocation>,
+    verified: std::sync::OnceLock<()>,
+}
+
 /// Every expert of a checkpoint, memory-mapped (the page cache holds them).
+///
+/// Experts of a packed store are verified against their record checksum
+/// the first time they are fetched, which is when the page cache first
+/// reads them from disk: loading stays O(index) rather than reading every
+/// expert, and no expert is ever used unverified.
 pub struct ResidentExperts {
-    layers: Vec<Vec<Arc<ExpertWeights>>>,
+    layers: Vec<Vec<Resident>>,
     /// Every fetch is a RAM hit (the page cache holds the mapping).
     hits: std::sync::atomic::AtomicU64,
 }
 
 impl ResidentExperts {
-    /// Every routed expert of `src` (a [`Checkpoint`], a GGUF file or a
-    /// [`crate::source::WeightSource`]).
+    /// Every routed expert of `src` (a [`Checkpoint`], a GGUF file, a
+    /// packed store or a [`crate::source::WeightSource`]).
     pub fn load(spec: &ModelSpec, src: &(impl ExpertStore + ?Sized)) -> Result<ResidentExperts> {
         let load = src.expert_loader(spec)?;
         let mut layers = Vec::with_capacity(spec.num_layers());
@@ -139,7 +183,12 @@ impl ResidentExperts {
                 && let Some(moe) = &spec.moe
             {
                 for e in 0..moe.num_experts {
-                    experts.push(Arc::new(load(l, e)?));
+                    let x = load(l, e)?;
+                    experts.push(Resident {
+                        weights: Arc::new(x.weights),
+                        check: x.check,
+                        verified: std::sync::OnceLock::new(),
+                    });
                 }
             }
             layers.push(experts);
@@ -169,8 +218,14 @@ impl ExpertSource for ResidentExperts {
                 expert: e,
                 reason: "no such expert".into(),
             })?;
+            if let Some(loc) = &w.check
+                && w.verified.get().is_none()
+            {
+                loc.verify_weights(&w.weights)?;
+                let _ = w.verified.set(());
+            }
             self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            ready(e, w.clone())?;
+            ready(e, w.weights.clone())?;
         }
         Ok(())
     }

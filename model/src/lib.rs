@@ -2,8 +2,10 @@
 //!
 //! - [`config`]: a Hugging Face `config.json` turned into a [`config::ModelSpec`],
 //!   the architecture as data (five MoE families share one engine).
-//! - [`source`]: weight sources (safetensors checkpoints, GGUF files)
-//!   and where routed experts live on disk.
+//! - [`source`]: weight sources (safetensors checkpoints, GGUF files,
+//!   colibri's packed expert store) and where routed experts live on disk.
+//! - [`convert`], [`synth`]: writing packed stores (and GGUF files) from
+//!   any source, or from random weights of a real geometry.
 //! - [`format`], [`quant`], [`tensor`], [`kernels`]: stored weight formats
 //!   (incl. ggml's Q8_0/Q4_0 blocks) and the CPU kernels over them, each
 //!   with a scalar reference.
@@ -16,6 +18,7 @@
 pub mod attention;
 pub mod chat;
 pub mod config;
+pub mod convert;
 pub mod demo;
 pub mod error;
 pub mod experts;
@@ -30,6 +33,7 @@ pub mod rope;
 pub mod sampling;
 pub mod source;
 pub mod stop;
+pub mod synth;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;

@@ -14,11 +14,26 @@ use crate::format::WeightFormat;
 /// view of it exists.
 pub trait ByteStorage: Send + Sync {
     fn bytes(&self) -> &[u8];
+
+    /// Takes this storage's pages out of the process's resident set where
+    /// that loses nothing: a read-only file mapping (the page cache keeps
+    /// them; the next access maps them again). Owned buffers ignore it.
+    /// `colibri convert` calls it between layers so that reading a source
+    /// larger than RAM does not show up as a resident set of its size.
+    fn release(&self) {}
 }
 
 impl ByteStorage for memmap2::Mmap {
     fn bytes(&self) -> &[u8] {
         self
+    }
+
+    fn release(&self) {
+        // SAFETY: colibri maps model files read-only and never writes
+        // through a mapping, so this private mapping has no copy-on-write
+        // pages for MADV_DONTNEED to discard: a later access reads the same
+        // bytes from the file again. Failing only leaves pages resident.
+        let _ = unsafe { self.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
     }
 }
 

@@ -1,6 +1,10 @@
 //! The dense (always resident) weights of a model and the tensor names each
 //! family uses on the Hub. Routed experts are not here: they come through an
 //! [`crate::experts::ExpertSource`], which decides where they live.
+//!
+//! Loading reads tensors by their Hub names through a [`TensorReader`]
+//! (a safetensors [`Checkpoint`] or a packed store, which keeps the Hub
+//! names), one layer at a time so that `colibri convert` can stream.
 
 use crate::config::{AttentionSpec, Family, FfnKind, ModelSpec, QkNorm, RouterKind};
 use crate::error::{ModelError, Result};
@@ -149,8 +153,32 @@ impl TensorNames {
     }
 }
 
+/// Tensors by Hub name: what dense weights are loaded from.
+pub trait TensorReader {
+    fn contains(&self, name: &str) -> bool;
+    /// A `rows × cols` weight matrix in its stored format (FP8 with its
+    /// `block × block` scales).
+    fn matrix(&self, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<QMatrix>;
+    /// A small tensor (norm weights, biases) widened to f32.
+    fn vector_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
+}
+
+impl TensorReader for Checkpoint {
+    fn contains(&self, name: &str) -> bool {
+        Checkpoint::contains(self, name)
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize, fp8_block: usize) -> Result<QMatrix> {
+        Checkpoint::matrix(self, name, rows, cols, fp8_block)
+    }
+
+    fn vector_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Checkpoint::vector_f32(self, name, shape)
+    }
+}
+
 fn linear(
-    ck: &Checkpoint,
+    ck: &(impl TensorReader + ?Sized),
     name: &str,
     rows: usize,
     cols: usize,
@@ -168,7 +196,7 @@ fn linear(
 }
 
 pub(crate) fn mlp(
-    ck: &Checkpoint,
+    ck: &(impl TensorReader + ?Sized),
     names: [&str; 3],
     hidden: usize,
     inter: usize,
@@ -181,11 +209,19 @@ pub(crate) fn mlp(
     })
 }
 
-impl DenseWeights {
-    pub fn load(spec: &ModelSpec, ck: &Checkpoint) -> Result<DenseWeights> {
+/// The weights outside the layers.
+#[derive(Clone, Debug)]
+pub struct GlobalWeights {
+    pub embed: QMatrix,
+    pub norm: Vec<f32>,
+    /// The output head; a clone of `embed` (same bytes) when tied.
+    pub lm_head: QMatrix,
+}
+
+impl GlobalWeights {
+    pub fn load(spec: &ModelSpec, ck: &(impl TensorReader + ?Sized)) -> Result<GlobalWeights> {
         let h = spec.hidden_size;
         let b = spec.fp8_block;
-        let names = TensorNames::new(spec.family);
         let embed = ck.matrix("model.embed_tokens.weight", spec.vocab_size, h, b)?;
         let lm_head = if ck.contains("lm_head.weight") {
             ck.matrix("lm_head.weight", spec.vocab_size, h, b)?
@@ -194,190 +230,220 @@ impl DenseWeights {
         } else {
             return Err(ModelError::MissingTensor("lm_head.weight".into()));
         };
-        let mut layers = Vec::with_capacity(spec.num_layers());
-        for (i, ls) in spec.layers.iter().enumerate() {
-            let p = names.layer(i);
-            let attn = match &spec.attention {
-                AttentionSpec::Gqa {
-                    num_heads,
-                    num_kv_heads,
-                    head_dim,
-                    qkv_bias,
-                    o_bias,
-                    qk_norm,
-                    ..
-                } => {
-                    let (q_out, kv_out) = (num_heads * head_dim, num_kv_heads * head_dim);
-                    let a = format!("{p}self_attn.");
-                    let (qn, kn) = match qk_norm {
-                        QkNorm::None => (None, None),
-                        QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
-                        QkNorm::Full => (Some(q_out), Some(kv_out)),
-                    };
-                    AttnWeights::Gqa(GqaWeights {
-                        q: linear(ck, &format!("{a}q_proj"), q_out, h, *qkv_bias, b)?,
-                        k: linear(ck, &format!("{a}k_proj"), kv_out, h, *qkv_bias, b)?,
-                        v: linear(ck, &format!("{a}v_proj"), kv_out, h, *qkv_bias, b)?,
-                        o: linear(ck, &format!("{a}o_proj"), h, q_out, *o_bias, b)?,
-                        q_norm: qn
-                            .map(|n| ck.vector_f32(&format!("{a}q_norm.weight"), &[n]))
-                            .transpose()?,
-                        k_norm: kn
-                            .map(|n| ck.vector_f32(&format!("{a}k_norm.weight"), &[n]))
-                            .transpose()?,
-                    })
-                }
-                AttentionSpec::Mla {
-                    num_heads,
-                    q_lora_rank,
-                    kv_lora_rank,
-                    qk_nope_head_dim,
-                    qk_rope_head_dim,
-                    v_head_dim,
-                    bias,
-                    ..
-                } => {
-                    let a = format!("{p}self_attn.");
-                    let qk = qk_nope_head_dim + qk_rope_head_dim;
-                    let q = match q_lora_rank {
-                        None => MlaQuery::Direct(linear(
-                            ck,
-                            &format!("{a}q_proj"),
-                            num_heads * qk,
-                            h,
-                            false,
-                            b,
-                        )?),
-                        Some(r) => MlaQuery::LowRank {
-                            a: linear(ck, &format!("{a}q_a_proj"), *r, h, *bias, b)?,
-                            norm: ck.vector_f32(&format!("{a}q_a_layernorm.weight"), &[*r])?,
-                            b: linear(ck, &format!("{a}q_b_proj"), num_heads * qk, *r, false, b)?,
-                        },
-                    };
-                    AttnWeights::Mla(MlaWeights {
-                        q,
-                        kv_a: linear(
-                            ck,
-                            &format!("{a}kv_a_proj_with_mqa"),
-                            kv_lora_rank + qk_rope_head_dim,
-                            h,
-                            *bias,
-                            b,
-                        )?,
-                        kv_a_norm: ck
-                            .vector_f32(&format!("{a}kv_a_layernorm.weight"), &[*kv_lora_rank])?,
-                        kv_b: ck.matrix(
-                            &format!("{a}kv_b_proj.weight"),
-                            num_heads * (qk_nope_head_dim + v_head_dim),
-                            *kv_lora_rank,
-                            b,
-                        )?,
-                        o: linear(
-                            ck,
-                            &format!("{a}o_proj"),
-                            h,
-                            num_heads * v_head_dim,
-                            *bias,
-                            b,
-                        )?,
-                    })
-                }
-            };
-            let ffn = match &ls.ffn {
-                FfnKind::Dense { intermediate_size } => {
-                    let m = format!("{p}mlp.");
-                    FfnWeights::Dense(mlp(
-                        ck,
-                        [
-                            &format!("{m}gate_proj.weight"),
-                            &format!("{m}up_proj.weight"),
-                            &format!("{m}down_proj.weight"),
-                        ],
-                        h,
-                        *intermediate_size,
-                        b,
-                    )?)
-                }
-                FfnKind::Moe => {
-                    let moe = spec
-                        .moe
-                        .as_ref()
-                        .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
-                    let blk = names.moe_block(i);
-                    let router = ck.matrix(&names.router(i), moe.num_experts, h, b)?;
-                    let selection_bias = match moe.router {
-                        RouterKind::SigmoidGrouped { .. } => Some(ck.vector_f32(
-                            &format!("{blk}gate.e_score_correction_bias"),
-                            &[moe.num_experts],
-                        )?),
-                        RouterKind::Softmax { .. } => None,
-                    };
-                    let (shared, shared_gate) = match (&moe.shared, spec.family) {
-                        (None, _) => (None, None),
-                        (Some(s), Family::Qwen2Moe) => {
-                            let m = format!("{blk}shared_expert.");
-                            (
-                                Some(mlp(
-                                    ck,
-                                    [
-                                        &format!("{m}gate_proj.weight"),
-                                        &format!("{m}up_proj.weight"),
-                                        &format!("{m}down_proj.weight"),
-                                    ],
-                                    h,
-                                    s.intermediate_size,
-                                    b,
-                                )?),
-                                if s.gated {
-                                    Some(ck.matrix(
-                                        &format!("{blk}shared_expert_gate.weight"),
-                                        1,
-                                        h,
-                                        b,
-                                    )?)
-                                } else {
-                                    None
-                                },
-                            )
-                        }
-                        (Some(s), _) => {
-                            let m = format!("{blk}shared_experts.");
-                            (
-                                Some(mlp(
-                                    ck,
-                                    [
-                                        &format!("{m}gate_proj.weight"),
-                                        &format!("{m}up_proj.weight"),
-                                        &format!("{m}down_proj.weight"),
-                                    ],
-                                    h,
-                                    s.intermediate_size,
-                                    b,
-                                )?),
-                                None,
-                            )
-                        }
-                    };
-                    FfnWeights::Moe(MoeWeights {
-                        router,
-                        selection_bias,
-                        shared,
-                        shared_gate,
-                    })
-                }
-            };
-            layers.push(LayerWeights {
-                attn_norm: ck.vector_f32(&format!("{p}input_layernorm.weight"), &[h])?,
-                attn,
-                ffn_norm: ck.vector_f32(&format!("{p}post_attention_layernorm.weight"), &[h])?,
-                ffn,
-            });
-        }
-        Ok(DenseWeights {
+        Ok(GlobalWeights {
             embed,
-            layers,
             norm: ck.vector_f32("model.norm.weight", &[h])?,
             lm_head,
         })
     }
+
+    /// Whether the output head is the embedding itself (tied weights).
+    pub fn lm_head_is_embed(&self) -> bool {
+        let (a, b) = (self.embed.data().as_slice(), self.lm_head.data().as_slice());
+        a.as_ptr() == b.as_ptr() && a.len() == b.len()
+    }
+
+    pub fn with_layers(self, layers: Vec<LayerWeights>) -> DenseWeights {
+        DenseWeights {
+            embed: self.embed,
+            layers,
+            norm: self.norm,
+            lm_head: self.lm_head,
+        }
+    }
+}
+
+impl DenseWeights {
+    pub fn load(spec: &ModelSpec, ck: &(impl TensorReader + ?Sized)) -> Result<DenseWeights> {
+        let g = GlobalWeights::load(spec, ck)?;
+        let layers = (0..spec.num_layers())
+            .map(|i| load_layer(spec, ck, i))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(g.with_layers(layers))
+    }
+}
+
+/// The dense weights of layer `i`, by Hub names.
+pub fn load_layer(
+    spec: &ModelSpec,
+    ck: &(impl TensorReader + ?Sized),
+    i: usize,
+) -> Result<LayerWeights> {
+    let h = spec.hidden_size;
+    let b = spec.fp8_block;
+    let names = TensorNames::new(spec.family);
+    let ls = spec
+        .layers
+        .get(i)
+        .ok_or_else(|| ModelError::Invalid(format!("layer {i} is not in the model")))?;
+    let p = names.layer(i);
+    let attn = match &spec.attention {
+        AttentionSpec::Gqa {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            ..
+        } => {
+            let (q_out, kv_out) = (num_heads * head_dim, num_kv_heads * head_dim);
+            let a = format!("{p}self_attn.");
+            let (qn, kn) = match qk_norm {
+                QkNorm::None => (None, None),
+                QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
+                QkNorm::Full => (Some(q_out), Some(kv_out)),
+            };
+            AttnWeights::Gqa(GqaWeights {
+                q: linear(ck, &format!("{a}q_proj"), q_out, h, *qkv_bias, b)?,
+                k: linear(ck, &format!("{a}k_proj"), kv_out, h, *qkv_bias, b)?,
+                v: linear(ck, &format!("{a}v_proj"), kv_out, h, *qkv_bias, b)?,
+                o: linear(ck, &format!("{a}o_proj"), h, q_out, *o_bias, b)?,
+                q_norm: qn
+                    .map(|n| ck.vector_f32(&format!("{a}q_norm.weight"), &[n]))
+                    .transpose()?,
+                k_norm: kn
+                    .map(|n| ck.vector_f32(&format!("{a}k_norm.weight"), &[n]))
+                    .transpose()?,
+            })
+        }
+        AttentionSpec::Mla {
+            num_heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            bias,
+            ..
+        } => {
+            let a = format!("{p}self_attn.");
+            let qk = qk_nope_head_dim + qk_rope_head_dim;
+            let q = match q_lora_rank {
+                None => MlaQuery::Direct(linear(
+                    ck,
+                    &format!("{a}q_proj"),
+                    num_heads * qk,
+                    h,
+                    false,
+                    b,
+                )?),
+                Some(r) => MlaQuery::LowRank {
+                    a: linear(ck, &format!("{a}q_a_proj"), *r, h, *bias, b)?,
+                    norm: ck.vector_f32(&format!("{a}q_a_layernorm.weight"), &[*r])?,
+                    b: linear(ck, &format!("{a}q_b_proj"), num_heads * qk, *r, false, b)?,
+                },
+            };
+            AttnWeights::Mla(MlaWeights {
+                q,
+                kv_a: linear(
+                    ck,
+                    &format!("{a}kv_a_proj_with_mqa"),
+                    kv_lora_rank + qk_rope_head_dim,
+                    h,
+                    *bias,
+                    b,
+                )?,
+                kv_a_norm: ck.vector_f32(&format!("{a}kv_a_layernorm.weight"), &[*kv_lora_rank])?,
+                kv_b: ck.matrix(
+                    &format!("{a}kv_b_proj.weight"),
+                    num_heads * (qk_nope_head_dim + v_head_dim),
+                    *kv_lora_rank,
+                    b,
+                )?,
+                o: linear(
+                    ck,
+                    &format!("{a}o_proj"),
+                    h,
+                    num_heads * v_head_dim,
+                    *bias,
+                    b,
+                )?,
+            })
+        }
+    };
+    let ffn = match &ls.ffn {
+        FfnKind::Dense { intermediate_size } => {
+            let m = format!("{p}mlp.");
+            FfnWeights::Dense(mlp(
+                ck,
+                [
+                    &format!("{m}gate_proj.weight"),
+                    &format!("{m}up_proj.weight"),
+                    &format!("{m}down_proj.weight"),
+                ],
+                h,
+                *intermediate_size,
+                b,
+            )?)
+        }
+        FfnKind::Moe => {
+            let moe = spec
+                .moe
+                .as_ref()
+                .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
+            let blk = names.moe_block(i);
+            let router = ck.matrix(&names.router(i), moe.num_experts, h, b)?;
+            let selection_bias = match moe.router {
+                RouterKind::SigmoidGrouped { .. } => Some(ck.vector_f32(
+                    &format!("{blk}gate.e_score_correction_bias"),
+                    &[moe.num_experts],
+                )?),
+                RouterKind::Softmax { .. } => None,
+            };
+            let (shared, shared_gate) = match (&moe.shared, spec.family) {
+                (None, _) => (None, None),
+                (Some(s), Family::Qwen2Moe) => {
+                    let m = format!("{blk}shared_expert.");
+                    (
+                        Some(mlp(
+                            ck,
+                            [
+                                &format!("{m}gate_proj.weight"),
+                                &format!("{m}up_proj.weight"),
+                                &format!("{m}down_proj.weight"),
+                            ],
+                            h,
+                            s.intermediate_size,
+                            b,
+                        )?),
+                        if s.gated {
+                            Some(ck.matrix(&format!("{blk}shared_expert_gate.weight"), 1, h, b)?)
+                        } else {
+                            None
+                        },
+                    )
+                }
+                (Some(s), _) => {
+                    let m = format!("{blk}shared_experts.");
+                    (
+                        Some(mlp(
+                            ck,
+                            [
+                                &format!("{m}gate_proj.weight"),
+                                &format!("{m}up_proj.weight"),
+                                &format!("{m}down_proj.weight"),
+                            ],
+                            h,
+                            s.intermediate_size,
+                            b,
+                        )?),
+                        None,
+                    )
+                }
+            };
+            FfnWeights::Moe(MoeWeights {
+                router,
+                selection_bias,
+                shared,
+                shared_gate,
+            })
+        }
+    };
+    Ok(LayerWeights {
+        attn_norm: ck.vector_f32(&format!("{p}input_layernorm.weight"), &[h])?,
+        attn,
+        ffn_norm: ck.vector_f32(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+        ffn,
+    })
 }

@@ -107,6 +107,14 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Drops the shards' mapped pages from the resident set (see
+    /// [`ByteStorage::release`]).
+    pub fn release_pages(&self) {
+        for s in &self.shards {
+            s.map.release();
+        }
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
@@ -301,6 +309,7 @@ impl HfExpertLocator {
                             gate: loc(&g, i, h)?,
                             up: loc(&u, i, h)?,
                             down: loc(&d, h, i)?,
+                            record: None,
                         },
                     );
                 }

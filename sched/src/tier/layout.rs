@@ -382,6 +382,7 @@ mod tests {
             gate,
             up,
             down,
+            record: None,
         }
     }
 

@@ -62,6 +62,7 @@ impl GgufExpertLocator {
                             gate: loc(0),
                             up: loc(1),
                             down: loc(2),
+                            record: None,
                         },
                     );
                 }

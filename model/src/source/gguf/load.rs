@@ -23,8 +23,8 @@ use crate::error::{ModelError, Result};
 use crate::format::WeightFormat;
 use crate::tensor::{Bytes, QMatrix};
 use crate::weights::{
-    AttnWeights, DenseWeights, FfnWeights, GqaWeights, LayerWeights, Linear, MlaQuery, MlaWeights,
-    MlpWeights, MoeWeights,
+    AttnWeights, DenseWeights, FfnWeights, GlobalWeights, GqaWeights, LayerWeights, Linear,
+    MlaQuery, MlaWeights, MlpWeights, MoeWeights,
 };
 
 /// The permutation llama.cpp applied: stored row `h·hd + 2i + a` holds HF
@@ -147,154 +147,164 @@ impl Loader<'_> {
 
 /// Loads the dense weights of `spec` from `file`.
 pub fn dense_weights(spec: &ModelSpec, file: &GgufFile) -> Result<DenseWeights> {
+    let g = global_weights(spec, file)?;
+    let layers = (0..spec.num_layers())
+        .map(|i| layer_weights(spec, file, i))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(g.with_layers(layers))
+}
+
+/// The embedding, final norm and output head.
+pub fn global_weights(spec: &ModelSpec, file: &GgufFile) -> Result<GlobalWeights> {
     let h = spec.hidden_size;
-    let ld = Loader { file, hidden: h };
     let embed = file.matrix("token_embd.weight", spec.vocab_size, h)?;
     let lm_head = if file.contains("output.weight") {
         file.matrix("output.weight", spec.vocab_size, h)?
     } else {
         embed.clone()
     };
-    let mut layers = Vec::with_capacity(spec.num_layers());
-    for (i, ls) in spec.layers.iter().enumerate() {
-        let p = format!("blk.{i}.");
-        let attn = match &spec.attention {
-            AttentionSpec::Gqa {
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                qkv_bias,
-                o_bias,
-                qk_norm,
-                ..
-            } => {
-                let (q_out, kv_out) = (num_heads * head_dim, num_kv_heads * head_dim);
-                let mut q = ld.linear(&format!("{p}attn_q"), q_out, h, *qkv_bias)?;
-                let mut k = ld.linear(&format!("{p}attn_k"), kv_out, h, *qkv_bias)?;
-                if spec.family == Family::Mixtral {
-                    let qs = llama_rope_rows(*num_heads, *head_dim);
-                    let ks = llama_rope_rows(*num_kv_heads, *head_dim);
-                    q.w = reorder_rows(&format!("{p}attn_q.weight"), &q.w, &qs)?;
-                    k.w = reorder_rows(&format!("{p}attn_k.weight"), &k.w, &ks)?;
-                    if let Some(b) = &mut q.bias {
-                        *b = qs.iter().map(|&s| b[s]).collect();
-                    }
-                    if let Some(b) = &mut k.bias {
-                        *b = ks.iter().map(|&s| b[s]).collect();
-                    }
-                }
-                let (qn, kn) = match qk_norm {
-                    QkNorm::None => (None, None),
-                    QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
-                    QkNorm::Full => (Some(q_out), Some(kv_out)),
-                };
-                AttnWeights::Gqa(GqaWeights {
-                    q,
-                    k,
-                    v: ld.linear(&format!("{p}attn_v"), kv_out, h, *qkv_bias)?,
-                    o: ld.linear(&format!("{p}attn_output"), h, q_out, *o_bias)?,
-                    q_norm: qn
-                        .map(|n| file.vector_f32(&format!("{p}attn_q_norm.weight"), n))
-                        .transpose()?,
-                    k_norm: kn
-                        .map(|n| file.vector_f32(&format!("{p}attn_k_norm.weight"), n))
-                        .transpose()?,
-                })
-            }
-            AttentionSpec::Mla {
-                num_heads,
-                q_lora_rank,
-                kv_lora_rank,
-                qk_nope_head_dim,
-                qk_rope_head_dim,
-                v_head_dim,
-                bias,
-                ..
-            } => {
-                let qk = qk_nope_head_dim + qk_rope_head_dim;
-                let q = match q_lora_rank {
-                    None => MlaQuery::Direct(ld.linear(
-                        &format!("{p}attn_q"),
-                        num_heads * qk,
-                        h,
-                        false,
-                    )?),
-                    Some(r) => MlaQuery::LowRank {
-                        a: ld.linear(&format!("{p}attn_q_a"), *r, h, *bias)?,
-                        norm: file.vector_f32(&format!("{p}attn_q_a_norm.weight"), *r)?,
-                        b: ld.linear(&format!("{p}attn_q_b"), num_heads * qk, *r, false)?,
-                    },
-                };
-                AttnWeights::Mla(MlaWeights {
-                    q,
-                    kv_a: ld.linear(
-                        &format!("{p}attn_kv_a_mqa"),
-                        kv_lora_rank + qk_rope_head_dim,
-                        h,
-                        *bias,
-                    )?,
-                    kv_a_norm: file
-                        .vector_f32(&format!("{p}attn_kv_a_norm.weight"), *kv_lora_rank)?,
-                    kv_b: ld.kv_b(
-                        &p,
-                        *num_heads,
-                        *qk_nope_head_dim,
-                        *v_head_dim,
-                        *kv_lora_rank,
-                    )?,
-                    o: ld.linear(&format!("{p}attn_output"), h, num_heads * v_head_dim, *bias)?,
-                })
-            }
-        };
-        let ffn = match &ls.ffn {
-            FfnKind::Dense { intermediate_size } => {
-                FfnWeights::Dense(ld.mlp(&p, "", *intermediate_size)?)
-            }
-            FfnKind::Moe => {
-                let moe = spec
-                    .moe
-                    .as_ref()
-                    .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
-                let router = file.matrix(&format!("{p}ffn_gate_inp.weight"), moe.num_experts, h)?;
-                let selection_bias = match moe.router {
-                    RouterKind::SigmoidGrouped { .. } => {
-                        ld.opt_bias(&format!("{p}exp_probs_b"), moe.num_experts)?
-                    }
-                    RouterKind::Softmax { .. } => None,
-                };
-                let (shared, shared_gate) = match &moe.shared {
-                    None => (None, None),
-                    Some(s) => (
-                        Some(ld.mlp(&p, "_shexp", s.intermediate_size)?),
-                        if s.gated {
-                            let name = format!("{p}ffn_gate_inp_shexp.weight");
-                            // Stored as [hidden] or [hidden, 1]: one row either way.
-                            Some(file.matrix_ne(&name, &[h as u64])?)
-                        } else {
-                            None
-                        },
-                    ),
-                };
-                FfnWeights::Moe(MoeWeights {
-                    router,
-                    selection_bias,
-                    shared,
-                    shared_gate,
-                })
-            }
-        };
-        layers.push(LayerWeights {
-            attn_norm: file.vector_f32(&format!("{p}attn_norm.weight"), h)?,
-            attn,
-            ffn_norm: file.vector_f32(&format!("{p}ffn_norm.weight"), h)?,
-            ffn,
-        });
-    }
-    Ok(DenseWeights {
+    Ok(GlobalWeights {
         embed,
-        layers,
         norm: file.vector_f32("output_norm.weight", h)?,
         lm_head,
+    })
+}
+
+/// The dense weights of layer `i`.
+pub fn layer_weights(spec: &ModelSpec, file: &GgufFile, i: usize) -> Result<LayerWeights> {
+    let h = spec.hidden_size;
+    let ld = Loader { file, hidden: h };
+    let ls = spec
+        .layers
+        .get(i)
+        .ok_or_else(|| ModelError::Invalid(format!("layer {i} is not in the model")))?;
+    let p = format!("blk.{i}.");
+    let attn = match &spec.attention {
+        AttentionSpec::Gqa {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            ..
+        } => {
+            let (q_out, kv_out) = (num_heads * head_dim, num_kv_heads * head_dim);
+            let mut q = ld.linear(&format!("{p}attn_q"), q_out, h, *qkv_bias)?;
+            let mut k = ld.linear(&format!("{p}attn_k"), kv_out, h, *qkv_bias)?;
+            if spec.family == Family::Mixtral {
+                let qs = llama_rope_rows(*num_heads, *head_dim);
+                let ks = llama_rope_rows(*num_kv_heads, *head_dim);
+                q.w = reorder_rows(&format!("{p}attn_q.weight"), &q.w, &qs)?;
+                k.w = reorder_rows(&format!("{p}attn_k.weight"), &k.w, &ks)?;
+                if let Some(b) = &mut q.bias {
+                    *b = qs.iter().map(|&s| b[s]).collect();
+                }
+                if let Some(b) = &mut k.bias {
+                    *b = ks.iter().map(|&s| b[s]).collect();
+                }
+            }
+            let (qn, kn) = match qk_norm {
+                QkNorm::None => (None, None),
+                QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
+                QkNorm::Full => (Some(q_out), Some(kv_out)),
+            };
+            AttnWeights::Gqa(GqaWeights {
+                q,
+                k,
+                v: ld.linear(&format!("{p}attn_v"), kv_out, h, *qkv_bias)?,
+                o: ld.linear(&format!("{p}attn_output"), h, q_out, *o_bias)?,
+                q_norm: qn
+                    .map(|n| file.vector_f32(&format!("{p}attn_q_norm.weight"), n))
+                    .transpose()?,
+                k_norm: kn
+                    .map(|n| file.vector_f32(&format!("{p}attn_k_norm.weight"), n))
+                    .transpose()?,
+            })
+        }
+        AttentionSpec::Mla {
+            num_heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            bias,
+            ..
+        } => {
+            let qk = qk_nope_head_dim + qk_rope_head_dim;
+            let q = match q_lora_rank {
+                None => {
+                    MlaQuery::Direct(ld.linear(&format!("{p}attn_q"), num_heads * qk, h, false)?)
+                }
+                Some(r) => MlaQuery::LowRank {
+                    a: ld.linear(&format!("{p}attn_q_a"), *r, h, *bias)?,
+                    norm: file.vector_f32(&format!("{p}attn_q_a_norm.weight"), *r)?,
+                    b: ld.linear(&format!("{p}attn_q_b"), num_heads * qk, *r, false)?,
+                },
+            };
+            AttnWeights::Mla(MlaWeights {
+                q,
+                kv_a: ld.linear(
+                    &format!("{p}attn_kv_a_mqa"),
+                    kv_lora_rank + qk_rope_head_dim,
+                    h,
+                    *bias,
+                )?,
+                kv_a_norm: file.vector_f32(&format!("{p}attn_kv_a_norm.weight"), *kv_lora_rank)?,
+                kv_b: ld.kv_b(
+                    &p,
+                    *num_heads,
+                    *qk_nope_head_dim,
+                    *v_head_dim,
+                    *kv_lora_rank,
+                )?,
+                o: ld.linear(&format!("{p}attn_output"), h, num_heads * v_head_dim, *bias)?,
+            })
+        }
+    };
+    let ffn = match &ls.ffn {
+        FfnKind::Dense { intermediate_size } => {
+            FfnWeights::Dense(ld.mlp(&p, "", *intermediate_size)?)
+        }
+        FfnKind::Moe => {
+            let moe = spec
+                .moe
+                .as_ref()
+                .ok_or_else(|| ModelError::Invalid("MoE layer without MoE spec".into()))?;
+            let router = file.matrix(&format!("{p}ffn_gate_inp.weight"), moe.num_experts, h)?;
+            let selection_bias = match moe.router {
+                RouterKind::SigmoidGrouped { .. } => {
+                    ld.opt_bias(&format!("{p}exp_probs_b"), moe.num_experts)?
+                }
+                RouterKind::Softmax { .. } => None,
+            };
+            let (shared, shared_gate) = match &moe.shared {
+                None => (None, None),
+                Some(s) => (
+                    Some(ld.mlp(&p, "_shexp", s.intermediate_size)?),
+                    if s.gated {
+                        let name = format!("{p}ffn_gate_inp_shexp.weight");
+                        // Stored as [hidden] or [hidden, 1]: one row either way.
+                        Some(file.matrix_ne(&name, &[h as u64])?)
+                    } else {
+                        None
+                    },
+                ),
+            };
+            FfnWeights::Moe(MoeWeights {
+                router,
+                selection_bias,
+                shared,
+                shared_gate,
+            })
+        }
+    };
+    Ok(LayerWeights {
+        attn_norm: file.vector_f32(&format!("{p}attn_norm.weight"), h)?,
+        attn,
+        ffn_norm: file.vector_f32(&format!("{p}ffn_norm.weight"), h)?,
+        ffn,
     })
 }
 

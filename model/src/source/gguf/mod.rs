@@ -3,7 +3,8 @@
 //!
 //! - [`header`]: the byte-level parser (metadata, tensor infos, alignment),
 //!   strict about every count and offset.
-//! - [`write`]: our writer (used by `colibri synth`/`convert` and tests).
+//! - [`write`]: our writer (tests, small files); [`stream`]: the same
+//!   files streamed, for models larger than memory (`colibri synth`).
 //! - [`arch`]: a [`ModelSpec`] from llama.cpp's metadata keys for
 //!   `qwen3moe`, `qwen2moe`, `llama` (Mixtral), `olmoe` and `deepseek2`.
 //! - [`load`]: the dense weights, undoing what llama.cpp's converter did
@@ -18,6 +19,7 @@ pub mod arch;
 pub mod experts;
 pub mod header;
 pub mod load;
+pub mod stream;
 pub mod vocab;
 pub mod write;
 
@@ -27,6 +29,7 @@ use std::sync::Arc;
 
 pub use self::experts::{GgufExpertLocator, GgufExperts};
 pub use self::header::{GgmlType, GgufArray, GgufHeader, GgufType, GgufValue, TensorInfo};
+pub use self::stream::GgufStreamWriter;
 pub use self::vocab::GgufVocab;
 pub use self::write::GgufWriter;
 use crate::config::ModelSpec;
@@ -73,6 +76,12 @@ impl GgufFile {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Drops the file's mapped pages from the resident set (see
+    /// [`ByteStorage::release`]).
+    pub fn release_pages(&self) {
+        self.map.release();
     }
 
     pub fn header(&self) -> &GgufHeader {

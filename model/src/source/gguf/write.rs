@@ -19,6 +19,49 @@ struct PendingTensor {
     data: Vec<u8>,
 }
 
+/// What the header says about one tensor.
+pub struct TensorHeader<'a> {
+    pub name: &'a str,
+    pub ne: &'a [u64],
+    pub ty: GgmlType,
+    /// Bytes of its data.
+    pub bytes: u64,
+}
+
+/// The header of a GGUF file (magic, version 3, metadata, tensor infos
+/// with offsets of data laid out in order at `alignment` boundaries),
+/// padded to `alignment`: the tensors' data follows.
+pub fn header_bytes(
+    metadata: &[(String, GgufValue)],
+    tensors: &[TensorHeader<'_>],
+    alignment: u64,
+) -> Vec<u8> {
+    let a = alignment as usize;
+    let mut out = Vec::new();
+    out.extend_from_slice(b"GGUF");
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_str(&mut out, k);
+        out.extend_from_slice(&v.ty().to_u32().to_le_bytes());
+        put_value(&mut out, v);
+    }
+    let mut offset = 0usize;
+    for t in tensors {
+        put_str(&mut out, t.name);
+        out.extend_from_slice(&(t.ne.len() as u32).to_le_bytes());
+        for d in t.ne {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+        out.extend_from_slice(&t.ty.id().to_le_bytes());
+        out.extend_from_slice(&(offset as u64).to_le_bytes());
+        offset = (offset + t.bytes as usize).div_ceil(a) * a;
+    }
+    out.resize(out.len().div_ceil(a) * a, 0);
+    out
+}
+
 /// Builds a GGUF file in memory or on disk.
 pub struct GgufWriter {
     metadata: Vec<(String, GgufValue)>,
@@ -168,29 +211,18 @@ impl GgufWriter {
 
     /// The whole file.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let infos: Vec<TensorHeader<'_>> = self
+            .tensors
+            .iter()
+            .map(|t| TensorHeader {
+                name: &t.name,
+                ne: &t.ne,
+                ty: t.ty,
+                bytes: t.data.len() as u64,
+            })
+            .collect();
         let a = self.alignment as usize;
-        let mut out = Vec::new();
-        out.extend_from_slice(b"GGUF");
-        out.extend_from_slice(&3u32.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (k, v) in &self.metadata {
-            put_str(&mut out, k);
-            out.extend_from_slice(&v.ty().to_u32().to_le_bytes());
-            put_value(&mut out, v);
-        }
-        let mut offset = 0usize;
-        for t in &self.tensors {
-            put_str(&mut out, &t.name);
-            out.extend_from_slice(&(t.ne.len() as u32).to_le_bytes());
-            for d in &t.ne {
-                out.extend_from_slice(&d.to_le_bytes());
-            }
-            out.extend_from_slice(&t.ty.id().to_le_bytes());
-            out.extend_from_slice(&(offset as u64).to_le_bytes());
-            offset = (offset + t.data.len()).div_ceil(a) * a;
-        }
-        out.resize(out.len().div_ceil(a) * a, 0);
+        let mut out = header_bytes(&self.metadata, &infos, self.alignment);
         for t in &self.tensors {
             out.extend_from_slice(&t.data);
             out.resize(out.len().div_ceil(a) * a, 0);
