@@ -380,6 +380,14 @@ impl Reader {
         self.send(Command::Cancel(tickets.to_vec()))
     }
 
+    /// Raises prefetch requests to demand priority: compute now waits for
+    /// them. Their reads still queued are issued before any prefetch read
+    /// (after the demand reads already queued); reads already in the kernel
+    /// go on as they are. Unknown, finished or demand tickets are ignored.
+    pub fn promote(&self, tickets: &[Ticket]) -> Result<(), IoError> {
+        self.send(Command::Promote(tickets.to_vec()))
+    }
+
     /// Stops issuing reads to the kernel until the returned guard is dropped
     /// (reads already in the kernel go on). Lets a caller assemble one
     /// logical batch from several `submit` calls and have it scheduled by
