@@ -82,6 +82,19 @@ pub struct TierOptions {
     pub faults: Option<FaultInjector>,
     /// Memory limits to plan with; `None`: probe the machine (tests fix them).
     pub memory: Option<MemoryLimits>,
+    /// Room for experts read ahead by the prefetcher: staging slots for
+    /// this many MoE layers' worth of experts (`top_k` each) are added per
+    /// size class. 0: none (prefetch only uses free slots beyond half the
+    /// staging area).
+    pub prefetch_layers: usize,
+}
+
+impl TierOptions {
+    /// Staging slots per size class added for prefetch.
+    pub fn prefetch_slots(&self, layout: &ExpertLayout) -> usize {
+        self.prefetch_layers * layout.top_k
+    }
+
 }
 
 impl Default for TierOptions {
@@ -96,6 +109,7 @@ impl Default for TierOptions {
             direct: DirectIo::Auto,
             faults: None,
             memory: None,
+            prefetch_layers: 0,
         }
     }
 }
@@ -309,6 +323,7 @@ pub fn plan_checkpoint(
         .as_ref()
         .map(|d| UsageHistory::load(d, &key, &layout))
         .filter(|h| h.total_steps() > 0);
+    let queue_depth = options.queue_depth;
     let plan = Plan::compute(&PlanRequest {
         layout: &layout,
         footprint: Footprint::of(spec, &model.weights, ctx),
@@ -316,7 +331,8 @@ pub fn plan_checkpoint(
         ram_budget: options.ram_budget,
         pin_budget: options.pin_budget,
         usage: history.as_ref(),
-        queue_depth: options.queue_depth,
+        queue_depth,
+        prefetch_slots: options.prefetch_slots(&layout),
     });
     Ok(PlanReport {
         model: dir.display().to_string(),
@@ -326,6 +342,6 @@ pub fn plan_checkpoint(
             .map(|d| UsageHistory::path(d, &key)),
         model_key: key,
         plan,
-        io: IoSummary::probe(options.io, &files, options.queue_depth),
+        io: IoSummary::probe(options.io, &files, queue_depth),
     })
 }
