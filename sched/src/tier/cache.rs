@@ -614,6 +614,7 @@ pub struct TierCache {
     backend: BackendInfo,
     model_key: String,
     usage_dir: Option<std::path::PathBuf>,
+    measured_depth: Option<super::MeasuredDepth>,
 }
 
 impl std::fmt::Debug for TierCache {
@@ -647,7 +648,7 @@ impl TierCache {
             .as_ref()
             .map(|dir| UsageHistory::load(dir, &model_key, &layout));
         let memory = options.memory.clone().unwrap_or_else(MemoryLimits::probe);
-        let queue_depth = options.queue_depth;
+        let (queue_depth, measured_depth) = options.resolve_queue_depth(&files, &layout);
         let plan = Plan::compute(&PlanRequest {
             layout: &layout,
             footprint: setup.footprint,
@@ -729,6 +730,7 @@ impl TierCache {
             backend,
             model_key,
             usage_dir,
+            measured_depth,
         };
         cache.load_pinned()?;
         tracing::info!(
@@ -862,6 +864,11 @@ impl TierCache {
     /// The I/O backend in use.
     pub fn backend(&self) -> &BackendInfo {
         &self.backend
+    }
+
+    /// The queue-depth measurement in effect, when the depth was measured.
+    pub fn measured_depth(&self) -> Option<&super::MeasuredDepth> {
+        self.measured_depth.as_ref()
     }
 
     /// The model key of the usage history.
