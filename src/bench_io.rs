@@ -138,6 +138,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             threads: args.threads,
             ctx: 0,
             tier: options,
+            ..EngineOptions::default()
         },
     )
     .with_context(|| format!("loading model {}", dir.display()))?;

@@ -99,6 +99,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
             threads: args.threads,
             ctx: args.ctx,
             tier: args.tier_options(),
+            ..EngineOptions::default()
         },
     )
     .with_context(|| format!("loading model {}", path.display()))?;

@@ -1,4 +1,9 @@
 //! The engine: a loaded model, its expert source and the compute pool.
+//!
+//! When routed experts stream from disk, the source is the RAM tier with
+//! the router-aware prefetcher in front (unless prefetch is off): the
+//! prefetcher gets the model's routers and the compute pool here, at
+//! construction.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -6,11 +11,18 @@ use std::sync::Arc;
 use colibri_model::{ExpertSource, Model, ModelError, Pool, SeqInput};
 
 use crate::counting::{CountingExperts, ExpertCounters};
+use crate::prefetch::{PrefetchOptions, Prefetcher};
 use crate::sequence::{Sequence, TokenEvent};
 use crate::tier::{TierCache, TierOptions};
 
 /// Prompt tokens fed per forward pass during prefill.
 pub const PREFILL_CHUNK: usize = 256;
+
+/// MoE layers' worth of experts (`top_k` each) the tier keeps staging
+/// slots for when prefetching: the next layer's guesses and the one
+/// after's (the `next-two` and `union` predictors guess up to twice
+/// `top_k` for one step).
+pub const PREFETCH_LAYERS: usize = 2;
 
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
@@ -20,6 +32,8 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Where routed experts live: RAM and pin budgets, I/O backend.
     pub tier: TierOptions,
+    /// Reading the coming layers' experts ahead.
+    pub prefetch: PrefetchOptions,
 }
 
 pub struct Engine {
@@ -31,6 +45,8 @@ pub struct Engine {
     /// The RAM tier behind `experts`, when the model's experts stream from
     /// disk (its plan, counters and read latencies).
     pub tier: Option<Arc<TierCache>>,
+    /// The prefetcher in front of the tier, when prefetch is on.
+    pub prefetcher: Option<Arc<Prefetcher>>,
     ctx: usize,
 }
 
@@ -39,15 +55,52 @@ impl Engine {
     /// from disk through the RAM tier within `opts.tier`'s budgets.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
         let (model, src) = Model::load(dir)?;
-        let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &opts.tier)?;
-        let mut engine = Engine::new(model, source.experts, opts)?;
+        let mut tier_options = opts.tier.clone();
+        if opts.prefetch.enabled {
+            tier_options.prefetch_layers = PREFETCH_LAYERS;
+        }
+        let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &tier_options)?;
+        let pool = Arc::new(Pool::new(opts.threads)?);
+        let prefetcher = match &source.tier {
+            Some(tier) if opts.prefetch.enabled => {
+                let mut options = opts.prefetch.clone();
+                if options.model_name.is_empty() {
+                    options.model_name = dir.display().to_string();
+                }
+                Some(Arc::new(Prefetcher::new(
+                    Arc::clone(tier),
+                    &model,
+                    Arc::clone(&pool),
+                    &options,
+                )?))
+            }
+            _ => None,
+        };
+        let experts: Arc<dyn ExpertSource> = match &prefetcher {
+            Some(p) => p.clone(),
+            None => source.experts,
+        };
+        let mut engine = Engine::with_pool(model, experts, pool, opts)?;
         engine.tier = source.tier;
+        engine.prefetcher = prefetcher;
         Ok(engine)
     }
 
     pub fn new(
         model: Model,
         experts: Arc<dyn ExpertSource>,
+        opts: &EngineOptions,
+    ) -> Result<Engine, ModelError> {
+        let pool = Arc::new(Pool::new(opts.threads)?);
+        Engine::with_pool(model, experts, pool, opts)
+    }
+
+    /// An engine computing on `pool` (which a prefetcher in `experts` may
+    /// share).
+    pub fn with_pool(
+        model: Model,
+        experts: Arc<dyn ExpertSource>,
+        pool: Arc<Pool>,
         opts: &EngineOptions,
     ) -> Result<Engine, ModelError> {
         let max = model.spec.max_position_embeddings;
@@ -61,8 +114,9 @@ impl Engine {
             model: Arc::new(model),
             experts: Arc::new(counting),
             expert_counters,
-            pool: Arc::new(Pool::new(opts.threads)?),
+            pool,
             tier: None,
+            prefetcher: None,
             ctx,
         })
     }
