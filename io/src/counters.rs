@@ -146,7 +146,7 @@ impl Counters {
     }
 
     /// Busy time so far, the current period included.
-    fn busy_ns(&self) -> u64 {
+    pub(crate) fn busy_ns(&self) -> u64 {
         let busy = self.busy();
         let total = busy.0 + busy.1.map_or(Duration::ZERO, |since| since.elapsed());
         u64::try_from(total.as_nanos()).unwrap_or(u64::MAX)

@@ -313,6 +313,14 @@ impl Reader {
         self.counters.snapshot()
     }
 
+    /// Nanoseconds with at least one read in the kernel so far (the
+    /// `busy_ns` of [`counters`](Self::counters), without the rest): a
+    /// caller that samples it around a wait learns how much of the wait
+    /// the drive was busy.
+    pub fn busy_ns(&self) -> u64 {
+        self.counters.busy_ns()
+    }
+
     /// Submits a batch of requests; each yields exactly one [`Completion`]
     /// on `reply`, in the order they finish. Returns their tickets in the
     /// batch's order.

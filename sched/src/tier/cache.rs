@@ -1071,6 +1071,7 @@ impl TierCache {
         let weak = Arc::downgrade(sh);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut io_wait = Duration::ZERO;
+        let mut io_wait_busy = 0u64;
         let result = (|| -> Result<(), ModelError> {
             let expert_of = |e: u32| sh.layout.records[e as usize].expert;
             let mut deliver = |lease: Lease| -> Result<(), ModelError> {
@@ -1132,8 +1133,11 @@ impl TierCache {
                     return Ok(());
                 }
                 let t = Instant::now();
+                let busy_before = self.reader.as_ref().map_or(0, Reader::busy_ns);
                 let msg = rx.recv_timeout(SLOT_WAIT_LIMIT);
                 io_wait += t.elapsed();
+                let busy_after = self.reader.as_ref().map_or(0, Reader::busy_ns);
+                io_wait_busy += busy_after.saturating_sub(busy_before);
                 match msg {
                     Ok(Msg::Ready { lease, .. }) => {
                         in_flight -= 1;
@@ -1184,6 +1188,7 @@ impl TierCache {
             &sh.counters.io_wait_ns,
             u64::try_from(io_wait.as_nanos()).unwrap_or(u64::MAX),
         );
+        bump(&sh.counters.io_wait_busy_ns, io_wait_busy);
         bump(
             &sh.counters.fetch_ns,
             u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),

@@ -46,6 +46,7 @@ pub(crate) struct Counters {
     pub slot_waits: AtomicU64,
     pub fetch_ns: AtomicU64,
     pub io_wait_ns: AtomicU64,
+    pub io_wait_busy_ns: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64, n: u64) {
@@ -104,6 +105,9 @@ pub struct TierStats {
     pub fetch_ns: u64,
     /// Nanoseconds `fetch` was blocked waiting for reads or slots.
     pub io_wait_ns: u64,
+    /// Of those, nanoseconds during which the reader had a read in the
+    /// kernel (the rest is hand-over between threads, or slot waits).
+    pub io_wait_busy_ns: u64,
 }
 
 impl Counters {
@@ -134,6 +138,7 @@ impl Counters {
             slot_waits: g(&self.slot_waits),
             fetch_ns: g(&self.fetch_ns),
             io_wait_ns: g(&self.io_wait_ns),
+            io_wait_busy_ns: g(&self.io_wait_busy_ns),
         }
     }
 }
@@ -167,6 +172,7 @@ impl TierStats {
             slot_waits: self.slot_waits - earlier.slot_waits,
             fetch_ns: self.fetch_ns - earlier.fetch_ns,
             io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
+            io_wait_busy_ns: self.io_wait_busy_ns - earlier.io_wait_busy_ns,
         }
     }
 
