@@ -81,6 +81,12 @@ impl ModelArgs {
                 Some(_) => QueueDepthMode::Fixed,
                 None => QueueDepthMode::measured(),
             },
+            // What the engine plans when it prefetches (so `plan` shows it).
+            prefetch_layers: if self.no_prefetch {
+                0
+            } else {
+                colibri_sched::engine::PREFETCH_LAYERS
+            },
             ..TierOptions::default()
         }
     }
