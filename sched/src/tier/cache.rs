@@ -689,6 +689,7 @@ impl TierCache {
             ReaderConfig {
                 backend: options.io,
                 queue_depth: queue_depth.max(1),
+                prefetch_limit: options.prefetch_limit,
                 faults: options.faults.clone(),
                 ..ReaderConfig::default()
             },

@@ -111,6 +111,9 @@ pub struct TierOptions {
     pub faults: Option<FaultInjector>,
     /// Memory limits to plan with; `None`: probe the machine (tests fix them).
     pub memory: Option<MemoryLimits>,
+    /// Prefetch reads in the kernel at most (`None`: the reader's default,
+    /// three quarters of the queue depth).
+    pub prefetch_limit: Option<usize>,
     /// Room for experts read ahead by the prefetcher: staging slots for
     /// this many MoE layers' worth of experts (`top_k` each) are added per
     /// size class. 0: none (prefetch only uses free slots beyond half the
@@ -163,6 +166,7 @@ impl Default for TierOptions {
             faults: None,
             memory: None,
             prefetch_layers: 0,
+            prefetch_limit: None,
         }
     }
 }
