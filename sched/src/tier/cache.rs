@@ -37,7 +37,7 @@
 //! the prefetcher runs), never evicts a cached or leased expert, and
 //! replaces its own oldest unused prediction of an earlier batch when it
 //! runs out. How prefetch reads are promoted when a demand joins them and
-//! dropped when they go stale is in [`speculation`].
+//! dropped when they go stale is in `cache/speculation.rs`.
 //!
 //! # Order of delivery
 //!
