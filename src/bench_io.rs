@@ -14,6 +14,20 @@
 //!   backend — the raw disk bandwidth, their ratio, and the physical bound
 //!   `raw bandwidth / disk bytes per token` in tokens/s beside the measured
 //!   tokens/s (DESIGN.md, "Performance model").
+//!
+//!   Time is accounted three ways: computing alone, blocked on reads, and
+//!   computing while reads were in flight (the overlap prefetch buys):
+//!   `io_wait` is the time `fetch` was blocked, `io_busy` the time the
+//!   reader had a read in the kernel, and the reader's busy time sampled
+//!   around each wait says how much of the blocked time the drive was
+//!   busy; busy time outside the waits ran under compute. Prefetch is judged by its recall (the
+//!   share of demand misses a prefetch had covered or started) and waste
+//!   (bytes prefetched and never used, per prefetched byte used), and, with
+//!   `--compare-prefetch`, by tokens/s against the same run without it and
+//!   with each other predictor (each a fresh, cold tier). The set scores of
+//!   every predictor (how many of each layer's experts it guessed) are
+//!   measured in the main run at the cost of one extra router product per
+//!   layer.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -23,8 +37,12 @@ use clap::Args;
 use colibri_io::bench::{AccessPattern, BenchLimit, RawBenchConfig, RawReport, raw_with};
 use colibri_io::{Backend, IoBackendChoice};
 use colibri_model::sampling::SamplingParams;
-use colibri_sched::tier::{ByteSize, DEFAULT_QUEUE_DEPTH, TierOptions, TierStats, UsageMode};
+use colibri_sched::prefetch::{Predictor, PrefetchOptions, PrefetcherStats};
+use colibri_sched::tier::{
+    ByteSize, LatencySummary, QueueDepthMode, TierOptions, TierStats, UsageMode,
+};
 use colibri_sched::{Engine, EngineOptions, GenRequest, Sequence};
+use serde::Serialize;
 use serde_json::json;
 
 use crate::common::parse_token_ids;
@@ -41,7 +59,8 @@ pub struct BenchIoArgs {
     /// direct-I/O alignment).
     #[arg(long, value_name = "SIZE", default_value = "1MiB")]
     pub block_size: ByteSize,
-    /// Reads in flight (default: 32 for --raw, the engine's 16 for --model).
+    /// Reads in flight (default: 32 for --raw; for --model the engine's
+    /// measured depth, as `run`).
     #[arg(long)]
     pub queue_depth: Option<usize>,
     /// I/O backend.
@@ -67,6 +86,20 @@ pub struct BenchIoArgs {
     /// --model: compute threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// --model: decode without reading predicted experts ahead.
+    #[arg(long, conflicts_with = "compare_prefetch")]
+    pub no_prefetch: bool,
+    /// --model: the predictor of the main run.
+    #[arg(
+        long,
+        value_name = "next|next-two|cross-token|union",
+        default_value = "next"
+    )]
+    pub predictor: Predictor,
+    /// --model: also decode without prefetch and with every other predictor
+    /// (each on a fresh, cold tier) and compare tokens/s.
+    #[arg(long)]
+    pub compare_prefetch: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -116,18 +149,89 @@ struct Phase {
     at: Instant,
     stats: TierStats,
     bytes_read: u64,
+    busy_ns: u64,
 }
 
-fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
-    if args.tokens < 2 {
-        bail!("--tokens must be at least 2 (the first token ends the prefill)");
+/// Where decode time went.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct TimeSplit {
+    /// Decode wall time.
+    decode_s: f64,
+    /// Computing with no read in flight.
+    compute_only_s: f64,
+    /// Computing while reads were in flight (I/O hidden under compute).
+    overlap_s: f64,
+    /// Blocked waiting for reads (or slots).
+    io_wait_s: f64,
+    /// Of the blocked time, the part with a read in the kernel; the rest is
+    /// the hand-over from a finished read to the computing thread (or a
+    /// wait for a slot).
+    io_wait_drive_busy_s: f64,
+    /// With at least one read in the kernel.
+    io_busy_s: f64,
+}
+
+impl TimeSplit {
+    fn of(decode_s: f64, io_wait_s: f64, io_wait_busy_s: f64, io_busy_s: f64) -> TimeSplit {
+        let overlap_s = (io_busy_s - io_wait_busy_s).max(0.0);
+        TimeSplit {
+            decode_s,
+            compute_only_s: (decode_s - io_wait_s - overlap_s).max(0.0),
+            overlap_s,
+            io_wait_s,
+            io_wait_drive_busy_s: io_wait_busy_s,
+            io_busy_s,
+        }
     }
-    let queue_depth = args.queue_depth.unwrap_or(DEFAULT_QUEUE_DEPTH);
+}
+
+/// One cold decode run.
+#[derive(Clone, Debug, Serialize)]
+struct DecodeRun {
+    /// `None`: prefetch off.
+    predictor: Option<Predictor>,
+    tokens: usize,
+    tok_s: f64,
+    ttft_s: f64,
+    disk_bytes_per_token: f64,
+    disk_read_mb_s: f64,
+    ram_hit_rate: f64,
+    prefill_hit_rate: f64,
+    io_wait_fraction: f64,
+    prefetch_recall: Option<f64>,
+    prefetch_waste: Option<f64>,
+    time: TimeSplit,
+    read_latency_us: LatencySummary,
+    decode: TierStats,
+    prefill: TierStats,
+    prefill_disk_bytes: u64,
+    prefetcher: Option<PrefetcherStats>,
+}
+
+/// What every run shares.
+struct Setup<'a> {
+    dir: &'a Path,
+    prompt: Vec<u32>,
+}
+
+fn decode_run(
+    args: &BenchIoArgs,
+    setup: &Setup<'_>,
+    predictor: Option<Predictor>,
+    evaluate: bool,
+) -> Result<(DecodeRun, Engine)> {
+    let dir = setup.dir;
     let options = TierOptions {
         ram_budget: args.ram_budget.map(ByteSize::bytes),
         pin_budget: Some(0),
         io: args.io,
-        queue_depth,
+        queue_depth: args
+            .queue_depth
+            .unwrap_or(TierOptions::default().queue_depth),
+        queue_depth_mode: match args.queue_depth {
+            Some(_) => QueueDepthMode::Fixed,
+            None => QueueDepthMode::measured(),
+        },
         // A cold benchmark: nothing learned is used, nothing is recorded.
         usage: UsageMode::Off,
         ..TierOptions::default()
@@ -138,6 +242,12 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             threads: args.threads,
             ctx: 0,
             tier: options,
+            prefetch: PrefetchOptions {
+                enabled: predictor.is_some(),
+                predictor: predictor.unwrap_or_default(),
+                evaluate,
+                ..PrefetchOptions::default()
+            },
         },
     )
     .with_context(|| format!("loading model {}", dir.display()))?;
@@ -148,16 +258,10 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             dir.display()
         );
     };
-    let vocab = engine.model.spec.vocab_size as u32;
-    let prompt = match &args.prompt_tokens {
-        Some(text) => parse_token_ids(text)?,
-        None => (1..=16u32).map(|t| t % vocab.max(1)).collect(),
-    };
-    let prompt_len = prompt.len();
     let mut seq = Sequence::new(
         &engine.model,
         GenRequest {
-            prompt,
+            prompt: setup.prompt.clone(),
             max_tokens: args.tokens,
             sampling: SamplingParams::default(),
             stop: vec![],
@@ -168,10 +272,14 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         engine.context_len(),
         None,
     )?;
-    let snapshot = || Phase {
-        at: Instant::now(),
-        stats: tier.stats(),
-        bytes_read: tier.reader_counters().bytes_read,
+    let snapshot = || {
+        let reader = tier.reader_counters();
+        Phase {
+            at: Instant::now(),
+            stats: tier.stats(),
+            bytes_read: reader.bytes_read,
+            busy_ns: reader.busy_ns,
+        }
     };
     let start = snapshot();
     let mut first: Option<Phase> = None;
@@ -191,15 +299,75 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     };
     let decode_tokens = generated.saturating_sub(1).max(1) as f64;
     let decode_s = end.at.duration_since(first.at).as_secs_f64().max(1e-9);
-    let ttft_s = first.at.duration_since(start.at).as_secs_f64();
     let decode = end.stats.since(&first.stats);
     let prefill = first.stats.since(&start.stats);
     let decode_bytes = end.bytes_read - first.bytes_read;
-    let bytes_per_token = decode_bytes as f64 / decode_tokens;
-    let tok_s = (generated - 1) as f64 / decode_s;
-    let disk_mb_s = decode_bytes as f64 / decode_s / 1e6;
-    let io_wait_fraction = decode.io_wait().as_secs_f64() / decode_s;
-    let latency = tier.read_latency(false);
+    let time = TimeSplit::of(
+        decode_s,
+        decode.io_wait().as_secs_f64(),
+        Duration::from_nanos(decode.io_wait_busy_ns).as_secs_f64(),
+        Duration::from_nanos(end.busy_ns - first.busy_ns).as_secs_f64(),
+    );
+    let run = DecodeRun {
+        predictor,
+        tokens: generated,
+        tok_s: (generated - 1) as f64 / decode_s,
+        ttft_s: first.at.duration_since(start.at).as_secs_f64(),
+        disk_bytes_per_token: decode_bytes as f64 / decode_tokens,
+        disk_read_mb_s: decode_bytes as f64 / decode_s / 1e6,
+        ram_hit_rate: decode.hit_rate(),
+        prefill_hit_rate: prefill.hit_rate(),
+        io_wait_fraction: time.io_wait_s / decode_s,
+        prefetch_recall: decode.prefetch_recall(),
+        prefetch_waste: decode.prefetch_waste(),
+        time,
+        read_latency_us: tier.read_latency(false),
+        decode,
+        prefill,
+        prefill_disk_bytes: first.bytes_read - start.bytes_read,
+        prefetcher: engine.prefetcher.as_ref().map(|p| p.stats()),
+    };
+    Ok((run, engine))
+}
+
+fn name(predictor: Option<Predictor>) -> &'static str {
+    predictor.map_or("off", Predictor::name)
+}
+
+fn percent(x: Option<f64>) -> String {
+    x.map_or("-".into(), |x| format!("{:.1}%", x * 100.0))
+}
+
+fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
+    if args.tokens < 2 {
+        bail!("--tokens must be at least 2 (the first token ends the prefill)");
+    }
+    // The prompt needs the vocabulary size; reading the config is enough.
+    let spec = colibri_model::ModelSpec::from_dir(dir)
+        .with_context(|| format!("reading the config of {}", dir.display()))?;
+    let vocab = spec.vocab_size as u32;
+    let prompt = match &args.prompt_tokens {
+        Some(text) => parse_token_ids(text)?,
+        None => (1..=16u32).map(|t| t % vocab.max(1)).collect(),
+    };
+    let prompt_len = prompt.len();
+    let setup = Setup { dir, prompt };
+    let main_predictor = (!args.no_prefetch).then_some(args.predictor);
+    // The main run scores every predictor's guesses (one extra router
+    // product per layer); comparison runs do not, so their tokens/s are
+    // what each setting costs.
+    let (run, engine) = decode_run(args, &setup, main_predictor, main_predictor.is_some())?;
+    let mut compared = Vec::new();
+    if args.compare_prefetch {
+        let others = std::iter::once(None).chain(Predictor::ALL.into_iter().map(Some));
+        for predictor in others {
+            let (r, _) = decode_run(args, &setup, predictor, false)?;
+            compared.push(r);
+        }
+    }
+    let Some(tier) = engine.tier.clone() else {
+        bail!("no tier");
+    };
 
     // The raw disk, now, over the same file(s), at the same read size.
     let files = tier.files();
@@ -216,6 +384,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         .max(1);
     let block = tier.layout().typical_read_bytes().max(1).div_ceil(unit) * unit;
     let backend = tier.backend().backend;
+    let queue_depth = tier.backend().queue_depth;
     let raw_report: RawReport = raw_with(
         &largest,
         &RawBenchConfig {
@@ -235,112 +404,197 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     .with_context(|| format!("raw benchmark of {}", largest.display()))?;
     let raw_mb_s = raw_report.mb_per_s;
     let utilization = if raw_mb_s > 0.0 {
-        disk_mb_s / raw_mb_s
+        run.disk_read_mb_s / raw_mb_s
     } else {
         0.0
     };
     // missed expert bytes per token / raw bandwidth, as tokens per second.
+    let bytes_per_token = run.disk_bytes_per_token;
     let bound_tok_s = (bytes_per_token > 0.0).then(|| raw_mb_s * 1e6 / bytes_per_token);
+    let tok_s = run.tok_s;
     let plan = tier.plan();
     let o_direct = files.all_direct();
+    let off_tok_s = compared
+        .iter()
+        .find(|r| r.predictor.is_none())
+        .map(|r| r.tok_s);
 
     if args.json {
         let v = json!({
             "model": dir.display().to_string(),
             "prompt_tokens": prompt_len,
-            "tokens": generated,
+            "tokens": run.tokens,
             "tok_s": tok_s,
-            "ttft_s": ttft_s,
+            "ttft_s": run.ttft_s,
             "disk_bytes_per_token": bytes_per_token,
-            "disk_read_mb_s": disk_mb_s,
+            "disk_read_mb_s": run.disk_read_mb_s,
             "raw_disk_mb_s": raw_mb_s,
             "disk_utilization": utilization,
             "bound_tok_s": bound_tok_s,
             "tok_s_of_bound": bound_tok_s.map(|b| tok_s / b),
-            "ram_hit_rate": decode.hit_rate(),
-            "prefill_hit_rate": prefill.hit_rate(),
+            "ram_hit_rate": run.ram_hit_rate,
+            "prefill_hit_rate": run.prefill_hit_rate,
             "io_backend": backend.to_string(),
             "o_direct": o_direct,
             "queue_depth": queue_depth,
-            "io_wait_s": decode.io_wait().as_secs_f64(),
-            "io_wait_fraction": io_wait_fraction,
-            "decode_s": decode_s,
-            "read_latency_us": latency,
-            "decode": decode,
-            "prefill": prefill,
-            "prefill_disk_bytes": first.bytes_read - start.bytes_read,
+            "queue_depth_measured": tier.measured_depth(),
+            "io_wait_s": run.time.io_wait_s,
+            "io_wait_fraction": run.io_wait_fraction,
+            "time": run.time,
+            "decode_s": run.time.decode_s,
+            "prefetch": name(run.predictor),
+            "prefetch_recall": run.prefetch_recall,
+            "prefetch_waste": run.prefetch_waste,
+            "prefetcher": run.prefetcher,
+            "read_latency_us": run.read_latency_us,
+            "decode": run.decode,
+            "prefill": run.prefill,
+            "prefill_disk_bytes": run.prefill_disk_bytes,
             "ram_budget_bytes": plan.ram_budget_bytes,
             "cache_slots": plan.cache_slots(),
             "staging_bytes": plan.staging_bytes,
             "all_experts_bytes": plan.all_experts_bytes,
             "raw": raw_report,
+            "compare_prefetch": args.compare_prefetch.then_some(&compared),
+            "prefetch_speedup": off_tok_s.map(|off| tok_s / off),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        println!(
-            "model {}: {} prompt tokens, {} generated; {} {}, queue depth {}",
-            dir.display(),
-            prompt_len,
-            generated,
-            backend,
-            if o_direct {
-                "O_DIRECT"
-            } else {
-                "buffered (O_DIRECT refused; ranges dropped after each read)"
-            },
-            queue_depth
-        );
-        println!(
-            "budget {} for experts ({} cache slots; all experts {}), staging {}",
-            ByteSize(plan.ram_budget_bytes),
-            plan.cache_slots(),
-            ByteSize(plan.all_experts_bytes),
-            ByteSize(plan.staging_bytes)
-        );
-        println!(
-            "time to first token {:.3} s ({} read, hit rate {:.1}%)",
-            ttft_s,
-            ByteSize(first.bytes_read - start.bytes_read),
-            prefill.hit_rate() * 100.0
-        );
-        println!(
-            "decode {:.2} tok/s; {} read per token at {:.1} MB/s; RAM hit rate {:.1}%",
+        return Ok(());
+    }
+    println!(
+        "model {}: {} prompt tokens, {} generated; {} {}, queue depth {}{}",
+        dir.display(),
+        prompt_len,
+        run.tokens,
+        backend,
+        if o_direct {
+            "O_DIRECT"
+        } else {
+            "buffered (O_DIRECT refused; ranges dropped after each read)"
+        },
+        queue_depth,
+        match tier.measured_depth() {
+            Some(m) => format!(
+                " (measured: {} MB/s at depths {})",
+                m.points
+                    .iter()
+                    .map(|(_, mb, _)| format!("{mb:.0}"))
+                    .collect::<Vec<_>>()
+                    .join("/"),
+                m.points
+                    .iter()
+                    .map(|(d, _, _)| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            ),
+            None => String::new(),
+        }
+    );
+    println!(
+        "budget {} for experts ({} cache slots; all experts {}), staging {}",
+        ByteSize(plan.ram_budget_bytes),
+        plan.cache_slots(),
+        ByteSize(plan.all_experts_bytes),
+        ByteSize(plan.staging_bytes)
+    );
+    println!(
+        "time to first token {:.3} s ({} read, hit rate {:.1}%)",
+        run.ttft_s,
+        ByteSize(run.prefill_disk_bytes),
+        run.prefill_hit_rate * 100.0
+    );
+    println!(
+        "decode {:.2} tok/s; {} read per token at {:.1} MB/s; RAM hit rate {:.1}%",
+        tok_s,
+        ByteSize(bytes_per_token as u64),
+        run.disk_read_mb_s,
+        run.ram_hit_rate * 100.0
+    );
+    let t = &run.time;
+    println!(
+        "decode time {:.2} s: computing alone {:.1}%, computing with reads in flight {:.1}%, \
+         blocked on reads {:.1}% (drive busy for {:.1}% of it)",
+        t.decode_s,
+        t.compute_only_s / t.decode_s * 100.0,
+        t.overlap_s / t.decode_s * 100.0,
+        t.io_wait_s / t.decode_s * 100.0,
+        if t.io_wait_s > 0.0 {
+            t.io_wait_drive_busy_s / t.io_wait_s * 100.0
+        } else {
+            0.0
+        }
+    );
+    let l = &run.read_latency_us;
+    println!(
+        "read latency p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us ({} reads)",
+        l.p50_us, l.p90_us, l.p99_us, l.max_us, l.reads
+    );
+    match &run.prefetcher {
+        Some(p) => {
+            println!(
+                "prefetch ({}): recall {} of demand misses covered or started; waste {} \
+                 (bytes never used per byte used); {} stale predictions dropped",
+                p.predictor,
+                percent(run.prefetch_recall),
+                run.prefetch_waste.map_or("-".into(), |w| format!("{w:.2}")),
+                p.stale_dropped
+            );
+            println!("predictor guesses as sets (cache-independent), decode and prefill:");
+            for s in &p.scores {
+                println!(
+                    "  {:<12} recall {:>6}  precision {:>6}  ({} of {} used experts guessed, \
+                     {} guesses)",
+                    s.predictor.name(),
+                    percent(s.recall()),
+                    percent(s.precision()),
+                    s.correct,
+                    s.actual,
+                    s.predicted
+                );
+            }
+        }
+        None => println!("prefetch off"),
+    }
+    println!(
+        "raw disk {:.1} MB/s ({} blocks of {}, queue depth {}, {}): decode used {:.1}% of it",
+        raw_mb_s,
+        raw_report.reads,
+        ByteSize(block),
+        queue_depth,
+        largest.display(),
+        utilization * 100.0
+    );
+    match bound_tok_s {
+        Some(bound) => println!(
+            "physical bound (disk bytes per token / raw bandwidth): {:.2} tok/s; measured \
+             {:.2} tok/s = {:.1}% of it",
+            bound,
             tok_s,
-            ByteSize(bytes_per_token as u64),
-            disk_mb_s,
-            decode.hit_rate() * 100.0
-        );
-        println!(
-            "blocked on reads {:.1}% of decode time; read latency p50 {:.0} us, p90 {:.0} us, \
-             p99 {:.0} us, max {:.0} us ({} reads)",
-            io_wait_fraction * 100.0,
-            latency.p50_us,
-            latency.p90_us,
-            latency.p99_us,
-            latency.max_us,
-            latency.reads
-        );
-        println!(
-            "raw disk {:.1} MB/s ({} blocks of {}, queue depth {}, {}): decode used {:.1}% of it",
-            raw_mb_s,
-            raw_report.reads,
-            ByteSize(block),
-            queue_depth,
-            largest.display(),
-            utilization * 100.0
-        );
-        match bound_tok_s {
-            Some(bound) => println!(
-                "physical bound (disk bytes per token / raw bandwidth): {:.2} tok/s; measured \
-                 {:.2} tok/s = {:.1}% of it",
-                bound,
-                tok_s,
-                tok_s / bound * 100.0
-            ),
-            None => println!(
-                "physical bound: none from the disk (nothing was read during decode: every \
-                 expert was in RAM); decode is compute-bound at {tok_s:.2} tok/s"
-            ),
+            tok_s / bound * 100.0
+        ),
+        None => println!(
+            "physical bound: none from the disk (nothing was read during decode: every \
+             expert was in RAM); decode is compute-bound at {tok_s:.2} tok/s"
+        ),
+    }
+    if !compared.is_empty() {
+        println!("prefetch compared (fresh cold tier each):");
+        for r in &compared {
+            println!(
+                "  {:<12} {:>7.2} tok/s{}  recall {:>6}  waste {:>5}  blocked on reads {:>5.1}%  \
+                 {} read per token",
+                name(r.predictor),
+                r.tok_s,
+                match off_tok_s {
+                    Some(off) if r.predictor.is_some() =>
+                        format!(" ({:+.1}%)", (r.tok_s / off - 1.0) * 100.0),
+                    _ => "         ".into(),
+                },
+                percent(r.prefetch_recall),
+                r.prefetch_waste.map_or("-".into(), |w| format!("{w:.2}")),
+                r.io_wait_fraction * 100.0,
+                ByteSize(r.disk_bytes_per_token as u64)
+            );
         }
     }
     Ok(())

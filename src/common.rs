@@ -7,7 +7,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use colibri_io::IoBackendChoice;
 use colibri_model::Tokenizer;
-use colibri_sched::tier::{ByteSize, TierOptions};
+use colibri_sched::prefetch::{Predictor, PrefetchOptions};
+use colibri_sched::tier::{ByteSize, QueueDepthMode, TierOptions};
 use colibri_sched::{Engine, EngineOptions};
 
 #[derive(Args, Clone, Debug)]
@@ -44,6 +45,31 @@ pub struct ModelArgs {
     /// fallback to pread where the kernel refuses it.
     #[arg(long, value_name = "auto|uring|pread", default_value = "auto")]
     pub io: IoBackendChoice,
+    /// Expert reads in flight at most. Default: the knee of the drive's
+    /// latency–throughput curve at the experts' read size, measured once
+    /// per drive (about two seconds) and cached under
+    /// $XDG_CACHE_HOME/colibri/io/.
+    #[arg(long, value_name = "N")]
+    pub queue_depth: Option<usize>,
+    /// Do not read the coming layers' predicted experts ahead. Prefetch never
+    /// changes results, only speed.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// How the coming layers' experts are predicted: the next MoE layer's
+    /// router applied to this layer's input (next), the next two layers'
+    /// (next-two), the experts the previous token used there (cross-token),
+    /// or next and cross-token together (union).
+    #[arg(
+        long,
+        value_name = "next|next-two|cross-token|union",
+        default_value = "next"
+    )]
+    pub prefetch_predictor: Predictor,
+    /// Record every routing decision and router prediction to FILE (JSON
+    /// lines), to evaluate predictors and cache sizes offline
+    /// (`cargo run -p colibri-sched --example prefetch_replay -- FILE`).
+    #[arg(long, value_name = "FILE")]
+    pub routing_trace: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -53,7 +79,30 @@ impl ModelArgs {
             ram_budget: self.ram_budget.map(ByteSize::bytes),
             pin_budget: self.pin_budget.map(ByteSize::bytes),
             io: self.io,
+            queue_depth: self
+                .queue_depth
+                .unwrap_or(TierOptions::default().queue_depth),
+            queue_depth_mode: match self.queue_depth {
+                Some(_) => QueueDepthMode::Fixed,
+                None => QueueDepthMode::measured(),
+            },
+            // What the engine plans when it prefetches (so `plan` shows it).
+            prefetch_layers: if self.no_prefetch {
+                0
+            } else {
+                colibri_sched::engine::PREFETCH_LAYERS
+            },
             ..TierOptions::default()
+        }
+    }
+
+    /// The prefetcher's settings from these flags.
+    pub fn prefetch_options(&self) -> PrefetchOptions {
+        PrefetchOptions {
+            enabled: !self.no_prefetch,
+            predictor: self.prefetch_predictor,
+            trace: self.routing_trace.clone(),
+            ..PrefetchOptions::default()
         }
     }
 }
@@ -105,6 +154,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
             threads: args.threads,
             ctx: args.ctx,
             tier: args.tier_options(),
+            prefetch: args.prefetch_options(),
         },
     )
     .with_context(|| format!("loading model {}", path.display()))?;

@@ -105,6 +105,8 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
         "io_backend",
         "io_wait_fraction",
         "bound_tok_s",
+        "prefetch_recall",
+        "queue_depth_measured",
     ] {
         assert!(!v[key].is_null(), "{key} missing: {v}");
     }
@@ -117,8 +119,69 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
     let wait = v["io_wait_fraction"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&wait), "{wait}");
     assert!(v["read_latency_us"]["reads"].as_u64().unwrap() > 0);
-    // Nothing was recorded in the usage cache by a cold benchmark.
-    assert!(!cache.path().join("colibri").exists());
+    // One MoE layer: nothing to read ahead, so no prefetched byte was used
+    // (waste is null) and every miss is uncovered.
+    assert!(v.as_object().unwrap().contains_key("prefetch_waste"));
+    let recall = v["prefetch_recall"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&recall), "{recall}");
+    assert_eq!(v["prefetch"], "next");
+    let t = &v["time"];
+    let parts = ["compute_only_s", "overlap_s", "io_wait_s"]
+        .map(|k| t[k].as_f64().unwrap())
+        .iter()
+        .sum::<f64>();
+    let decode = t["decode_s"].as_f64().unwrap();
+    assert!((parts - decode).abs() <= 1e-6 * decode.max(1.0), "{t}");
+    // Every predictor was scored (sets of guessed experts).
+    assert_eq!(v["prefetcher"]["scores"].as_array().unwrap().len(), 4);
+    // Nothing was recorded in the usage cache by a cold benchmark; the
+    // drive's measured queue depth was cached for the next start.
+    assert!(!cache.path().join("colibri/usage").exists());
+    assert_eq!(
+        std::fs::read_dir(cache.path().join("colibri/io"))
+            .unwrap()
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn bench_io_model_compares_prefetch_on_and_off() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = fixture("olmoe");
+    let v = ok_json(&colibri(
+        &[
+            "bench-io",
+            "--model",
+            model.to_str().unwrap(),
+            "--ram-budget",
+            "0",
+            "--tokens",
+            "4",
+            "--seconds",
+            "0.2",
+            "--queue-depth",
+            "4",
+            "--compare-prefetch",
+            "--json",
+        ],
+        cache.path(),
+    ));
+    let runs = v["compare_prefetch"].as_array().unwrap();
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["predictor"].as_str().unwrap_or("off"))
+        .collect();
+    assert_eq!(names, ["off", "next", "next-two", "cross-token", "union"]);
+    for r in runs {
+        assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["tokens"], 4, "{r}");
+    }
+    assert_eq!(runs[0]["decode"]["prefetch_reads"], 0);
+    assert!(v["prefetch_speedup"].as_f64().unwrap() > 0.0);
+    // A fixed depth is not measured.
+    assert_eq!(v["queue_depth"], 4);
+    assert!(v["queue_depth_measured"].is_null());
 }
 
 #[test]
@@ -162,27 +225,44 @@ fn run_with_no_expert_cache_reproduces_the_reference() {
         .map(|t| t.to_string())
         .collect();
     let greedy = r["greedy"].as_array().unwrap();
+    let prompt = prompt.join(",");
+    let trace = cache.path().join("routing.jsonl");
+    let trace_arg = ["--routing-trace", trace.to_str().unwrap()];
+    let prefetch: [&[&str]; 4] = [
+        &[],
+        &["--no-prefetch"],
+        &["--prefetch-predictor", "union"],
+        &trace_arg,
+    ];
     for io in ["uring", "pread"] {
-        let v = ok_json(&colibri(
-            &[
+        for flags in prefetch {
+            let n = greedy.len().to_string();
+            let mut args = vec![
                 "run",
                 "-m",
                 model.to_str().unwrap(),
                 "--prompt-tokens",
-                &prompt.join(","),
-                "-n",
-                &greedy.len().to_string(),
-                "--ignore-eos",
-                "--ram-budget",
-                "0",
-                "--io",
-                io,
-                "--json",
-            ],
-            cache.path(),
-        ));
-        assert_eq!(v["tokens"].as_array().unwrap(), greedy, "--io {io}");
+                &prompt,
+            ];
+            args.extend(["-n", &n, "--ignore-eos", "--ram-budget", "0", "--io", io]);
+            args.extend(flags);
+            args.push("--json");
+            let v = ok_json(&colibri(&args, cache.path()));
+            assert_eq!(
+                v["tokens"].as_array().unwrap(),
+                greedy,
+                "--io {io} {flags:?}"
+            );
+        }
     }
+    // The trace holds a header and one line per MoE layer per step.
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["colibri_routing_trace"], 1);
+    assert!(lines.len() > greedy.len(), "{} lines", lines.len());
     // run records what it used, for the next start to pin.
     let usage = cache.path().join("colibri/usage");
     assert_eq!(std::fs::read_dir(usage).unwrap().count(), 1);

@@ -5,12 +5,23 @@
 //! the I/O is right now; the rest only grow. A "read" is one kernel read
 //! (an extent, or a piece of a large one); a "request" is what the caller
 //! submitted and gets one completion for.
+//!
+//! `busy_ns` is the time at least one read was in the kernel: the engine
+//! sets it against the time it spent blocked on reads to tell compute that
+//! overlapped I/O from compute alone and from waiting alone.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Live counters (shared between the reader thread and its handles).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Counters {
+    /// Time with at least one read in the kernel before the current busy
+    /// period, and when that period began. A mutex, not two atomics, so a
+    /// snapshot never sees a period both ended and still running; it is
+    /// taken twice per busy period, never per read in a busy queue.
+    busy: Mutex<(Duration, Option<Instant>)>,
     pub requests_submitted: AtomicU64,
     pub reads_queued: AtomicU64,
     pub reads_in_kernel: AtomicU64,
@@ -23,6 +34,30 @@ pub(crate) struct Counters {
     pub reads_discarded: AtomicU64,
     pub reads_retried: AtomicU64,
     pub faults_injected: AtomicU64,
+    pub requests_promoted: AtomicU64,
+    pub reads_promoted: AtomicU64,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            busy: Mutex::new((Duration::ZERO, None)),
+            requests_submitted: AtomicU64::new(0),
+            reads_queued: AtomicU64::new(0),
+            reads_in_kernel: AtomicU64::new(0),
+            requests_completed: AtomicU64::new(0),
+            requests_failed: AtomicU64::new(0),
+            requests_cancelled: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            bytes_delivered: AtomicU64::new(0),
+            short_reads_resubmitted: AtomicU64::new(0),
+            reads_discarded: AtomicU64::new(0),
+            reads_retried: AtomicU64::new(0),
+            faults_injected: AtomicU64::new(0),
+            requests_promoted: AtomicU64::new(0),
+            reads_promoted: AtomicU64::new(0),
+        }
+    }
 }
 
 /// A copy of the counters at one moment.
@@ -54,6 +89,15 @@ pub struct CounterSnapshot {
     pub reads_retried: u64,
     /// Faults the injector applied.
     pub faults_injected: u64,
+    /// Prefetch requests raised to demand priority ([`crate::Reader::promote`])
+    /// while at least one of their reads was still queued.
+    pub requests_promoted: u64,
+    /// Queued reads moved from the prefetch queue to the demand queue by
+    /// those promotions.
+    pub reads_promoted: u64,
+    /// Nanoseconds during which at least one read was in the kernel (or the
+    /// pread pool), up to the snapshot.
+    pub busy_ns: u64,
 }
 
 impl Counters {
@@ -72,7 +116,40 @@ impl Counters {
             reads_discarded: get(&self.reads_discarded),
             reads_retried: get(&self.reads_retried),
             faults_injected: get(&self.faults_injected),
+            requests_promoted: get(&self.requests_promoted),
+            reads_promoted: get(&self.reads_promoted),
+            busy_ns: self.busy_ns(),
         }
+    }
+
+    fn busy(&self) -> std::sync::MutexGuard<'_, (Duration, Option<Instant>)> {
+        // Plain numbers: a panic elsewhere cannot leave them inconsistent.
+        self.busy
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The reader thread: the first read entered the kernel.
+    pub(crate) fn busy_begins(&self) {
+        let mut busy = self.busy();
+        if busy.1.is_none() {
+            busy.1 = Some(Instant::now());
+        }
+    }
+
+    /// The reader thread: the last read left the kernel.
+    pub(crate) fn busy_ends(&self) {
+        let mut busy = self.busy();
+        if let Some(since) = busy.1.take() {
+            busy.0 += since.elapsed();
+        }
+    }
+
+    /// Busy time so far, the current period included.
+    pub(crate) fn busy_ns(&self) -> u64 {
+        let busy = self.busy();
+        let total = busy.0 + busy.1.map_or(Duration::ZERO, |since| since.elapsed());
+        u64::try_from(total.as_nanos()).unwrap_or(u64::MAX)
     }
 }
 

@@ -24,6 +24,10 @@
 //!   issue `IORING_OP_ASYNC_CANCEL`) and its completion, whatever it says, is
 //!   discarded. Either way the request's slot is handed back only once the
 //!   kernel can no longer write into it.
+//! - **Promotion**: a prefetch request that compute now waits for is raised
+//!   to demand priority: its queued reads move to the back of the demand
+//!   queue (reads already in the kernel cannot be sped up and keep their
+//!   place in the prefetch share), so it no longer waits behind speculation.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -45,6 +49,7 @@ const MAX_RETRIES: u32 = 64;
 pub(crate) enum Command {
     Submit(Vec<(PlannedRequest, Sender<Completion>)>),
     Cancel(Vec<Ticket>),
+    Promote(Vec<Ticket>),
     Hold,
     Release,
     Shutdown,
@@ -261,6 +266,11 @@ impl Dispatcher {
                     self.stop(ticket.0, Outcome::Cancelled, exec);
                 }
             }
+            Command::Promote(tickets) => {
+                for ticket in tickets {
+                    self.promote(ticket.0);
+                }
+            }
             Command::Hold => self.holds += 1,
             Command::Release => self.holds = self.holds.saturating_sub(1),
             Command::Shutdown => self.begin_shutdown(exec),
@@ -336,6 +346,36 @@ impl Dispatcher {
         self.maybe_complete(ticket);
     }
 
+    /// Raises a running prefetch request to demand priority; its queued
+    /// reads go to the back of the demand queue. Unknown, finished, stopped
+    /// or demand requests are left alone.
+    fn promote(&mut self, ticket: u64) {
+        let Some(request) = self.requests.get_mut(&ticket) else {
+            return;
+        };
+        if !request.running() || request.priority == Priority::Demand {
+            return;
+        }
+        request.priority = Priority::Demand;
+        if request.reads_queued == 0 {
+            return; // Everything is in the kernel already.
+        }
+        let mut moved = 0u64;
+        let mut kept = VecDeque::with_capacity(self.prefetch.len());
+        for mut read in self.prefetch.drain(..) {
+            if read.ticket == ticket {
+                read.priority = Priority::Demand;
+                self.demand.push_back(read);
+                moved += 1;
+            } else {
+                kept.push_back(read);
+            }
+        }
+        self.prefetch = kept;
+        counters::add(&self.counters.requests_promoted, 1);
+        counters::add(&self.counters.reads_promoted, moved);
+    }
+
     fn stop_without_backend(&mut self, ticket: u64) {
         if let Some(request) = self.requests.get_mut(&ticket) {
             request.outcome = Outcome::Cancelled;
@@ -386,6 +426,9 @@ impl Dispatcher {
             }
             counters::sub(&self.counters.reads_queued, 1);
             counters::add(&self.counters.reads_in_kernel, 1);
+            if self.in_kernel.is_empty() {
+                self.counters.busy_begins();
+            }
             if read.priority == Priority::Prefetch {
                 self.prefetch_in_kernel += 1;
             }
@@ -426,9 +469,11 @@ impl Dispatcher {
         }
     }
 
-    fn requeue_front(&mut self, read: QueuedRead) {
+    fn requeue_front(&mut self, mut read: QueuedRead) {
         if let Some(request) = self.requests.get_mut(&read.ticket) {
             request.reads_queued += 1;
+            // A request promoted while this read was in the kernel.
+            read.priority = request.priority;
         }
         counters::add(&self.counters.reads_queued, 1);
         match read.priority {
@@ -442,6 +487,9 @@ impl Dispatcher {
             return;
         };
         counters::sub(&self.counters.reads_in_kernel, 1);
+        if self.in_kernel.is_empty() {
+            self.counters.busy_ends();
+        }
         if read.priority == Priority::Prefetch {
             self.prefetch_in_kernel -= 1;
         }

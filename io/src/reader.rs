@@ -313,6 +313,14 @@ impl Reader {
         self.counters.snapshot()
     }
 
+    /// Nanoseconds with at least one read in the kernel so far (the
+    /// `busy_ns` of [`counters`](Self::counters), without the rest): a
+    /// caller that samples it around a wait learns how much of the wait
+    /// the drive was busy.
+    pub fn busy_ns(&self) -> u64 {
+        self.counters.busy_ns()
+    }
+
     /// Submits a batch of requests; each yields exactly one [`Completion`]
     /// on `reply`, in the order they finish. Returns their tickets in the
     /// batch's order.
@@ -378,6 +386,14 @@ impl Reader {
     /// cancel reached the reader. Unknown or finished tickets are ignored.
     pub fn cancel(&self, tickets: &[Ticket]) -> Result<(), IoError> {
         self.send(Command::Cancel(tickets.to_vec()))
+    }
+
+    /// Raises prefetch requests to demand priority: compute now waits for
+    /// them. Their reads still queued are issued before any prefetch read
+    /// (after the demand reads already queued); reads already in the kernel
+    /// go on as they are. Unknown, finished or demand tickets are ignored.
+    pub fn promote(&self, tickets: &[Ticket]) -> Result<(), IoError> {
+        self.send(Command::Promote(tickets.to_vec()))
     }
 
     /// Stops issuing reads to the kernel until the returned guard is dropped

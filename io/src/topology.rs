@@ -241,8 +241,9 @@ impl Topology {
     }
 }
 
-/// Where the engine's threads (and memory) go.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+/// Where the engine's threads (and memory) go. The default places nothing
+/// (threads run wherever the OS puts them).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Placement {
     /// The node whose memory holds the weights (multi-node hosts only).
     pub compute_node: Option<usize>,

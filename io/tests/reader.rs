@@ -368,6 +368,85 @@ fn prefetch_reads_are_limited_to_their_share_of_the_queue() {
 }
 
 #[test]
+fn a_promoted_prefetch_request_is_issued_with_demand_priority() {
+    // Everything is queued under a hold, so the issue order is decided by
+    // priorities alone: the promoted request goes after the demand reads
+    // already queued and before every other prefetch read.
+    let Some(place) = direct_place().or_else(tmpfs_place) else {
+        return;
+    };
+    let content = random_bytes(47, 16 * 65_536);
+    let path = write_file(place.dir.path(), "promote.bin", &content);
+    let files = place.open(&[&path]);
+    for backend in backends() {
+        let arena = arena(128 * 1024, 16);
+        let reader = Reader::new(
+            Arc::clone(&files),
+            std::slice::from_ref(&arena),
+            config(backend, 1),
+        )
+        .expect("reader");
+        let (reply, completions) = completion_channel();
+        let request = |i: u64, priority| ReadRequest {
+            slot: arena.try_acquire().expect("slot"),
+            extents: vec![extent(0, i * 65_536, 65_536)],
+            priority,
+            tag: i,
+        };
+        let hold = reader.hold().expect("hold");
+        let first = reader
+            .submit(vec![request(0, Priority::Demand)], &reply)
+            .expect("submit");
+        let prefetch = reader
+            .submit(
+                (1..9).map(|i| request(i, Priority::Prefetch)).collect(),
+                &reply,
+            )
+            .expect("submit");
+        // Promote one prefetch request; a demand and an unknown ticket are
+        // ignored.
+        reader
+            .promote(&[prefetch[5], first[0], Ticket(9_999)])
+            .expect("promote");
+        let later = reader
+            .submit(vec![request(9, Priority::Demand)], &reply)
+            .expect("submit");
+        drop(hold);
+        let done: HashMap<Ticket, Completion> = collect(&completions, 10)
+            .into_iter()
+            .map(|c| (c.ticket, c))
+            .collect();
+        for c in done.values() {
+            let e = extent(0, c.tag * 65_536, 65_536);
+            check_bytes(c, &[&content], &[e], &format!("{backend}"));
+        }
+        let seq = |t: &Ticket| done[t].issue_seq.expect("issued");
+        assert_eq!(seq(&first[0]), 0, "{backend}");
+        assert_eq!(
+            seq(&prefetch[5]),
+            1,
+            "{backend}: promoted after queued demand"
+        );
+        assert_eq!(
+            seq(&later[0]),
+            2,
+            "{backend}: later demand after the promoted"
+        );
+        for (i, t) in prefetch.iter().enumerate().filter(|(i, _)| *i != 5) {
+            assert!(seq(t) > 2, "{backend}: prefetch {i} before demand");
+        }
+        assert_eq!(done[&prefetch[5]].priority, Priority::Demand, "{backend}");
+        let counters = reader.counters();
+        assert_eq!(counters.requests_promoted, 1, "{backend}");
+        assert_eq!(counters.reads_promoted, 1, "{backend}");
+        // Promoting a finished request changes nothing.
+        reader.promote(&[prefetch[0]]).expect("promote");
+        assert_eq!(reader.counters().requests_promoted, 1, "{backend}");
+        assert!(reader.counters().busy_ns > 0, "{backend}: reads took time");
+    }
+}
+
+#[test]
 fn cancelled_requests_complete_once_and_return_their_slots() {
     for place in places() {
         let content = random_bytes(51, 64 * 65_536);

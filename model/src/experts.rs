@@ -49,6 +49,15 @@ pub trait ExpertSource: Send + Sync {
     /// that read from disk start reading; others ignore it.
     fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
 
+    /// The input of MoE layer `layer` exists: `h` holds the normed hidden
+    /// state of each of the step's `rows` rows (`rows × hidden`). Called by
+    /// the forward pass just before it fetches that layer's experts, so a
+    /// source that predicts later layers' experts from it (by applying their
+    /// routers) can start reading them while this layer computes. A hint
+    /// only: it must not change what any fetch delivers. The default
+    /// ignores it.
+    fn moe_input(&self, _layer: usize, _h: &[f32], _rows: usize) {}
+
     /// Counters of what the source has done.
     fn stats(&self) -> SourceStats {
         SourceStats::default()

@@ -160,6 +160,9 @@ pub(crate) fn moe_rows(
         }
         Ok(())
     };
+    // Before fetching: a prefetching source submits its reads of later
+    // layers' predicted experts together with this layer's demand reads.
+    experts.moe_input(layer, h, n);
     experts.fetch(layer, &ids, &mut apply)?;
     if let Some(missing) = ids.iter().find(|&&e| !done[e]) {
         return Err(ModelError::Expert {

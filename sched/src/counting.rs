@@ -66,6 +66,10 @@ impl ExpertSource for CountingExperts {
         self.inner.prefetch(layer, ids)
     }
 
+    fn moe_input(&self, layer: usize, h: &[f32], rows: usize) {
+        self.inner.moe_input(layer, h, rows)
+    }
+
     fn stats(&self) -> colibri_model::experts::SourceStats {
         self.inner.stats()
     }

@@ -1,4 +1,9 @@
 //! The engine: a loaded model, its expert source and the compute pool.
+//!
+//! When routed experts stream from disk, the source is the RAM tier with
+//! the router-aware prefetcher in front (unless prefetch is off): the
+//! prefetcher gets the model's routers and the compute pool here, at
+//! construction.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -8,11 +13,18 @@ use colibri_model::{ExpertSource, Model, ModelError, Pool, SeqInput};
 use colibri_io::topology::{Placement, Topology, pin_current_thread};
 
 use crate::counting::{CountingExperts, ExpertCounters};
+use crate::prefetch::{PrefetchOptions, Prefetcher};
 use crate::sequence::{Sequence, TokenEvent};
 use crate::tier::{TierCache, TierOptions};
 
 /// Prompt tokens fed per forward pass during prefill.
 pub const PREFILL_CHUNK: usize = 256;
+
+/// MoE layers' worth of experts (`top_k` each) the tier keeps staging
+/// slots for when prefetching: the next layer's guesses and the one
+/// after's (the `next-two` and `union` predictors guess up to twice
+/// `top_k` for one step).
+pub const PREFETCH_LAYERS: usize = 2;
 
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
@@ -23,6 +35,8 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Where routed experts live: RAM and pin budgets, I/O backend.
     pub tier: TierOptions,
+    /// Reading the coming layers' experts ahead.
+    pub prefetch: PrefetchOptions,
 }
 
 pub struct Engine {
@@ -36,6 +50,8 @@ pub struct Engine {
     pub tier: Option<Arc<TierCache>>,
     /// Where the compute threads run.
     pub placement: Placement,
+    /// The prefetcher in front of the tier, when prefetch is on.
+    pub prefetcher: Option<Arc<Prefetcher>>,
     ctx: usize,
 }
 
@@ -72,10 +88,35 @@ impl Engine {
     /// from disk through the RAM tier within `opts.tier`'s budgets.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
         let (model, src) = Model::load(dir)?;
-        let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &opts.tier)?;
+        let mut tier_options = opts.tier.clone();
+        if opts.prefetch.enabled {
+            tier_options.prefetch_layers = PREFETCH_LAYERS;
+        }
+        let source = crate::tier::open_source(&model, &src, dir, opts.ctx, &tier_options)?;
         let (pool, placement) = placed_pool(opts.threads, Some(dir))?;
-        let mut engine = Engine::with_pool(model, source.experts, opts, pool, placement);
+        let pool = Arc::new(pool);
+        let prefetcher = match &source.tier {
+            Some(tier) if opts.prefetch.enabled => {
+                let mut options = opts.prefetch.clone();
+                if options.model_name.is_empty() {
+                    options.model_name = dir.display().to_string();
+                }
+                Some(Arc::new(Prefetcher::new(
+                    Arc::clone(tier),
+                    &model,
+                    Arc::clone(&pool),
+                    &options,
+                )?))
+            }
+            _ => None,
+        };
+        let experts: Arc<dyn ExpertSource> = match &prefetcher {
+            Some(p) => p.clone(),
+            None => source.experts,
+        };
+        let mut engine = Engine::with_pool(model, experts, pool, placement, opts)?;
         engine.tier = source.tier;
+        engine.prefetcher = prefetcher;
         Ok(engine)
     }
 
@@ -85,16 +126,18 @@ impl Engine {
         opts: &EngineOptions,
     ) -> Result<Engine, ModelError> {
         let (pool, placement) = placed_pool(opts.threads, None)?;
-        Ok(Engine::with_pool(model, experts, opts, pool, placement))
+        Engine::with_pool(model, experts, Arc::new(pool), placement, opts)
     }
 
-    fn with_pool(
+    /// An engine computing on `pool` (which a prefetcher in `experts` may
+    /// share), placed as `placement` says.
+    pub fn with_pool(
         model: Model,
         experts: Arc<dyn ExpertSource>,
-        opts: &EngineOptions,
-        pool: Pool,
+        pool: Arc<Pool>,
         placement: Placement,
-    ) -> Engine {
+        opts: &EngineOptions,
+    ) -> Result<Engine, ModelError> {
         let max = model.spec.max_position_embeddings;
         let ctx = if opts.ctx == 0 {
             max
@@ -102,15 +145,16 @@ impl Engine {
             opts.ctx.min(max)
         };
         let (counting, expert_counters) = CountingExperts::new(experts);
-        Engine {
+        Ok(Engine {
             model: Arc::new(model),
             experts: Arc::new(counting),
             expert_counters,
-            pool: Arc::new(pool),
+            pool,
             tier: None,
             placement,
+            prefetcher: None,
             ctx,
-        }
+        })
     }
 
     /// Positions one sequence may hold.

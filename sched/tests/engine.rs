@@ -49,6 +49,7 @@ fn generate_reproduces_transformers_greedy_and_stops_at_max_tokens() {
                 threads: 2,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap();
@@ -84,6 +85,7 @@ fn resume_reuses_the_cache_of_previous_turns() {
             threads: 2,
             ctx: 0,
             tier: no_usage(),
+            ..EngineOptions::default()
         },
     )
     .unwrap();
@@ -118,6 +120,7 @@ fn batched_sequences_give_bit_identical_logits() {
                 threads: 3,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap();
@@ -192,6 +195,7 @@ fn thread_count_does_not_change_logits() {
                 threads,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap();
@@ -231,6 +235,7 @@ fn score_matches_transformers_nll_and_windows_past_the_context() {
             threads: 2,
             ctx: 0,
             tier: no_usage(),
+            ..EngineOptions::default()
         },
     )
     .unwrap();
@@ -248,6 +253,7 @@ fn score_matches_transformers_nll_and_windows_past_the_context() {
             threads: 2,
             ctx: 16,
             tier: no_usage(),
+            ..EngineOptions::default()
         },
     )
     .unwrap();
@@ -268,6 +274,7 @@ fn prompt_longer_than_the_context_is_rejected_with_numbers() {
             threads: 1,
             ctx: 8,
             tier: no_usage(),
+            ..EngineOptions::default()
         },
     )
     .unwrap();

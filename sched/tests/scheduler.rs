@@ -77,6 +77,7 @@ fn eight_concurrent_sequences_equal_their_single_runs_and_share_expert_fetches()
                 threads: 2,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap(),
@@ -147,6 +148,7 @@ fn a_sink_that_goes_away_cancels_its_sequence() {
                 threads: 1,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap(),
@@ -206,6 +208,7 @@ fn a_full_queue_refuses_new_requests() {
                 threads: 1,
                 ctx: 0,
                 tier: no_usage(),
+                ..EngineOptions::default()
             },
         )
         .unwrap(),

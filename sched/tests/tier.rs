@@ -1,5 +1,6 @@
 //! The RAM tier against the fixtures: exactness across budgets, backends and
-//! thread counts; cache mechanics; faults; usage history; the planner.
+//! thread counts; cache mechanics; faults; usage history; the planner;
+//! the prefetcher.
 
 #[path = "tier/common.rs"]
 mod common;
@@ -12,5 +13,7 @@ mod faults;
 mod invariance;
 #[path = "tier/plan.rs"]
 mod plan;
+#[path = "tier/prefetch.rs"]
+mod prefetch;
 #[path = "tier/usage.rs"]
 mod usage;

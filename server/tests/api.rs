@@ -68,6 +68,7 @@ fn start(config: ServerConfig, ctx: usize) -> Live {
                             usage: colibri_sched::tier::UsageMode::Off,
                             ..Default::default()
                         },
+                        ..EngineOptions::default()
                     },
                 )
                 .map_err(|e| e.to_string())?;

@@ -33,14 +33,19 @@
 //! the least valuable idle expert, else the oldest unused prefetch, else
 //! waits for a slot to come back (a lease ending or a read failing).
 //! Prefetch only takes free slots beyond a reserve kept for demand reads
-//! (half the staging area), never evicts a cached or leased expert, and
-//! replaces its own oldest unused prediction when it runs out.
+//! (half the demand staging; the plan adds staging slots for prefetch when
+//! the prefetcher runs), never evicts a cached or leased expert, and
+//! replaces its own oldest unused prediction of an earlier batch when it
+//! runs out. How prefetch reads are promoted when a demand joins them and
+//! dropped when they go stale is in `cache/speculation.rs`.
 //!
 //! # Order of delivery
 //!
-//! `fetch` first issues the demand reads of its misses, then delivers the
-//! hits (the caller computes on them while the reads are in flight), then
-//! delivers the misses one by one as their reads complete. Completions are
+//! `fetch` first issues the demand reads of its misses (with the prefetch
+//! reads of [`TierCache::fetch_with_prefetch`] in the same submission,
+//! after them), then delivers the hits (the caller computes on them while
+//! the reads are in flight), then delivers the misses one by one as their
+//! reads complete. Completions are
 //! taken by one installer thread, which turns a finished read into a
 //! resident entry and hands a lease to every waiter through the waiter's
 //! channel.
@@ -58,9 +63,9 @@ use std::time::{Duration, Instant};
 use colibri_io::crossbeam_channel::{self, Receiver, RecvTimeoutError, Sender};
 use colibri_io::{
     BackendInfo, Completion, CompletionSender, CounterSnapshot, FileSet, IoError, PinnedArena,
-    Priority, ReadRequest, Reader, ReaderConfig, Slot, completion_channel,
+    Priority, ReadRequest, Reader, ReaderConfig, Slot, Ticket, completion_channel,
 };
-use colibri_model::experts::{ExpertSource, ExpertWeights};
+use colibri_model::experts::{ExpertSource, ExpertWeights, SourceStats};
 use colibri_model::source::ExpertLocator;
 use colibri_model::tensor::{ByteStorage, Bytes};
 use colibri_model::{ModelError, ModelSpec};
@@ -72,6 +77,8 @@ use super::plan::{Plan, PlanRequest};
 use super::stats::{Counters, LatencySummary, ReadLatency, TierStats, bump};
 use super::usage::{UsageHistory, model_key};
 use super::{TierError, TierSetup, UsageMode};
+
+mod speculation;
 
 /// How long a fetch waits for a slot with no read of its own in flight
 /// before it reports that every slot is held (a caller keeping more
@@ -131,11 +138,43 @@ enum Msg {
 }
 
 struct Loading {
+    /// Current priority: a prefetch read a demand has joined is promoted.
     priority: Priority,
+    /// Who started the read (a prefetch stays a prefetch in the counters).
+    origin: Priority,
     waiters: Vec<Sender<Msg>>,
     since: Instant,
     /// Pin the expert once it lands (start-up loading of hot experts).
     pin: bool,
+    /// Identifies this read among all reads of the entry, so a ticket
+    /// recorded after `submit` returns lands on the read it belongs to.
+    read_id: u64,
+    /// The reader's ticket (prefetch reads only: recorded after submit).
+    ticket: Option<Ticket>,
+    /// A demand joined before the ticket was known: promote once it is.
+    promote_pending: bool,
+    /// A stale prediction: cancelled (or to be cancelled once the ticket is
+    /// known); nobody may join it, whatever comes back is discarded.
+    cancelled: bool,
+    /// A demand has used this prefetch (counted once).
+    used: bool,
+}
+
+impl Loading {
+    fn new(priority: Priority, waiters: Vec<Sender<Msg>>, read_id: u64, pin: bool) -> Loading {
+        Loading {
+            priority,
+            origin: priority,
+            waiters,
+            since: Instant::now(),
+            pin,
+            read_id,
+            ticket: None,
+            promote_pending: false,
+            cancelled: false,
+            used: false,
+        }
+    }
 }
 
 struct Resident {
@@ -201,6 +240,12 @@ struct State {
     usage_saved: Instant,
     /// Fetches waiting for a slot.
     slot_waiters: Vec<Sender<Msg>>,
+    /// Source of [`Loading::read_id`].
+    next_read_id: u64,
+    /// Per entry: the prefetch batch that last read it.
+    prefetch_batch: Vec<u64>,
+    /// Prefetch batches started so far.
+    prefetch_batches: u64,
 }
 
 pub(crate) struct Shared {
@@ -215,7 +260,12 @@ pub(crate) struct Shared {
 enum Claim {
     Hit(Lease),
     Joined,
+    /// Joined a prefetch read that must now be promoted to demand priority.
+    JoinedPromote(Ticket),
     Absent,
+    /// A cancelled prediction's read is still in flight: look again once it
+    /// has come back.
+    Busy,
 }
 
 impl State {
@@ -248,6 +298,11 @@ impl State {
         let list = self.lists.remove(e);
         if list == Some(self.classes[class].unclaimed) {
             bump(&counters.prefetch_unused, 1);
+            bump(&counters.prefetch_wasted, 1);
+            bump(
+                &counters.prefetch_wasted_bytes,
+                layout.records[e as usize].read_bytes,
+            );
         } else {
             bump(&counters.evictions, 1);
         }
@@ -299,27 +354,6 @@ impl State {
         }
     }
 
-    /// A slot for a prefetch: only beyond the demand reserve; replaces the
-    /// oldest unused prefetch when there is none.
-    fn prefetch_slot(
-        &mut self,
-        layout: &ExpertLayout,
-        counters: &Counters,
-        class: usize,
-    ) -> Option<Slot> {
-        let c = &self.classes[class];
-        if c.arena.free_slots() <= c.prefetch_reserve {
-            let oldest = self.lists.back(c.unclaimed)?;
-            self.evict(layout, counters, oldest);
-        }
-        let c = &self.classes[class];
-        if c.arena.free_slots() > c.prefetch_reserve {
-            c.arena.try_acquire()
-        } else {
-            None
-        }
-    }
-
     /// The demand path's first look at an entry: a hit takes a lease, a
     /// read in flight is joined; an absent entry is left to
     /// [`issue_demand`](Self::issue_demand), which runs only after every
@@ -335,10 +369,15 @@ impl State {
     ) -> Claim {
         let class = self.class_of(layout, e);
         let unclaimed = self.classes[class].unclaimed;
+        let read_bytes = layout.records[e as usize].read_bytes;
         match &mut self.entries[e as usize] {
             Entry::Resident(r) => {
                 match self.lists.remove(e) {
-                    Some(list) if list == unclaimed => bump(&counters.prefetch_hits, 1),
+                    Some(list) if list == unclaimed => {
+                        bump(&counters.prefetch_hits, 1);
+                        bump(&counters.prefetch_used, 1);
+                        bump(&counters.prefetch_used_bytes, read_bytes);
+                    }
                     _ => r.reused = true,
                 }
                 bump(&counters.hits, 1);
@@ -347,11 +386,26 @@ impl State {
                     None => Claim::Absent,
                 }
             }
+            Entry::Loading(l) if l.cancelled => Claim::Busy,
             Entry::Loading(l) => {
                 l.waiters.push(waiter.clone());
-                match l.priority {
+                match l.origin {
                     Priority::Demand => bump(&counters.joined_demand, 1),
                     Priority::Prefetch => bump(&counters.joined_prefetch, 1),
+                }
+                if l.origin == Priority::Prefetch && !std::mem::replace(&mut l.used, true) {
+                    bump(&counters.prefetch_used, 1);
+                    bump(&counters.prefetch_used_bytes, read_bytes);
+                }
+                if l.priority == Priority::Prefetch && !l.pin {
+                    // Compute now waits for it: it must not wait behind
+                    // speculation any more.
+                    l.priority = Priority::Demand;
+                    bump(&counters.prefetch_promoted, 1);
+                    match l.ticket {
+                        Some(ticket) => return Claim::JoinedPromote(ticket),
+                        None => l.promote_pending = true,
+                    }
                 }
                 Claim::Joined
             }
@@ -369,12 +423,13 @@ impl State {
     ) -> Option<ReadRequest> {
         let class = self.class_of(layout, e);
         let slot = self.demand_slot(layout, counters, class)?;
-        self.entries[e as usize] = Entry::Loading(Loading {
-            priority: Priority::Demand,
-            waiters: vec![waiter.clone()],
-            since: Instant::now(),
-            pin: false,
-        });
+        let read_id = self.new_read_id();
+        self.entries[e as usize] = Entry::Loading(Loading::new(
+            Priority::Demand,
+            vec![waiter.clone()],
+            read_id,
+            false,
+        ));
         let record = &layout.records[e as usize];
         bump(&counters.demand_reads, 1);
         bump(&counters.demand_read_bytes, record.read_bytes);
@@ -384,6 +439,11 @@ impl State {
             priority: Priority::Demand,
             tag: u64::from(e),
         })
+    }
+
+    fn new_read_id(&mut self) -> u64 {
+        self.next_read_id += 1;
+        self.next_read_id
     }
 
     /// Fails a loading entry (its read could not be submitted or failed):
@@ -446,7 +506,11 @@ impl Shared {
     /// hands a lease to every waiter.
     fn install(self: &Arc<Self>, done: Completion) {
         let Completion {
-            tag, slot, result, ..
+            tag,
+            slot,
+            result,
+            issue_seq,
+            ..
         } = done;
         let Ok(e) = u32::try_from(tag) else {
             return;
@@ -469,8 +533,22 @@ impl Shared {
                     return;
                 }
             };
-            self.latency.record(loading.since.elapsed());
             let record = &self.layout.records[e as usize];
+            if loading.cancelled {
+                // A stale prediction (nobody can have joined it): whatever
+                // came back is dropped and the slot is free again. The bytes
+                // count as wasted if the read reached the drive.
+                drop(slot);
+                if issue_seq.is_some() || result.is_ok() {
+                    bump(&self.counters.prefetch_wasted, 1);
+                    bump(&self.counters.prefetch_wasted_bytes, record.read_bytes);
+                } else {
+                    bump(&self.counters.prefetch_cancelled_unissued, 1);
+                }
+                st.wake();
+                return;
+            }
+            self.latency.record(loading.since.elapsed());
             let ranges = result
                 .map_err(|error| self.read_error_reason(e, &error))
                 .and_then(|ranges| {
@@ -496,7 +574,7 @@ impl Shared {
                     let idle = matches!(&st.entries[e as usize],
                         Entry::Resident(r) if r.leases == 0 && !r.pinned);
                     if idle {
-                        if loading.priority == Priority::Prefetch {
+                        if loading.origin == Priority::Prefetch {
                             let class = st.class_of(&self.layout, e);
                             let unclaimed = st.classes[class].unclaimed;
                             st.lists.push_front(unclaimed, e);
@@ -536,6 +614,7 @@ pub struct TierCache {
     backend: BackendInfo,
     model_key: String,
     usage_dir: Option<std::path::PathBuf>,
+    measured_depth: Option<super::MeasuredDepth>,
 }
 
 impl std::fmt::Debug for TierCache {
@@ -569,6 +648,7 @@ impl TierCache {
             .as_ref()
             .map(|dir| UsageHistory::load(dir, &model_key, &layout));
         let memory = options.memory.clone().unwrap_or_else(MemoryLimits::probe);
+        let (queue_depth, measured_depth) = options.resolve_queue_depth(&files, &layout);
         let plan = Plan::compute(&PlanRequest {
             layout: &layout,
             footprint: setup.footprint,
@@ -576,7 +656,8 @@ impl TierCache {
             ram_budget: options.ram_budget,
             pin_budget: options.pin_budget,
             usage: history.as_ref().filter(|h| h.total_steps() > 0),
-            queue_depth: options.queue_depth,
+            queue_depth,
+            prefetch_slots: options.prefetch_slots(&layout),
         });
         for warning in &plan.warnings {
             tracing::warn!("{warning}");
@@ -597,7 +678,9 @@ impl TierCache {
                 unclaimed: base + 2,
                 cache_slots: class.cache_slots,
                 staging_slots: class.staging_slots,
-                prefetch_reserve: class.staging_slots.div_ceil(2),
+                // Half of the demand staging stays free for demand reads
+                // (the slots added for prefetch are prefetch's to take).
+                prefetch_reserve: (class.staging_slots - class.prefetch_slots).div_ceil(2),
             });
         }
         let reader = Reader::new(
@@ -605,7 +688,8 @@ impl TierCache {
             &arenas,
             ReaderConfig {
                 backend: options.io,
-                queue_depth: options.queue_depth.max(1),
+                queue_depth: queue_depth.max(1),
+                prefetch_limit: options.prefetch_limit,
                 faults: options.faults.clone(),
                 ..ReaderConfig::default()
             },
@@ -629,6 +713,9 @@ impl TierCache {
                 usage,
                 usage_saved: Instant::now(),
                 slot_waiters: Vec::new(),
+                next_read_id: 0,
+                prefetch_batch: vec![0; entries],
+                prefetch_batches: 0,
             }),
             counters: Counters::default(),
             latency: ReadLatency::new(),
@@ -644,6 +731,7 @@ impl TierCache {
             backend,
             model_key,
             usage_dir,
+            measured_depth,
         };
         cache.load_pinned()?;
         tracing::info!(
@@ -687,12 +775,13 @@ impl TierCache {
                         "no slot for pinned expert {expert} of layer {layer}"
                     )));
                 };
-                st.entries[e] = Entry::Loading(Loading {
-                    priority: Priority::Demand,
-                    waiters: vec![tx.clone()],
-                    since: Instant::now(),
-                    pin: true,
-                });
+                let read_id = st.new_read_id();
+                st.entries[e] = Entry::Loading(Loading::new(
+                    Priority::Demand,
+                    vec![tx.clone()],
+                    read_id,
+                    true,
+                ));
                 batch.push(ReadRequest {
                     slot,
                     extents: sh.layout.records[e].reads.clone(),
@@ -724,16 +813,16 @@ impl TierCache {
 
     /// Submits reads; if the reader has stopped, fails their entries so no
     /// waiter hangs.
-    fn submit(&self, batch: Vec<ReadRequest>) -> Result<(), ModelError> {
+    fn submit(&self, batch: Vec<ReadRequest>) -> Result<Vec<Ticket>, ModelError> {
         if batch.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let tags: Vec<u32> = batch.iter().map(|r| r.tag as u32).collect();
         let (Some(reader), Some(reply)) = (&self.reader, &self.reply) else {
             return Err(ModelError::Invalid("the expert tier is shut down".into()));
         };
         match reader.submit(batch, reply) {
-            Ok(_) => Ok(()),
+            Ok(tickets) => Ok(tickets),
             Err(error) => {
                 let reason = error.to_string();
                 let mut st = self.shared.lock();
@@ -776,6 +865,11 @@ impl TierCache {
     /// The I/O backend in use.
     pub fn backend(&self) -> &BackendInfo {
         &self.backend
+    }
+
+    /// The queue-depth measurement in effect, when the depth was measured.
+    pub fn measured_depth(&self) -> Option<&super::MeasuredDepth> {
+        self.measured_depth.as_ref()
     }
 
     /// The model key of the usage history.
@@ -913,11 +1007,19 @@ impl Drop for TierCache {
     }
 }
 
-impl ExpertSource for TierCache {
-    fn fetch(
+impl TierCache {
+    /// [`ExpertSource::fetch`] of `ids` of `layer`, which also starts
+    /// prefetch reads of `prefetch` (`(layer, experts)`, nearest layer
+    /// first) in the same submission as this fetch's demand reads: the
+    /// reader issues every demand read of a submission before any prefetch
+    /// read, and the prefetch slots are taken only after this fetch's hits
+    /// are leased and its misses have their slots, so a prediction never
+    /// delays or evicts what this layer needs.
+    pub fn fetch_with_prefetch(
         &self,
         layer: usize,
         ids: &[usize],
+        prefetch: &[(usize, Vec<usize>)],
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         let started = Instant::now();
@@ -937,6 +1039,7 @@ impl ExpertSource for TierCache {
         bump(&sh.counters.fetch_calls, 1);
         bump(&sh.counters.requests, ids.len() as u64);
         if ids.is_empty() {
+            self.prefetch_batch(prefetch);
             return Ok(());
         }
         let due = {
@@ -969,6 +1072,7 @@ impl ExpertSource for TierCache {
         let weak = Arc::downgrade(sh);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut io_wait = Duration::ZERO;
+        let mut io_wait_busy = 0u64;
         let result = (|| -> Result<(), ModelError> {
             let expert_of = |e: u32| sh.layout.records[e as usize].expert;
             let mut deliver = |lease: Lease| -> Result<(), ModelError> {
@@ -979,20 +1083,28 @@ impl ExpertSource for TierCache {
             let mut delivered = 0usize;
             let mut in_flight = 0usize;
             let mut waited_since: Option<Instant> = None;
+            let mut predictions = Some(prefetch);
             loop {
                 let mut hits = Vec::new();
                 let mut batch = Vec::new();
+                let mut promote = Vec::new();
+                let mut speculative = Vec::new();
                 if !pending.is_empty() {
                     let mut st = sh.lock();
                     let mut absent = Vec::new();
+                    let mut blocked = Vec::new();
                     for &e in &pending {
                         match st.claim(&sh.layout, &sh.counters, &weak, e, &tx) {
                             Claim::Hit(lease) => hits.push(lease),
                             Claim::Joined => in_flight += 1,
+                            Claim::JoinedPromote(ticket) => {
+                                in_flight += 1;
+                                promote.push(ticket);
+                            }
                             Claim::Absent => absent.push(e),
+                            Claim::Busy => blocked.push(e),
                         }
                     }
-                    let mut blocked = Vec::new();
                     for e in absent {
                         match st.issue_demand(&sh.layout, &sh.counters, e, &tx) {
                             Some(request) => {
@@ -1005,11 +1117,15 @@ impl ExpertSource for TierCache {
                     if !blocked.is_empty() {
                         st.slot_waiters.push(tx.clone());
                         bump(&sh.counters.slot_waits, 1);
+                    } else if let Some(predictions) = predictions.take() {
+                        // Only once every miss of this layer has its slot.
+                        speculative = st.issue_prefetches(&sh.layout, &sh.counters, predictions);
                     }
                     pending = blocked;
                 }
+                self.promote(&promote);
                 // Reads first, so they run while the hits are computed.
-                self.submit(batch)?;
+                self.submit_with_prefetch(batch, speculative)?;
                 for lease in hits {
                     deliver(lease)?;
                     delivered += 1;
@@ -1018,8 +1134,11 @@ impl ExpertSource for TierCache {
                     return Ok(());
                 }
                 let t = Instant::now();
+                let busy_before = self.reader.as_ref().map_or(0, Reader::busy_ns);
                 let msg = rx.recv_timeout(SLOT_WAIT_LIMIT);
                 io_wait += t.elapsed();
+                let busy_after = self.reader.as_ref().map_or(0, Reader::busy_ns);
+                io_wait_busy += busy_after.saturating_sub(busy_before);
                 match msg {
                     Ok(Msg::Ready { lease, .. }) => {
                         in_flight -= 1;
@@ -1070,48 +1189,38 @@ impl ExpertSource for TierCache {
             &sh.counters.io_wait_ns,
             u64::try_from(io_wait.as_nanos()).unwrap_or(u64::MAX),
         );
+        bump(&sh.counters.io_wait_busy_ns, io_wait_busy);
         bump(
             &sh.counters.fetch_ns,
             u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
         );
         result
     }
+}
+
+impl ExpertSource for TierCache {
+    fn fetch(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        self.fetch_with_prefetch(layer, ids, &[], ready)
+    }
 
     fn prefetch(&self, layer: usize, ids: &[usize]) {
-        let sh = &self.shared;
-        let mut batch = Vec::new();
-        {
-            let mut st = sh.lock();
-            for &expert in ids {
-                let Some(e) = sh.layout.entry(layer, expert) else {
-                    continue;
-                };
-                if !matches!(st.entries[e], Entry::Absent) {
-                    continue;
-                }
-                let class = sh.layout.records[e].class;
-                let Some(slot) = st.prefetch_slot(&sh.layout, &sh.counters, class) else {
-                    break;
-                };
-                st.entries[e] = Entry::Loading(Loading {
-                    priority: Priority::Prefetch,
-                    waiters: Vec::new(),
-                    since: Instant::now(),
-                    pin: false,
-                });
-                let record = &sh.layout.records[e];
-                bump(&sh.counters.prefetch_reads, 1);
-                bump(&sh.counters.prefetch_read_bytes, record.read_bytes);
-                batch.push(ReadRequest {
-                    slot,
-                    extents: record.reads.clone(),
-                    priority: Priority::Prefetch,
-                    tag: e as u64,
-                });
-            }
-        }
-        if let Err(error) = self.submit(batch) {
-            tracing::warn!("expert prefetch not submitted: {error}");
+        self.prefetch_batch(&[(layer, ids.to_vec())]);
+    }
+
+    fn stats(&self) -> SourceStats {
+        let t = self.shared.counters.snapshot();
+        SourceStats {
+            ram_hits: t.hits,
+            ram_misses: t.requests - t.hits,
+            disk_bytes_read: t.read_bytes(),
+            prefetch_covered_misses: t.covered_misses(),
+            uncovered_misses: t.uncovered_misses(),
+            ..SourceStats::default()
         }
     }
 }

@@ -2,6 +2,8 @@
 //! of pinned RAM slots, for any [`ExpertLocator`].
 //!
 //! - [`size`]: `--ram-budget 8GiB` parsing and printing ([`ByteSize`]).
+//! - [`depth`]: the reader's queue depth, measured on the model's drive and
+//!   cached per device ([`MeasuredDepth`]).
 //! - [`memory`]: what the machine and the cgroup allow ([`MemoryLimits`]).
 //! - [`layout`]: each expert's reads and slot size, size classes
 //!   ([`ExpertLayout`]).
@@ -18,6 +20,7 @@
 //! the tier hands out views of exactly the bytes a memory map would.
 
 pub mod cache;
+pub mod depth;
 pub mod layout;
 pub mod lists;
 pub mod memory;
@@ -35,6 +38,7 @@ use colibri_model::{ExpertSource, Model, ModelError, ModelSpec, ResidentExperts}
 use serde::Serialize;
 
 pub use self::cache::{ClassOccupancy, Residency, TierCache};
+pub use self::depth::MeasuredDepth;
 pub use self::layout::{ExpertLayout, ExpertRecord, FileFacts, SizeClass};
 pub use self::lists::EvictionPolicy;
 pub use self::memory::MemoryLimits;
@@ -43,10 +47,33 @@ pub use self::size::ByteSize;
 pub use self::stats::{LatencySummary, TierStats};
 pub use self::usage::UsageHistory;
 
-/// Reads in flight by default: enough for one layer's misses of a
-/// fine-grained model plus prefetch (LESSONS.md: queue depth ≥ 8 reaches
-/// near-sequential speed), few enough that staging stays small.
+/// Reads in flight when the depth is neither given nor measured: enough
+/// for one layer's misses of a fine-grained model plus prefetch (LESSONS.md:
+/// queue depth ≥ 8 reaches near-sequential speed), few enough that staging
+/// stays small. The command line measures the drive instead
+/// ([`QueueDepthMode::Measured`]).
 pub const DEFAULT_QUEUE_DEPTH: usize = 16;
+
+/// How the reader's queue depth is chosen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum QueueDepthMode {
+    /// [`TierOptions::queue_depth`] as given.
+    #[default]
+    Fixed,
+    /// The knee of the drive's latency–throughput curve at the experts'
+    /// read size ([`depth`]), cached per device in this directory (`None`:
+    /// measured every time); `queue_depth` if the measurement fails.
+    Measured { cache: Option<PathBuf> },
+}
+
+impl QueueDepthMode {
+    /// Measured, cached in the default place.
+    pub fn measured() -> QueueDepthMode {
+        QueueDepthMode::Measured {
+            cache: depth::default_dir(),
+        }
+    }
+}
 
 /// Where the usage history lives.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -70,8 +97,10 @@ pub struct TierOptions {
     pub pin_budget: Option<u64>,
     /// I/O backend.
     pub io: IoBackendChoice,
-    /// Reads in flight at most.
+    /// Reads in flight at most (with [`QueueDepthMode::Fixed`]).
     pub queue_depth: usize,
+    /// Whether `queue_depth` is used as given or measured.
+    pub queue_depth_mode: QueueDepthMode,
     /// Eviction policy of the cache.
     pub policy: EvictionPolicy,
     /// Usage history location.
@@ -82,6 +111,45 @@ pub struct TierOptions {
     pub faults: Option<FaultInjector>,
     /// Memory limits to plan with; `None`: probe the machine (tests fix them).
     pub memory: Option<MemoryLimits>,
+    /// Prefetch reads in the kernel at most (`None`: the reader's default,
+    /// three quarters of the queue depth).
+    pub prefetch_limit: Option<usize>,
+    /// Room for experts read ahead by the prefetcher: staging slots for
+    /// this many MoE layers' worth of experts (`top_k` each) are added per
+    /// size class. 0: none (prefetch only uses free slots beyond half the
+    /// staging area).
+    pub prefetch_layers: usize,
+}
+
+impl TierOptions {
+    /// Staging slots per size class added for prefetch.
+    pub fn prefetch_slots(&self, layout: &ExpertLayout) -> usize {
+        self.prefetch_layers * layout.top_k
+    }
+
+    /// The queue depth to read `layout`'s experts from `files` with, and
+    /// the measurement behind it when measured.
+    pub fn resolve_queue_depth(
+        &self,
+        files: &FileSet,
+        layout: &ExpertLayout,
+    ) -> (usize, Option<MeasuredDepth>) {
+        match &self.queue_depth_mode {
+            QueueDepthMode::Fixed => (self.queue_depth, None),
+            QueueDepthMode::Measured { cache } => {
+                match depth::measured_queue_depth(files, layout, self.io, cache.as_deref()) {
+                    Ok(m) => (m.queue_depth, Some(m)),
+                    Err(error) => {
+                        tracing::warn!(
+                            "queue depth not measured ({error}); using {}",
+                            self.queue_depth
+                        );
+                        (self.queue_depth, None)
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Default for TierOptions {
@@ -91,11 +159,14 @@ impl Default for TierOptions {
             pin_budget: None,
             io: IoBackendChoice::Auto,
             queue_depth: DEFAULT_QUEUE_DEPTH,
+            queue_depth_mode: QueueDepthMode::Fixed,
             policy: EvictionPolicy::default(),
             usage: UsageMode::Auto,
             direct: DirectIo::Auto,
             faults: None,
             memory: None,
+            prefetch_layers: 0,
+            prefetch_limit: None,
         }
     }
 }
@@ -309,6 +380,7 @@ pub fn plan_checkpoint(
         .as_ref()
         .map(|d| UsageHistory::load(d, &key, &layout))
         .filter(|h| h.total_steps() > 0);
+    let (queue_depth, _) = options.resolve_queue_depth(&files, &layout);
     let plan = Plan::compute(&PlanRequest {
         layout: &layout,
         footprint: Footprint::of(spec, &model.weights, ctx),
@@ -316,7 +388,8 @@ pub fn plan_checkpoint(
         ram_budget: options.ram_budget,
         pin_budget: options.pin_budget,
         usage: history.as_ref(),
-        queue_depth: options.queue_depth,
+        queue_depth,
+        prefetch_slots: options.prefetch_slots(&layout),
     });
     Ok(PlanReport {
         model: dir.display().to_string(),
@@ -326,6 +399,6 @@ pub fn plan_checkpoint(
             .map(|d| UsageHistory::path(d, &key)),
         model_key: key,
         plan,
-        io: IoSummary::probe(options.io, &files, options.queue_depth),
+        io: IoSummary::probe(options.io, &files, queue_depth),
     })
 }

@@ -12,8 +12,11 @@
 //!
 //! The staging area (a few slots per class, sized from the I/O queue depth)
 //! holds reads in flight and experts in use that the cache does not keep,
-//! so a budget of zero cached experts still runs; it is outside the budget
-//! and the plan says so. Pinned + cache bytes never exceed the budget.
+//! so a budget of zero cached experts still runs; with prefetch on it has
+//! room for the predicted experts of the coming layers too, so reading them
+//! ahead never takes a slot this layer's misses need. It is outside the
+//! budget and the plan says so. Pinned + cache bytes never exceed the
+//! budget.
 //!
 //! The expected disk bytes per token come from the usage history when there
 //! is one (each expert's selection rate), otherwise from uniform routing
@@ -166,6 +169,9 @@ pub struct PlanRequest<'a> {
     pub usage: Option<&'a UsageHistory>,
     /// Reads in flight at most (sizes the staging area).
     pub queue_depth: usize,
+    /// Extra staging slots per class for experts read ahead (0: no
+    /// prefetch).
+    pub prefetch_slots: usize,
 }
 
 /// Where the budget came from.
@@ -190,6 +196,8 @@ pub struct ClassPlan {
     pub cache_slots: usize,
     /// Outside the budget.
     pub staging_slots: usize,
+    /// Of the staging slots, those added for prefetch.
+    pub prefetch_slots: usize,
     pub layers: Vec<usize>,
 }
 
@@ -270,10 +278,11 @@ impl Plan {
         // Staging first: it does not depend on the budget except when the
         // budget caches everything (then it is not needed).
         let queue_depth = req.queue_depth.max(1);
+        let staging_per_class = queue_depth + req.prefetch_slots;
         let staging_bytes_max: u64 = layout
             .classes
             .iter()
-            .map(|c| c.slot_bytes * queue_depth.min(c.records) as u64)
+            .map(|c| c.slot_bytes * staging_per_class.min(c.records) as u64)
             .sum();
 
         let (ram_budget, source) = match (req.ram_budget, usable) {
@@ -391,13 +400,18 @@ impl Plan {
             .classes
             .iter()
             .enumerate()
-            .map(|(c, class)| ClassPlan {
-                slot_bytes: class.slot_bytes,
-                experts: class.records,
-                pinned_slots: class_pinned[c],
-                cache_slots: cache[c],
-                staging_slots: queue_depth.min(unpinned[c] - cache[c]),
-                layers: class.layers.clone(),
+            .map(|(c, class)| {
+                let uncached = unpinned[c] - cache[c];
+                let staging = staging_per_class.min(uncached);
+                ClassPlan {
+                    slot_bytes: class.slot_bytes,
+                    experts: class.records,
+                    pinned_slots: class_pinned[c],
+                    cache_slots: cache[c],
+                    staging_slots: staging,
+                    prefetch_slots: staging.saturating_sub(queue_depth),
+                    layers: class.layers.clone(),
+                }
             })
             .collect();
         let cache_bytes: u64 = classes
@@ -555,13 +569,19 @@ impl Plan {
             b(self.kv_reserve_bytes).to_string(),
             self.kv_reserve_positions
         );
+        let prefetch_slots: usize = self.classes.iter().map(|c| c.prefetch_slots).sum();
         let _ = writeln!(
             s,
             "  staging slots      {:>12}  ({} slots: reads in flight and experts in use that \
-             the cache does not keep; sized from queue depth {})",
+             the cache does not keep; sized from queue depth {}{})",
             b(self.staging_bytes).to_string(),
             self.classes.iter().map(|c| c.staging_slots).sum::<usize>(),
-            self.queue_depth
+            self.queue_depth,
+            if prefetch_slots > 0 {
+                format!(", {prefetch_slots} of them for experts read ahead")
+            } else {
+                String::new()
+            }
         );
         let _ = writeln!(
             s,

@@ -2,6 +2,12 @@
 //! evictions, bytes read, time spent waiting on reads, and the latency of
 //! each expert read (from submission to the bytes being usable).
 //!
+//! Prefetch is judged by two figures. **Recall**: of the demand misses (a
+//! requested expert not cached or pinned), the share a prefetch had
+//! already covered (landed) or started (joined). **Waste**: bytes
+//! prefetched that no fetch used (evicted unused, or cancelled after the
+//! read had reached the drive), per prefetched byte a fetch did use.
+//!
 //! Counters are atomics bumped on the paths that already hold the cache
 //! lock or run on one thread, so reading them never stops the engine.
 //! Snapshots subtract ([`TierStats::since`]) so a benchmark can measure
@@ -27,11 +33,20 @@ pub(crate) struct Counters {
     pub demand_read_bytes: AtomicU64,
     pub prefetch_read_bytes: AtomicU64,
     pub prefetch_unused: AtomicU64,
+    pub prefetch_used: AtomicU64,
+    pub prefetch_used_bytes: AtomicU64,
+    pub prefetch_wasted: AtomicU64,
+    pub prefetch_wasted_bytes: AtomicU64,
+    pub prefetch_promoted: AtomicU64,
+    pub prefetch_cancelled: AtomicU64,
+    pub prefetch_cancelled_unissued: AtomicU64,
+    pub prefetch_stale_evicted: AtomicU64,
     pub evictions: AtomicU64,
     pub read_errors: AtomicU64,
     pub slot_waits: AtomicU64,
     pub fetch_ns: AtomicU64,
     pub io_wait_ns: AtomicU64,
+    pub io_wait_busy_ns: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64, n: u64) {
@@ -63,6 +78,23 @@ pub struct TierStats {
     pub prefetch_read_bytes: u64,
     /// Prefetched experts evicted before any use.
     pub prefetch_unused: u64,
+    /// Prefetch reads a fetch used (landed, or joined in flight), and their
+    /// aligned bytes.
+    pub prefetch_used: u64,
+    pub prefetch_used_bytes: u64,
+    /// Prefetch reads no fetch used that cost disk bandwidth (evicted
+    /// unused, or cancelled once issued), and their aligned bytes.
+    pub prefetch_wasted: u64,
+    pub prefetch_wasted_bytes: u64,
+    /// Prefetch reads a demand joined while they still had prefetch
+    /// priority (raised to demand priority).
+    pub prefetch_promoted: u64,
+    /// Stale predictions whose reads were cancelled (queued or in flight).
+    pub prefetch_cancelled: u64,
+    /// Of those, reads cancelled before they reached the drive (no bytes).
+    pub prefetch_cancelled_unissued: u64,
+    /// Stale predictions that had landed and were evicted unused.
+    pub prefetch_stale_evicted: u64,
     /// Cached experts evicted.
     pub evictions: u64,
     /// Reads that failed.
@@ -73,6 +105,9 @@ pub struct TierStats {
     pub fetch_ns: u64,
     /// Nanoseconds `fetch` was blocked waiting for reads or slots.
     pub io_wait_ns: u64,
+    /// Of those, nanoseconds during which the reader had a read in the
+    /// kernel (the rest is hand-over between threads, or slot waits).
+    pub io_wait_busy_ns: u64,
 }
 
 impl Counters {
@@ -90,11 +125,20 @@ impl Counters {
             demand_read_bytes: g(&self.demand_read_bytes),
             prefetch_read_bytes: g(&self.prefetch_read_bytes),
             prefetch_unused: g(&self.prefetch_unused),
+            prefetch_used: g(&self.prefetch_used),
+            prefetch_used_bytes: g(&self.prefetch_used_bytes),
+            prefetch_wasted: g(&self.prefetch_wasted),
+            prefetch_wasted_bytes: g(&self.prefetch_wasted_bytes),
+            prefetch_promoted: g(&self.prefetch_promoted),
+            prefetch_cancelled: g(&self.prefetch_cancelled),
+            prefetch_cancelled_unissued: g(&self.prefetch_cancelled_unissued),
+            prefetch_stale_evicted: g(&self.prefetch_stale_evicted),
             evictions: g(&self.evictions),
             read_errors: g(&self.read_errors),
             slot_waits: g(&self.slot_waits),
             fetch_ns: g(&self.fetch_ns),
             io_wait_ns: g(&self.io_wait_ns),
+            io_wait_busy_ns: g(&self.io_wait_busy_ns),
         }
     }
 }
@@ -114,11 +158,21 @@ impl TierStats {
             demand_read_bytes: self.demand_read_bytes - earlier.demand_read_bytes,
             prefetch_read_bytes: self.prefetch_read_bytes - earlier.prefetch_read_bytes,
             prefetch_unused: self.prefetch_unused - earlier.prefetch_unused,
+            prefetch_used: self.prefetch_used - earlier.prefetch_used,
+            prefetch_used_bytes: self.prefetch_used_bytes - earlier.prefetch_used_bytes,
+            prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
+            prefetch_wasted_bytes: self.prefetch_wasted_bytes - earlier.prefetch_wasted_bytes,
+            prefetch_promoted: self.prefetch_promoted - earlier.prefetch_promoted,
+            prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
+            prefetch_cancelled_unissued: self.prefetch_cancelled_unissued
+                - earlier.prefetch_cancelled_unissued,
+            prefetch_stale_evicted: self.prefetch_stale_evicted - earlier.prefetch_stale_evicted,
             evictions: self.evictions - earlier.evictions,
             read_errors: self.read_errors - earlier.read_errors,
             slot_waits: self.slot_waits - earlier.slot_waits,
             fetch_ns: self.fetch_ns - earlier.fetch_ns,
             io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
+            io_wait_busy_ns: self.io_wait_busy_ns - earlier.io_wait_busy_ns,
         }
     }
 
@@ -128,6 +182,32 @@ impl TierStats {
             return 0.0;
         }
         self.hits as f64 / self.requests as f64
+    }
+
+    /// Demand misses a prefetch had covered (landed) or started (joined).
+    pub fn covered_misses(&self) -> u64 {
+        self.prefetch_hits + self.joined_prefetch
+    }
+
+    /// Demand misses no prefetch had covered: read on demand, or joined to
+    /// another fetch's demand read.
+    pub fn uncovered_misses(&self) -> u64 {
+        self.demand_reads + self.joined_demand
+    }
+
+    /// Share of demand misses a prefetch had covered or started; `None`
+    /// without misses.
+    pub fn prefetch_recall(&self) -> Option<f64> {
+        let misses = self.covered_misses() + self.uncovered_misses();
+        (misses > 0).then(|| self.covered_misses() as f64 / misses as f64)
+    }
+
+    /// Bytes prefetched and never used, per prefetched byte used; `None`
+    /// when no prefetched byte was used (then `prefetch_wasted_bytes` says
+    /// it all).
+    pub fn prefetch_waste(&self) -> Option<f64> {
+        (self.prefetch_used_bytes > 0)
+            .then(|| self.prefetch_wasted_bytes as f64 / self.prefetch_used_bytes as f64)
     }
 
     /// Aligned bytes read from disk (demand + prefetch).
