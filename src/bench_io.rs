@@ -150,6 +150,7 @@ struct Phase {
     stats: TierStats,
     bytes_read: u64,
     busy_ns: u64,
+    kernel_bytes: Option<u64>,
 }
 
 /// Where decode time went.
@@ -206,6 +207,9 @@ struct DecodeRun {
     prefill: TierStats,
     prefill_disk_bytes: u64,
     prefetcher: Option<PrefetcherStats>,
+    /// What the kernel counted as read from the model's block device
+    /// during the decode (None where /proc/diskstats does not say).
+    kernel_decode_bytes: Option<u64>,
 }
 
 /// What every run shares.
@@ -272,6 +276,7 @@ fn decode_run(
         engine.context_len(),
         None,
     )?;
+    let device = block_device_of(dir);
     let snapshot = || {
         let reader = tier.reader_counters();
         Phase {
@@ -279,6 +284,7 @@ fn decode_run(
             stats: tier.stats(),
             bytes_read: reader.bytes_read,
             busy_ns: reader.busy_ns,
+            kernel_bytes: device.and_then(kernel_bytes_read),
         }
     };
     let start = snapshot();
@@ -326,6 +332,10 @@ fn decode_run(
         prefill,
         prefill_disk_bytes: first.bytes_read - start.bytes_read,
         prefetcher: engine.prefetcher.as_ref().map(|p| p.stats()),
+        kernel_decode_bytes: match (first.kernel_bytes, end.kernel_bytes) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        },
     };
     Ok((run, engine))
 }
@@ -342,9 +352,9 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     if args.tokens < 2 {
         bail!("--tokens must be at least 2 (the first token ends the prefill)");
     }
-    // The prompt needs the vocabulary size; reading the config is enough.
-    let spec = colibri_model::ModelSpec::from_dir(dir)
-        .with_context(|| format!("reading the config of {}", dir.display()))?;
+    // The prompt needs the vocabulary size; the spec is enough (any source).
+    let (spec, _) = colibri_model::source::open_source(dir)
+        .with_context(|| format!("reading the spec of {}", dir.display()))?;
     let vocab = spec.vocab_size as u32;
     let prompt = match &args.prompt_tokens {
         Some(text) => parse_token_ids(text)?,
@@ -457,6 +467,11 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             "raw": raw_report,
             "compare_prefetch": args.compare_prefetch.then_some(&compared),
             "prefetch_speedup": off_tok_s.map(|off| tok_s / off),
+            "kernel_decode_disk_bytes": run.kernel_decode_bytes,
+            "decode_disk_bytes": run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64,
+            "kernel_over_counted": run.kernel_decode_bytes.map(|k| {
+                k as f64 / (run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64).max(1.0)
+            }),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -510,6 +525,14 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         run.disk_read_mb_s,
         run.ram_hit_rate * 100.0
     );
+    if let Some(k) = run.kernel_decode_bytes {
+        let counted = bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
+        println!(
+            "kernel disk counters during decode: {} read from the model's device ({:.2}× what colibri counted)",
+            ByteSize(k),
+            k as f64 / counted.max(1.0)
+        );
+    }
     let t = &run.time;
     println!(
         "decode time {:.2} s: computing alone {:.1}%, computing with reads in flight {:.1}%, \
@@ -598,4 +621,24 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The block device (major, minor) holding `path`.
+fn block_device_of(path: &Path) -> Option<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).ok()?.dev();
+    Some((libc::major(dev), libc::minor(dev)))
+}
+
+/// Bytes the kernel has read from block device `(major, minor)` since boot
+/// (`/proc/diskstats`: sectors read × 512). The whole disk's line is used
+/// when the path sits on a partition, since reads of a partition count
+/// toward its disk too.
+fn kernel_bytes_read((major, minor): (u32, u32)) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/diskstats").ok()?;
+    text.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (ma, mi) = (f.first()?.parse::<u32>().ok()?, f.get(1)?.parse::<u32>().ok()?);
+        if (ma, mi) == (major, minor) { f.get(5)?.parse::<u64>().ok().map(|s| s * 512) } else { None }
+    })
 }
