@@ -638,7 +638,14 @@ fn kernel_bytes_read((major, minor): (u32, u32)) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/diskstats").ok()?;
     text.lines().find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        let (ma, mi) = (f.first()?.parse::<u32>().ok()?, f.get(1)?.parse::<u32>().ok()?);
-        if (ma, mi) == (major, minor) { f.get(5)?.parse::<u64>().ok().map(|s| s * 512) } else { None }
+        let (ma, mi) = (
+            f.first()?.parse::<u32>().ok()?,
+            f.get(1)?.parse::<u32>().ok()?,
+        );
+        if (ma, mi) == (major, minor) {
+            f.get(5)?.parse::<u64>().ok().map(|s| s * 512)
+        } else {
+            None
+        }
     })
 }

@@ -103,8 +103,14 @@ impl PinnedArena {
         // kernel DMAs into them for us.
         // SAFETY: `raw..raw+bytes` is the mapping we just created.
         unsafe { libc::madvise(raw, bytes, libc::MADV_DONTFORK) };
-        // SAFETY: same range; mlock only changes residency.
-        let locked = unsafe { libc::mlock(raw, bytes) } == 0;
+        // Lock pages as they are first touched (MLOCK_ONFAULT) rather than
+        // faulting the whole arena in now: a large cache would otherwise
+        // cost seconds at start for pages a run may never use. Kernels
+        // without mlock2 lock everything at once.
+        // SAFETY: same range; mlock/mlock2 only change residency.
+        let locked = unsafe {
+            libc::mlock2(raw, bytes, libc::MLOCK_ONFAULT) == 0 || libc::mlock(raw, bytes) == 0
+        };
         if !locked {
             let err = std::io::Error::last_os_error();
             if !WARNED_MLOCK.swap(true, Ordering::Relaxed) {

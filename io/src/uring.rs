@@ -143,12 +143,13 @@ fn describe_setup_error(error: &std::io::Error) -> String {
     format!("{why}: {error}; kernel.io_uring_disabled = {sysctl}")
 }
 
-/// A registered arena: slot `i` is in registered buffer
-/// `first_index + i / slots_per_buffer`.
+/// A registered arena: slot `i < registered_slots` is in registered buffer
+/// `first_index + i / slots_per_buffer`; later slots use plain reads.
 struct RegisteredArena {
     arena_id: u64,
     first_index: u16,
     slots_per_buffer: usize,
+    registered_slots: usize,
 }
 
 /// What the ring ended up with.
@@ -286,6 +287,9 @@ impl UringExecutor {
 
     fn fixed_index(&self, arena_id: u64, slot: usize) -> Option<u16> {
         let registered = self.registered.iter().find(|r| r.arena_id == arena_id)?;
+        if slot >= registered.registered_slots {
+            return None;
+        }
         let index = usize::from(registered.first_index) + slot / registered.slots_per_buffer;
         u16::try_from(index).ok()
     }
@@ -304,21 +308,31 @@ impl UringExecutor {
     }
 }
 
+/// At most this many arena bytes are registered as fixed buffers (the
+/// first slots of each arena, in order): registration pins, and so faults
+/// in, every registered page at once, which for a cache of tens of GiB
+/// would cost seconds at start. Slots past it use plain reads, which pin
+/// the buffer only for the read's duration.
+pub const MAX_REGISTERED_ARENA_BYTES: usize = 4 << 30;
+
 fn register_arenas(ring: &IoUring, arenas: &[Arc<PinnedArena>]) -> Vec<RegisteredArena> {
     let mut iovecs = Vec::new();
     let mut registered = Vec::new();
+    let mut budget = MAX_REGISTERED_ARENA_BYTES;
     for arena in arenas {
         let slot_size = arena.slot_size();
-        if slot_size > MAX_REGISTERED_BUFFER {
+        if slot_size > MAX_REGISTERED_BUFFER || slot_size > budget {
             continue;
         }
-        let slots_per_buffer = (MAX_REGISTERED_BUFFER / slot_size).min(arena.slot_count());
+        let registered_slots = arena.slot_count().min(budget / slot_size);
+        budget -= registered_slots * slot_size;
+        let slots_per_buffer = (MAX_REGISTERED_BUFFER / slot_size).min(registered_slots);
         let Ok(first_index) = u16::try_from(iovecs.len()) else {
             break;
         };
         let mut slot = 0;
-        while slot < arena.slot_count() {
-            let slots = slots_per_buffer.min(arena.slot_count() - slot);
+        while slot < registered_slots {
+            let slots = slots_per_buffer.min(registered_slots - slot);
             iovecs.push(libc::iovec {
                 // SAFETY: slot < slot_count, so the offset is inside the
                 // arena's mapping.
@@ -331,6 +345,7 @@ fn register_arenas(ring: &IoUring, arenas: &[Arc<PinnedArena>]) -> Vec<Registere
             arena_id: arena.id(),
             first_index,
             slots_per_buffer,
+            registered_slots,
         });
     }
     if iovecs.is_empty() || iovecs.len() > MAX_REGISTERED_BUFFERS {
