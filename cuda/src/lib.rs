@@ -41,6 +41,7 @@
 //! * Several GPUs: one `CudaDevice` per ordinal, experts placed across them;
 //!   host registrations are PORTABLE so every context can DMA from them.
 
+pub mod batch;
 pub mod cache;
 pub mod device;
 pub mod error;
@@ -48,9 +49,11 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
+pub use batch::MatvecTable;
 pub use cache::KernelCache;
 pub use device::{
-    BufMut, BufView, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event, HostRegistration,
+    BufMut, BufView, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event, HOST_PAGE,
+    HostBuffer, HostRegistration,
 };
 pub use error::{CudaError, Result};
 pub use kernels::{Arch, CI_ARCHS, CompiledModule, KernelSet, MODULES, compile_all};
