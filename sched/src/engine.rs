@@ -36,6 +36,9 @@ pub struct Engine {
     pub tier: Option<Arc<TierCache>>,
     /// Where the compute threads run.
     pub placement: Placement,
+    /// The GPU tier, when one is attached ([`crate::gpu::attach`]): then
+    /// [`Engine::forward`] runs there.
+    pub gpu: Option<Arc<crate::gpu::GpuTier>>,
     ctx: usize,
 }
 
@@ -109,6 +112,7 @@ impl Engine {
             pool: Arc::new(pool),
             tier: None,
             placement,
+            gpu: None,
             ctx,
         }
     }
@@ -120,6 +124,15 @@ impl Engine {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// One forward pass over a batch, on the GPU tier when one is attached,
+    /// else on the CPU tier.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        match &self.gpu {
+            Some(gpu) => gpu.forward(&self.model, self.experts.as_ref(), batch),
+            None => self.model.forward(&self.pool, self.experts.as_ref(), batch),
+        }
     }
 }
 
@@ -137,15 +150,11 @@ impl Engine {
                 return Ok(());
             }
             let n = tokens.len();
-            let mut out = self.model.forward(
-                &self.pool,
-                self.experts.as_ref(),
-                &mut [SeqInput {
-                    cache,
-                    tokens,
-                    logits,
-                }],
-            )?;
+            let mut out = self.forward(&mut [SeqInput {
+                cache,
+                tokens,
+                logits,
+            }])?;
             if let Some(ev) = seq.accept(n, &mut out[0])? {
                 let go_on = on_token(&ev);
                 if ev.finish.is_some() {

@@ -2,10 +2,12 @@
 //! experts and the compute threads, and runs sequences through them:
 //! generation ([`sequence::Sequence`], one step at a time so several
 //! sequences can share each forward pass) and scoring ([`score`]). Routed
-//! experts stream from disk through the RAM tier ([`tier`]).
+//! experts stream from disk through the RAM tier ([`tier`]); with a GPU, the
+//! forward pass runs on it with VRAM as one more tier ([`gpu`]).
 
 pub mod counting;
 pub mod engine;
+pub mod gpu;
 pub mod scheduler;
 pub mod score;
 pub mod sequence;
