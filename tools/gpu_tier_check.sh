@@ -27,6 +27,7 @@ if [[ "${1:-}" == "--bundle" ]]; then
   mkdir -p "$dir"
   json=$(mktemp)
   cargo test -p colibri-sched --release --test gpu --no-run --message-format=json >"$json"
+  cargo test -p colibri-cuda --release --test gpu_batch --no-run --message-format=json >>"$json"
   cargo build -p colibri-sched --release --example synth_moe --example gpu_decode \
     --message-format=json >>"$json"
   cargo build --release --bin colibri --message-format=json >>"$json"
@@ -78,6 +79,7 @@ step() {
   if "$@"; then passed+=("$name ($((SECONDS - t0))s)"); else failed+=("$name ($((SECONDS - t0))s)"); fi
 }
 
+step "colibri-cuda engine helpers" timeout 120 "$bundle/gpu_batch" --include-ignored --test-threads=1
 step "GPU tier tests" timeout 300 "$bundle/gpu" --include-ignored --test-threads=1
 step "synthetic model" timeout 120 "$bundle/synth_moe" "$synth" $synth_args
 step "colibri plan --device cuda" timeout 60 "$bundle/colibri" plan --model "$synth" --device cuda --vram-budget 1GiB
