@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use colibri_io::IoBackendChoice;
 use colibri_model::Tokenizer;
+use colibri_sched::gpu::{Attached, DeviceChoice, GpuOptions};
 use colibri_sched::prefetch::{Predictor, PrefetchOptions};
 use colibri_sched::tier::{ByteSize, QueueDepthMode, TierOptions};
 use colibri_sched::{Engine, EngineOptions};
@@ -70,9 +71,36 @@ pub struct ModelArgs {
     /// (`cargo run -p colibri-sched --example prefetch_replay -- FILE`).
     #[arg(long, value_name = "FILE")]
     pub routing_trace: Option<PathBuf>,
+    /// Where the forward pass runs: `cuda` (fails if no usable GPU), `cpu`,
+    /// or `auto` (CUDA when a usable GPU and NVRTC are there, else the CPU
+    /// tier, said once).
+    #[arg(long, value_name = "auto|cpu|cuda", default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Device memory for dense weights, the KV cache and cached experts
+    /// (same units as --ram-budget). What does not fit streams from RAM:
+    /// 0 keeps nothing resident and still runs. Default: the device's free
+    /// memory minus the GPU tier's working set and a reserve (`colibri
+    /// plan` shows the placement).
+    #[arg(long, value_name = "SIZE")]
+    pub vram_budget: Option<ByteSize>,
+    /// GPU ids to use (default 0). One device for now: spreading experts
+    /// over several GPUs is not implemented yet, and more than one id is
+    /// refused.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub devices: Vec<usize>,
 }
 
 impl ModelArgs {
+    /// The GPU tier's settings from these flags.
+    pub fn gpu_options(&self) -> GpuOptions {
+        GpuOptions {
+            device: self.device,
+            vram_budget: self.vram_budget.map(ByteSize::bytes),
+            devices: self.devices.clone(),
+            ..GpuOptions::default()
+        }
+    }
+
     /// The expert tier's settings from these flags.
     pub fn tier_options(&self) -> TierOptions {
         TierOptions {
@@ -146,9 +174,11 @@ pub struct Loaded {
 
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     colibri_model::kernels::set_exact_quant(args.exact_quant);
+    let gpu = args.gpu_options();
+    colibri_sched::gpu::preflight(&gpu).with_context(|| format!("--device {}", args.device))?;
     let (path, is_demo) = args.resolve()?;
     let t0 = std::time::Instant::now();
-    let engine = Engine::load(
+    let mut engine = Engine::load(
         &path,
         &EngineOptions {
             threads: args.threads,
@@ -158,6 +188,15 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
         },
     )
     .with_context(|| format!("loading model {}", path.display()))?;
+    match colibri_sched::gpu::attach(&mut engine, &gpu)
+        .with_context(|| format!("--device {}", args.device))?
+    {
+        Attached::Gpu(summary) => tracing::info!("{summary}"),
+        Attached::Cpu { reason: Some(why) } => {
+            tracing::info!("no usable GPU tier ({why}): running on the CPU tier")
+        }
+        Attached::Cpu { reason: None } => {}
+    }
     let tokenizer = Tokenizer::from_dir(&path)
         .with_context(|| format!("loading the tokenizer of {}", path.display()))?
         .map(Arc::new);

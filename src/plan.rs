@@ -1,9 +1,12 @@
 //! `colibri plan`: where every byte of a model will live at the given
-//! budgets, and what a decode token is expected to read from disk. Loads no
+//! budgets (RAM tier, and the GPU tier's VRAM placement when a GPU is
+//! there), and what a decode token is expected to read from disk. Loads no
 //! expert.
 
 use anyhow::{Context, Result};
 use clap::Args;
+use colibri_model::Model;
+use colibri_sched::gpu::{DeviceChoice, VramPlan, open_device};
 use colibri_sched::tier::plan_checkpoint;
 
 use crate::common::ModelArgs;
@@ -25,13 +28,74 @@ pub fn main(args: PlanArgs) -> Result<()> {
     // Where the threads would run (the engine makes the same choice).
     let topo = colibri_io::topology::Topology::detect();
     let placement = topo.placement(topo.drive_node(&path), args.model.threads);
+    let gpu = gpu_plan(&args.model, &path)?;
     if args.json {
         let mut v = serde_json::to_value(&report)?;
         v["placement"] = serde_json::to_value(&placement)?;
+        v["gpu"] = match &gpu {
+            GpuPlacement::Plan(p) => serde_json::to_value(p)?,
+            GpuPlacement::None(why) => serde_json::json!({ "none": why }),
+        };
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", report.render());
         println!("{}", placement.render());
+        match &gpu {
+            GpuPlacement::Plan(p) => print!("{}", p.render()),
+            GpuPlacement::None(why) => println!("GPU tier: none ({why})"),
+        }
     }
     Ok(())
+}
+
+enum GpuPlacement {
+    Plan(Box<VramPlan>),
+    None(String),
+}
+
+/// The GPU tier's placement on the device `--device`/`--devices` name, or
+/// why there is none (`--device cuda` without a usable GPU is an error).
+fn gpu_plan(args: &ModelArgs, path: &std::path::Path) -> Result<GpuPlacement> {
+    let opts = args.gpu_options();
+    if opts.device == DeviceChoice::Cpu {
+        return Ok(GpuPlacement::None("--device cpu".into()));
+    }
+    if opts.devices.len() > 1 {
+        anyhow::bail!(
+            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give one \
+             device id",
+            opts.devices
+        );
+    }
+    let ordinal = opts.devices.first().copied().unwrap_or(0);
+    let (dev, _kernels) = match open_device(ordinal) {
+        Ok(d) => d,
+        Err(e) if opts.device == DeviceChoice::Auto => {
+            return Ok(GpuPlacement::None(format!(
+                "{e}; the CPU tier runs the model"
+            )));
+        }
+        Err(e) => return Err(e).context("--device cuda"),
+    };
+    let (model, src) = Model::load(path)?;
+    let locator = src.locator(&model.spec).ok();
+    let (free, total) = dev.mem_info()?;
+    let info = dev.info();
+    let name = format!("{} (GPU {}, {})", info.name, info.ordinal, info.arch);
+    let ctx = args.ctx;
+    match colibri_sched::gpu::plan_for(
+        &model,
+        locator.as_deref(),
+        ctx,
+        &opts,
+        &name,
+        free as u64,
+        total as u64,
+    ) {
+        Ok(p) => Ok(GpuPlacement::Plan(Box::new(p))),
+        Err(e) if opts.device == DeviceChoice::Auto => Ok(GpuPlacement::None(format!(
+            "{e}; the CPU tier runs the model"
+        ))),
+        Err(e) => Err(e).context("--device cuda"),
+    }
 }

@@ -1,7 +1,8 @@
 // matvec.cu: y[t][r] = dot(W[r], x[t]) for every weight format, for up to a
-// few tokens per pass (decode and small batches), over one matrix or a
-// strided group of matrices (grid.z: the experts of a staging ring or of a
-// VRAM expert cache, each applied to its own tokens).
+// few tokens per pass (decode and small batches), over one matrix, a
+// strided group of matrices, or a table of matrices anywhere in memory
+// (grid.z: the experts of a layer in VRAM cache and staging slots, each
+// applied to its own tokens).
 //
 // The reduction order of one output element is fixed by `cols` alone:
 //
@@ -249,24 +250,23 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
     }
 }
 
-template <int FMT, int NT>
-__device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstride,
-                                            const float* __restrict__ scales, u64 s_mstride,
-                                            u32 s_block, u32 s_cols, const float* __restrict__ x,
-                                            u64 x_mstride, u32 x_tstride, float* __restrict__ y,
-                                            u64 y_mstride, u32 y_tstride, u32 rows, u32 cols,
-                                            u32 ntok) {
-    constexpr int R = MV_ROWS_PER_WARP;
+// One block's share of one matrix: rows blockIdx.x·MV_ROWS_PER_BLOCK.. of
+// the matrix at `wm` (FP8 scales at `sm`) for the `nt` ≤ NT tokens at `xm`,
+// written to `ym`. Both launch shapes below resolve their matrix and tokens
+// and then run exactly this, so they share every bit of arithmetic.
+//
+// R, the rows each warp owns, only decides which rows a warp computes, never
+// how: a row's sum is formed by its lanes over its groups whatever R is.
+template <int FMT, int NT, int R = MV_ROWS_PER_WARP>
+__device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
+                                            const float* __restrict__ sm, u32 s_block, u32 s_cols,
+                                            const float* __restrict__ xm, u32 x_tstride,
+                                            float* __restrict__ ym, u32 y_tstride, u32 rows,
+                                            u32 cols, u32 nt) {
     __shared__ __align__(16) float xs[NT][MV_XS_STRIDE];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 z = blockIdx.z;
-    const u32 t0 = blockIdx.y * NT;
-    const u32 nt = min((u32)NT, ntok - t0);
-    const u32 row0 = blockIdx.x * MV_ROWS_PER_BLOCK + warp * R;
+    const u32 row0 = blockIdx.x * (MV_WARPS * R) + warp * R;
     const u64 rb = row_bytes<FMT>(cols);
-    const u8* wm = w + z * w_mstride;
-    const float* sm = scales == nullptr ? nullptr : scales + z * s_mstride;
-    const float* xm = x + z * x_mstride + (u64)t0 * x_tstride;
     const u32 ngroups = (cols + 31) / 32;
 
     float acc[R][NT];
@@ -320,7 +320,6 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
         }
     }
 
-    float* ym = y + z * y_mstride + (u64)t0 * y_tstride;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -333,6 +332,53 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
     }
 }
 
+// Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
+// at x + z·x_mstride, writing y + z·y_mstride.
+template <int FMT, int NT>
+__device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstride,
+                                            const float* __restrict__ scales, u64 s_mstride,
+                                            u32 s_block, u32 s_cols, const float* __restrict__ x,
+                                            u64 x_mstride, u32 x_tstride, float* __restrict__ y,
+                                            u64 y_mstride, u32 y_tstride, u32 rows, u32 cols,
+                                            u32 ntok) {
+    const u64 z = blockIdx.z;
+    const u32 t0 = blockIdx.y * NT;
+    const u32 nt = min((u32)NT, ntok - t0);
+    matvec_core<FMT, NT>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
+                         s_block, s_cols, x + z * x_mstride + (u64)t0 * x_tstride, x_tstride,
+                         y + z * y_mstride + (u64)t0 * y_tstride, y_tstride, rows, cols, nt);
+}
+
+// The table launch keeps three more 64-bit values live (its matrix, scale
+// and token addresses come from memory, not from parameters the compiler
+// can recompute), which made ptxas spill at 4 rows per warp for several
+// tokens; 2 rows per warp there (the same arithmetic, see matvec_core).
+#define MV_TABLE_ROWS_PER_WARP(NT) ((NT) == 1 ? 4 : 2)
+
+// Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
+// layer, scattered over VRAM cache and staging slots) and is applied to
+// its own tok_cnt[z] token rows starting at row tok_off[z] of x and y (the
+// rows that chose it, packed by expert). Blocks past a matrix's tokens
+// leave at once (uniformly, before any barrier).
+template <int FMT, int NT>
+__device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs,
+                                                  const u64* __restrict__ s_ptrs, u32 s_block,
+                                                  u32 s_cols, const float* __restrict__ x,
+                                                  u32 x_tstride, const u32* __restrict__ tok_off,
+                                                  const u32* __restrict__ tok_cnt,
+                                                  float* __restrict__ y, u32 y_tstride, u32 rows,
+                                                  u32 cols) {
+    const u32 z = blockIdx.z;
+    const u32 cnt = tok_cnt[z];
+    const u32 t0 = blockIdx.y * NT;
+    if (t0 >= cnt) return;
+    const u64 first = (u64)tok_off[z] + t0;
+    matvec_core<FMT, NT, MV_TABLE_ROWS_PER_WARP(NT)>((const u8*)w_ptrs[z],
+                         s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z], s_block, s_cols,
+                         x + first * x_tstride, x_tstride, y + first * y_tstride, y_tstride, rows,
+                         cols, min((u32)NT, cnt - t0));
+}
+
 #define MATVEC_KERNEL(NAME, FMT, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(MV_THREADS)                                    \
         NAME(const u8* __restrict__ w, u64 w_mstride, const float* __restrict__ scales,         \
@@ -343,11 +389,25 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
                              x_tstride, y, y_mstride, y_tstride, rows, cols, ntok);             \
     }
 
-#define MATVEC_FORMAT(NAME, FMT)          \
-    MATVEC_KERNEL(NAME##_t1, FMT, 1)      \
-    MATVEC_KERNEL(NAME##_t2, FMT, 2)      \
-    MATVEC_KERNEL(NAME##_t4, FMT, 4)      \
-    MATVEC_KERNEL(NAME##_t8, FMT, 8)
+#define MATVEC_TABLE_KERNEL(NAME, FMT, NT)                                                        \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS)                                    \
+        NAME(const u64* __restrict__ w_ptrs, const u64* __restrict__ s_ptrs, u32 s_block,        \
+             u32 s_cols, const float* __restrict__ x, u32 x_tstride,                             \
+             const u32* __restrict__ tok_off, const u32* __restrict__ tok_cnt,                   \
+             float* __restrict__ y, u32 y_tstride, u32 rows, u32 cols) {                         \
+        matvec_table_body<FMT, NT>(w_ptrs, s_ptrs, s_block, s_cols, x, x_tstride, tok_off,       \
+                                   tok_cnt, y, y_tstride, rows, cols);                           \
+    }
+
+#define MATVEC_FORMAT(NAME, FMT)                   \
+    MATVEC_KERNEL(NAME##_t1, FMT, 1)               \
+    MATVEC_KERNEL(NAME##_t2, FMT, 2)               \
+    MATVEC_KERNEL(NAME##_t4, FMT, 4)               \
+    MATVEC_KERNEL(NAME##_t8, FMT, 8)               \
+    MATVEC_TABLE_KERNEL(NAME##_table_t1, FMT, 1)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t2, FMT, 2)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t4, FMT, 4)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t8, FMT, 8)
 
 MATVEC_FORMAT(matvec_f32, FMT_F32)
 MATVEC_FORMAT(matvec_f16, FMT_F16)

@@ -368,6 +368,273 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// (free, total) bytes of device memory now.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        self.ctx.mem_get_info().op("cuMemGetInfo")
+    }
+
+    /// An event marking all copies issued so far.
+    pub fn record_copy(&self) -> Result<Event> {
+        Ok(Event(self.copy.record_event(None).op("cuEventRecord")?))
+    }
+
+    /// Like [`Self::record_copy`], with timing enabled (for benchmarks).
+    pub fn record_copy_timed(&self) -> Result<Event> {
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(Event(
+            self.copy.record_event(Some(flags)).op("cuEventRecord")?,
+        ))
+    }
+
+    /// `len` bytes of page-locked host memory, registered with this
+    /// context and mapped into the device's address space (see
+    /// [`HostBuffer`]); zero-filled.
+    pub fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+        let size = len
+            .max(1)
+            .checked_next_multiple_of(HOST_PAGE)
+            .ok_or_else(|| CudaError::invalid("alloc_host", format!("{len} bytes overflow")))?;
+        let layout = std::alloc::Layout::from_size_align(size, HOST_PAGE)
+            .map_err(|e| CudaError::invalid("alloc_host", e.to_string()))?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+            return Err(CudaError::invalid(
+                "alloc_host",
+                format!("out of host memory for {size} bytes"),
+            ));
+        };
+        let fail = |e: CudaError| {
+            // SAFETY: allocated just above with this layout, not registered.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+            e
+        };
+        self.ctx
+            .bind_to_thread()
+            .op("cuCtxSetCurrent")
+            .map_err(fail)?;
+        // SAFETY: `ptr..ptr + size` is our own live allocation, registered
+        // once; PORTABLE makes it usable from every context, DEVICEMAP maps
+        // it so kernels can read and write it in place.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr.as_ptr().cast(),
+                size,
+                sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        }
+        .result()
+        .op("cuMemHostRegister")
+        .map_err(fail)?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: the range was just registered with DEVICEMAP.
+        let mapped =
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.as_ptr().cast(), 0) }
+                .result()
+                .op("cuMemHostGetDevicePointer");
+        if let Err(e) = mapped {
+            // SAFETY: registered above, not used by any copy yet.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr.as_ptr().cast()) };
+            return Err(fail(e));
+        }
+        Ok(HostBuffer {
+            ptr,
+            layout,
+            len,
+            dptr,
+            ctx: self.ctx.clone(),
+            compute: self.compute.clone(),
+            copy: self.copy.clone(),
+        })
+    }
+
+    /// Starts copying `dst.len()` bytes from host address `src` into `dst`
+    /// on the copy stream and returns an event that completes with the
+    /// copy. From page-locked memory (a registered arena, a
+    /// [`HostBuffer`]) this is true asynchronous DMA; from pageable memory
+    /// the driver stages the bytes before returning.
+    ///
+    /// # Safety
+    /// `src .. src + dst.len()` must be readable host memory that is
+    /// neither written nor freed, and `dst` neither read by another stream
+    /// nor freed, until the event has completed.
+    pub unsafe fn copy_host_ptr_async(&self, src: *const u8, dst: BufMut<'_, u8>) -> Result<Event> {
+        if src.is_null() {
+            return Err(CudaError::invalid("copy_host_ptr_async", "null source"));
+        }
+        if dst.len == 0 {
+            return self.record_copy();
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: the caller vouches for the source range and keeps both
+        // ends untouched until the event; `dst` is a bounds-checked view.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.cast(), dst.len, self.copy.cu_stream()) }
+            .result()
+            .op("cuMemcpyHtoDAsync")?;
+        self.record_copy()
+    }
+
+    /// Copies `src` into `dst` (equal lengths) on the compute stream, in
+    /// order with the kernels around it, without waiting.
+    ///
+    /// # Safety
+    /// `src` must be page-locked (a [`HostBuffer`]) or the call is
+    /// synchronous; either way it must not be written or freed until the
+    /// compute stream has passed this point (an event recorded after it
+    /// completed, or a synchronize).
+    pub unsafe fn upload_async<T: DeviceElem>(&self, src: &[T], dst: BufMut<'_, T>) -> Result<()> {
+        if dst.len != src.len() {
+            return Err(CudaError::invalid(
+                "upload_async",
+                format!("{} elements into a view of {}", src.len(), dst.len),
+            ));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: dst covers src.len() elements of a live allocation; the
+        // caller keeps `src` unchanged until the stream has passed.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream()) }
+            .op("cuMemcpyHtoDAsync")
+    }
+
+    /// Copies `src` into `dst` (equal lengths) on the compute stream after
+    /// the work issued before it, without waiting.
+    ///
+    /// # Safety
+    /// `dst` must be page-locked host memory that is neither read nor
+    /// freed until the compute stream has passed this point.
+    pub unsafe fn download_async<T: DeviceElem>(
+        &self,
+        src: BufView<'_, T>,
+        dst: &mut [T],
+    ) -> Result<()> {
+        if dst.len() != src.len {
+            return Err(CudaError::invalid(
+                "download_async",
+                format!("{} elements into {}", src.len, dst.len()),
+            ));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        // SAFETY: src covers dst.len() elements of a live allocation; the
+        // caller keeps `dst` alive and unread until the stream has passed.
+        unsafe { result::memcpy_dtoh_async(dst, src.ptr, self.compute.cu_stream()) }
+            .op("cuMemcpyDtoHAsync")
+    }
+}
+
+/// Host allocations are page-aligned multiples of this.
+pub const HOST_PAGE: usize = 4096;
+
+/// Page-locked host memory of our own: registered with the context (so
+/// copies from and to it are asynchronous DMA) and mapped into the device's
+/// address space (so kernels can read and write it in place, over the
+/// bus). Plain cached memory, not write-combined: the host reads it too.
+/// Unregistered and freed on drop, after both streams are idle.
+pub struct HostBuffer {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+    len: usize,
+    dptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+}
+
+// SAFETY: the buffer owns its allocation; host access goes through `&`/
+// `&mut` borrows of this value, device access through the unsafe copy and
+// launch calls whose callers order it.
+unsafe impl Send for HostBuffer {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, for the host.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` ≤ the allocation's size; the memory is initialized
+        // (zeroed at allocation) and owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, for the host to write.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the borrow exclusive on
+        // the host side.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The first `len / size_of::<T>()` elements of type `T`.
+    pub fn typed<T: DeviceElem>(&self) -> &[T] {
+        // SAFETY: page-aligned (≥ any DeviceElem's alignment), in bounds,
+        // initialized; DeviceElem types are plain numbers, valid for every
+        // bit pattern.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr.as_ptr().cast::<T>(),
+                self.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// Like [`Self::typed`], writable.
+    pub fn typed_mut<T: DeviceElem>(&mut self) -> &mut [T] {
+        // SAFETY: as in `typed`, with an exclusive borrow.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.ptr.as_ptr().cast::<T>(),
+                self.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// The buffer as the device sees it (kernels read it over the bus).
+    pub fn device_view<T: DeviceElem>(&self) -> BufView<'_, T> {
+        BufView {
+            ptr: self.dptr,
+            len: self.len / std::mem::size_of::<T>(),
+            _p: PhantomData,
+        }
+    }
+
+    /// The buffer as the device sees it, for kernels to write.
+    pub fn device_view_mut<T: DeviceElem>(&mut self) -> BufMut<'_, T> {
+        BufMut {
+            ptr: self.dptr,
+            len: self.len / std::mem::size_of::<T>(),
+            _p: PhantomData,
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // Kernels and copies may still touch the memory: wait for both.
+        self.ctx.record_err(self.compute.synchronize());
+        self.ctx.record_err(self.copy.synchronize());
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: registered by alloc_host and not since; the streams are
+        // idle, so nothing uses the range any more.
+        self.ctx
+            .record_err(unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) }.result());
+        // SAFETY: allocated by alloc_host with exactly this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
 /// A point in a stream's work.
 pub struct Event(CudaEvent);
 
@@ -520,6 +787,62 @@ impl<'a, T> BufView<'a, T> {
             _p: PhantomData,
         })
     }
+}
+
+impl<'a> BufView<'a, u8> {
+    /// These bytes as elements of `T` (aligned, a whole number of them).
+    pub fn cast<T: DeviceElem>(self) -> Result<BufView<'a, T>> {
+        let (ptr, len) = cast_range::<T>(self.ptr, self.len)?;
+        Ok(BufView {
+            ptr,
+            len,
+            _p: PhantomData,
+        })
+    }
+}
+
+impl<'a> BufMut<'a, u8> {
+    /// These bytes as elements of `T` (aligned, a whole number of them).
+    pub fn cast<T: DeviceElem>(self) -> Result<BufMut<'a, T>> {
+        let (ptr, len) = cast_range::<T>(self.ptr, self.len)?;
+        Ok(BufMut {
+            ptr,
+            len,
+            _p: PhantomData,
+        })
+    }
+}
+
+impl<'a, T> BufMut<'a, T> {
+    /// Elements `r` of this view, exclusive (consumes the view).
+    pub fn slice_mut(self, r: Range<usize>) -> Result<BufMut<'a, T>> {
+        let (ptr, len) = sub_range::<T>(self.ptr, self.len, r)?;
+        Ok(BufMut {
+            ptr,
+            len,
+            _p: PhantomData,
+        })
+    }
+
+    /// The same elements, shared (consumes the view).
+    pub fn into_view(self) -> BufView<'a, T> {
+        BufView {
+            ptr: self.ptr,
+            len: self.len,
+            _p: PhantomData,
+        }
+    }
+}
+
+fn cast_range<T>(ptr: sys::CUdeviceptr, bytes: usize) -> Result<(u64, usize)> {
+    let size = std::mem::size_of::<T>();
+    if !ptr.is_multiple_of(std::mem::align_of::<T>() as u64) || !bytes.is_multiple_of(size) {
+        return Err(CudaError::invalid(
+            "view",
+            format!("{bytes} bytes at {ptr:#x} are not whole aligned {size}-byte elements"),
+        ));
+    }
+    Ok((ptr, bytes / size))
 }
 
 /// An exclusive view of device elements (what kernels write).

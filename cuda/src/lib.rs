@@ -23,24 +23,26 @@
 //! bit-identical to itself whatever the engine's budgets. The matvec gives
 //! the same bits for a quantized matrix as for its dequantized f32 twin.
 //!
-//! Intended design of what comes next (not implemented yet):
+//! * [`HostBuffer`]: page-locked host memory of our own, registered and
+//!   mapped, for inputs, read-backs and whatever the engine keeps in RAM
+//!   but kernels read in place; [`CudaDevice::upload_async`] /
+//!   [`CudaDevice::download_async`] order such copies with the kernels,
+//!   [`CudaDevice::copy_host_ptr_async`] copies any host bytes (a
+//!   registered io arena's, say) on the copy stream with an [`Event`].
+//! * [`batch`]: the pointer-table matvec ([`MatvecTable`]: the experts of a
+//!   layer wherever their slots are, one launch) and the row kernels.
 //!
-//! * **Staging ring**: N device slots, each the size of the largest expert
-//!   record, filled by [`CudaDevice::copy_to_device_async`] from the io
-//!   crate's registered pinned buffers on the copy stream. Each slot has two
-//!   events: "filled" (copy stream; the compute stream waits on it before the
-//!   expert's matvecs) and "consumed" (compute stream; the copy stream waits
-//!   on it before refilling). The io reader's completion hands a slot index
-//!   to the engine; kernels take [`WeightView`]s into the slot, and the
-//!   grouped matvec ([`MatvecGroup`]) applies all experts of a layer that sit
-//!   at a fixed stride in one launch.
-//! * **VRAM expert cache**: a fixed array of expert slots, sized by the
-//!   planner from free VRAM, with the same lease/LRU rules as the RAM tier;
-//!   a hit is just a `WeightView` into its slot, and a miss is promoted by a
-//!   device-to-device copy from the staging slot.
-//! * Several GPUs: one `CudaDevice` per ordinal, experts placed across them;
-//!   host registrations are PORTABLE so every context can DMA from them.
+//! The staging ring and the VRAM expert cache that use these live in the
+//! engine (`colibri_sched::gpu`): ring slots filled on the copy stream from
+//! the RAM tier's registered arenas, "filled" events the compute stream
+//! waits for and "consumed" events the copy stream waits for before a
+//! refill; cache slots with the RAM tier's lease/LRU/pin rules, hits read
+//! in place, misses promoted by a device-to-device copy from their ring
+//! slot. Several GPUs (one `CudaDevice` per ordinal, experts placed across
+//! them; host registrations are PORTABLE so every context can DMA from
+//! them) are not done yet.
 
+pub mod batch;
 pub mod cache;
 pub mod device;
 pub mod error;
@@ -48,9 +50,11 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
+pub use batch::MatvecTable;
 pub use cache::KernelCache;
 pub use device::{
-    BufMut, BufView, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event, HostRegistration,
+    BufMut, BufView, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event, HOST_PAGE,
+    HostBuffer, HostRegistration,
 };
 pub use error::{CudaError, Result};
 pub use kernels::{Arch, CI_ARCHS, CompiledModule, KernelSet, MODULES, compile_all};

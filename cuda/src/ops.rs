@@ -45,7 +45,7 @@ impl WeightFormat {
     }
 
     /// The FMT_* code of kernels/common.cuh.
-    fn code(self) -> u32 {
+    pub(crate) fn code(self) -> u32 {
         match self {
             WeightFormat::F32 => 0,
             WeightFormat::F16 => 1,
@@ -216,13 +216,13 @@ const MAX_GRID_YZ: usize = 65535;
 const MAX_GRID_X: usize = i32::MAX as usize;
 
 /// Kernel arguments as 8-byte slots (see the module docs).
-struct Args {
+pub(crate) struct Args {
     slots: [u64; 24],
     n: usize,
 }
 
 impl Args {
-    fn new() -> Args {
+    pub(crate) fn new() -> Args {
         Args {
             slots: [0; 24],
             n: 0,
@@ -233,27 +233,27 @@ impl Args {
         self.n += 1;
         self
     }
-    fn ptr(&mut self, p: u64) -> &mut Args {
+    pub(crate) fn ptr(&mut self, p: u64) -> &mut Args {
         self.push(p)
     }
-    fn u32(&mut self, v: u32) -> &mut Args {
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Args {
         self.push(v as u64)
     }
-    fn u64(&mut self, v: u64) -> &mut Args {
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Args {
         self.push(v)
     }
-    fn f32(&mut self, v: f32) -> &mut Args {
+    pub(crate) fn f32(&mut self, v: f32) -> &mut Args {
         self.push(v.to_bits() as u64)
     }
 }
 
-fn u32_arg(kernel: &'static str, what: &str, v: usize) -> Result<u32> {
+pub(crate) fn u32_arg(kernel: &'static str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v)
         .map_err(|_| CudaError::invalid(kernel, format!("{what} = {v} does not fit in 32 bits")))
 }
 
 /// `a·b + c` with overflow as an error.
-fn span(kernel: &'static str, terms: &[(usize, usize)], plus: usize) -> Result<usize> {
+pub(crate) fn span(kernel: &'static str, terms: &[(usize, usize)], plus: usize) -> Result<usize> {
     let mut total = plus;
     for &(a, b) in terms {
         total = a
@@ -264,7 +264,7 @@ fn span(kernel: &'static str, terms: &[(usize, usize)], plus: usize) -> Result<u
     Ok(total)
 }
 
-fn need(kernel: &'static str, what: &str, needed: usize, have: usize) -> Result<()> {
+pub(crate) fn need(kernel: &'static str, what: &str, needed: usize, have: usize) -> Result<()> {
     if needed > have {
         return Err(CudaError::invalid(
             kernel,
@@ -274,14 +274,14 @@ fn need(kernel: &'static str, what: &str, needed: usize, have: usize) -> Result<
     Ok(())
 }
 
-fn nonzero(kernel: &'static str, what: &str, v: usize) -> Result<()> {
+pub(crate) fn nonzero(kernel: &'static str, what: &str, v: usize) -> Result<()> {
     if v == 0 {
         return Err(CudaError::invalid(kernel, format!("{what} is 0")));
     }
     Ok(())
 }
 
-fn grid(kernel: &'static str, x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
+pub(crate) fn grid(kernel: &'static str, x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
     if x == 0 || y == 0 || z == 0 || x > MAX_GRID_X || y > MAX_GRID_YZ || z > MAX_GRID_YZ {
         return Err(CudaError::invalid(
             kernel,
@@ -296,7 +296,7 @@ impl KernelSet {
     /// `args` must match the parameter list of kernel `name` in count, order
     /// and size, and every pointer in it must be valid for everything the
     /// kernel reads or writes through it.
-    unsafe fn launch(
+    pub(crate) unsafe fn launch(
         &self,
         dev: &CudaDevice,
         name: &'static str,
@@ -533,6 +533,43 @@ impl KernelSet {
             n,
             eps,
         )
+    }
+
+    /// In-place RMSNorm of the first `n` values of `rows` rows that lie
+    /// `stride` floats apart (a column slice, e.g. MLA's latent part of
+    /// each `[latent | rope]` row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_strided_inplace(
+        &self,
+        dev: &CudaDevice,
+        x: BufMut<'_, f32>,
+        stride: usize,
+        w: BufView<'_, f32>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "rms_norm";
+        nonzero(K, "n", n)?;
+        nonzero(K, "rows", rows)?;
+        if stride < n {
+            return Err(CudaError::invalid(K, "rows overlap (stride < n)"));
+        }
+        need(K, "x", span(K, &[(rows - 1, stride)], n)?, x.len())?;
+        need(K, "weight", n, w.len())?;
+        let s32 = u32_arg(K, "stride", stride)?;
+        let mut a = Args::new();
+        a.ptr(x.device_ptr())
+            .u32(s32)
+            .ptr(w.device_ptr())
+            .ptr(x.device_ptr())
+            .u32(s32)
+            .u32(u32_arg(K, "n", n)?)
+            .f32(eps);
+        // SAFETY: 7 arguments as rms_norm in kernels/elementwise.cu (ptr,
+        // u32, ptr, ptr, u32, u32, f32); rows rows of n elements `stride`
+        // apart lie inside x (checked), n weights checked; x == y is allowed.
+        unsafe { self.launch(dev, "rms_norm", grid(K, rows, 1, 1)?, RN_THREADS, &mut a) }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -100,6 +100,7 @@ impl Model {
         let mut rows = Vec::new();
         for (s, seq) in batch.iter().enumerate() {
             seq.cache.check_room(seq.tokens.len())?;
+            seq.cache.check_host()?;
             for (i, &t) in seq.tokens.iter().enumerate() {
                 if t as usize >= spec.vocab_size {
                     return Err(ModelError::TokenOutOfRange {

@@ -13,11 +13,38 @@ pub(crate) enum LayerCache {
     Mla { latent: Vec<f32>, k_pe: Vec<f32> },
 }
 
+/// Keys and values a compute tier other than the CPU keeps for a cache
+/// (the GPU tier's, in device or mapped memory). It moves with the cache
+/// and is dropped with it; a clone does not carry it, and a clone of such a
+/// cache refuses to run (its positions are nowhere the clone can reach).
+#[derive(Default)]
+pub struct TierState(Option<Box<dyn std::any::Any + Send + Sync>>);
+
+impl Clone for TierState {
+    fn clone(&self) -> Self {
+        TierState(None)
+    }
+}
+
+impl std::fmt::Debug for TierState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "TierState(attached)"
+        } else {
+            "TierState(none)"
+        })
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct KvCache {
     pub(crate) layers: Vec<LayerCache>,
     len: usize,
     capacity: usize,
+    /// Set once a tier other than the CPU has appended positions: from
+    /// then on the positions live in `tier`, not in `layers`.
+    external: bool,
+    tier: TierState,
 }
 
 impl KvCache {
@@ -40,6 +67,8 @@ impl KvCache {
             layers,
             len: 0,
             capacity: capacity.min(spec.max_position_embeddings),
+            external: false,
+            tier: TierState::default(),
         }
     }
 
@@ -105,6 +134,9 @@ impl KvCache {
             }
         }
         self.len = len;
+        if len == 0 && self.tier.0.is_none() {
+            self.external = false;
+        }
     }
 
     pub fn clear(&mut self, spec: &ModelSpec) {
@@ -113,6 +145,45 @@ impl KvCache {
 
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
+    }
+
+    /// The state of the tier that keeps this cache's positions outside
+    /// `layers` (the GPU tier's), if any.
+    pub fn tier_state(&mut self) -> &mut Option<Box<dyn std::any::Any + Send + Sync>> {
+        &mut self.tier.0
+    }
+
+    /// Whether another tier has appended positions to this cache.
+    pub fn is_external(&self) -> bool {
+        self.external
+    }
+
+    /// Records that another tier appended `n` positions (kept in its
+    /// [`Self::tier_state`]); fails if they do not fit or if the CPU tier
+    /// already holds positions here.
+    pub fn append_external(&mut self, n: usize) -> Result<()> {
+        self.check_room(n)?;
+        if self.len > 0 && !self.external {
+            return Err(ModelError::Invalid(
+                "this KV cache's positions were computed by the CPU tier; another tier cannot                  extend it"
+                    .into(),
+            ));
+        }
+        self.external = true;
+        self.len += n;
+        Ok(())
+    }
+
+    /// Fails if this cache's positions live in another tier (the CPU tier
+    /// cannot read them).
+    pub fn check_host(&self) -> Result<()> {
+        if self.external && self.len > 0 {
+            return Err(ModelError::Invalid(format!(
+                "this KV cache's {} positions live in the GPU tier (or were cloned from                  such a cache); the CPU tier cannot read them",
+                self.len
+            )));
+        }
+        Ok(())
     }
 
     /// Bytes held.

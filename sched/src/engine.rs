@@ -52,6 +52,9 @@ pub struct Engine {
     pub placement: Placement,
     /// The prefetcher in front of the tier, when prefetch is on.
     pub prefetcher: Option<Arc<Prefetcher>>,
+    /// The GPU tier, when one is attached ([`crate::gpu::attach`]): then
+    /// [`Engine::forward`] runs there.
+    pub gpu: Option<Arc<crate::gpu::GpuTier>>,
     ctx: usize,
 }
 
@@ -153,6 +156,7 @@ impl Engine {
             tier: None,
             placement,
             prefetcher: None,
+            gpu: None,
             ctx,
         })
     }
@@ -164,6 +168,15 @@ impl Engine {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// One forward pass over a batch, on the GPU tier when one is attached,
+    /// else on the CPU tier.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        match &self.gpu {
+            Some(gpu) => gpu.forward(&self.model, self.experts.as_ref(), batch),
+            None => self.model.forward(&self.pool, self.experts.as_ref(), batch),
+        }
     }
 }
 
@@ -181,15 +194,11 @@ impl Engine {
                 return Ok(());
             }
             let n = tokens.len();
-            let mut out = self.model.forward(
-                &self.pool,
-                self.experts.as_ref(),
-                &mut [SeqInput {
-                    cache,
-                    tokens,
-                    logits,
-                }],
-            )?;
+            let mut out = self.forward(&mut [SeqInput {
+                cache,
+                tokens,
+                logits,
+            }])?;
             if let Some(ev) = seq.accept(n, &mut out[0])? {
                 let go_on = on_token(&ev);
                 if ev.finish.is_some() {

@@ -5,8 +5,12 @@
 //! experts stream from disk through the RAM tier ([`tier`]), with the
 //! coming layers' experts read ahead by the router-aware [`prefetch`]er.
 
+//! With a GPU, the forward pass runs on it with VRAM as one more tier
+//! ([`gpu`]).
+
 pub mod counting;
 pub mod engine;
+pub mod gpu;
 pub mod prefetch;
 pub mod scheduler;
 pub mod score;

@@ -321,9 +321,7 @@ impl Worker {
             });
         }
         let rows: usize = fed.iter().sum();
-        let result = engine
-            .model
-            .forward(&engine.pool, engine.experts.as_ref(), &mut batch);
+        let result = engine.forward(&mut batch);
         drop(batch);
         self.stats
             .busy_us

@@ -49,15 +49,11 @@ impl Engine {
             // Predict window[i+1] from the logits after window[i].
             let inputs = &window[..window.len() - 1];
             for (c, chunk) in inputs.chunks(SCORE_CHUNK).enumerate() {
-                let out = self.model.forward(
-                    &self.pool,
-                    self.experts.as_ref(),
-                    &mut [SeqInput {
-                        cache: &mut cache,
-                        tokens: chunk,
-                        logits: Logits::All,
-                    }],
-                )?;
+                let out = self.forward(&mut [SeqInput {
+                    cache: &mut cache,
+                    tokens: chunk,
+                    logits: Logits::All,
+                }])?;
                 for (i, row) in out[0].chunks_exact(vocab).enumerate() {
                     let target = window[c * SCORE_CHUNK + i + 1] as usize;
                     nll.push(-log_softmax(row)[target]);

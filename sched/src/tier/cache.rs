@@ -862,6 +862,17 @@ impl TierCache {
         &self.plan
     }
 
+    /// The pinned arenas reads land in (the GPU tier registers them with
+    /// CUDA so copies to the device read them in place).
+    pub fn arenas(&self) -> Vec<Arc<PinnedArena>> {
+        self.shared
+            .lock()
+            .classes
+            .iter()
+            .map(|c| Arc::clone(&c.arena))
+            .collect()
+    }
+
     /// The I/O backend in use.
     pub fn backend(&self) -> &BackendInfo {
         &self.backend

@@ -1,0 +1,219 @@
+//! Decode speed of the GPU tier against its physical limits, measured in
+//! one run on one machine:
+//!
+//! * the device's copy bandwidth (1 GiB device-to-device, bytes read +
+//!   written) and the decode tok/s that bandwidth allows for the bytes a
+//!   decode token touches (dense blocks + top-k experts per MoE layer);
+//! * the host-to-device bandwidth from pinned, registered memory (1 GiB)
+//!   and the host-to-device rate the decode reached while copying experts
+//!   and dense blocks that are not in VRAM.
+//!
+//! ```text
+//! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
+//!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16]
+//! ```
+//!
+//! Prints a table and, last, one JSON line.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use colibri_cuda::CudaDevice;
+use colibri_model::sampling::SamplingParams;
+use colibri_sched::gpu::{DeviceChoice, GpuOptions, attach};
+use colibri_sched::tier::{ByteSize, TierOptions, UsageMode};
+use colibri_sched::{Engine, EngineOptions, GenRequest, Sequence};
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+}
+
+fn size_arg(args: &[String], name: &str) -> Option<u64> {
+    arg::<ByteSize>(args, name).map(ByteSize::bytes)
+}
+
+/// (device copy GB/s counting read + write, host-to-device GB/s from
+/// registered memory).
+fn bandwidths() -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let dev = CudaDevice::open(0)?;
+    let n = 1usize << 30;
+    let a = dev.alloc::<u8>(n)?;
+    let mut b = dev.alloc::<u8>(n)?;
+    let mut best_d2d = 0.0f64;
+    for _ in 0..5 {
+        let t0 = dev.record_compute_timed()?;
+        dev.copy(a.as_view(), b.as_mut())?;
+        let t1 = dev.record_compute_timed()?;
+        let ms = t0.elapsed_ms(&t1)? as f64;
+        best_d2d = best_d2d.max(2.0 * n as f64 / (ms * 1e-3) / 1e9);
+    }
+    let mut host = dev.alloc_host(n)?;
+    for (i, v) in host.as_mut_slice().iter_mut().enumerate() {
+        *v = i as u8;
+    }
+    let mut best_h2d = 0.0f64;
+    for _ in 0..5 {
+        let t0 = dev.record_copy_timed()?;
+        // SAFETY: `host` is not written while the copy runs and outlives
+        // the synchronize below; `b` is read by nothing else.
+        let done = unsafe { dev.copy_host_ptr_async(host.as_slice().as_ptr(), b.as_mut())? };
+        let t1 = dev.record_copy_timed()?;
+        done.synchronize()?;
+        let ms = t0.elapsed_ms(&t1)? as f64;
+        best_h2d = best_h2d.max(n as f64 / (ms * 1e-3) / 1e9);
+    }
+    dev.synchronize()?;
+    Ok((best_d2d, best_h2d))
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let dir = PathBuf::from(args.get(1).ok_or("usage: gpu_decode MODEL_DIR [options]")?);
+    let vram_budget = size_arg(&args, "--vram-budget");
+    let ram_budget = size_arg(&args, "--ram-budget");
+    let tokens: usize = arg(&args, "--tokens").unwrap_or(64);
+    let warmup: usize = arg(&args, "--warmup").unwrap_or(16);
+
+    let (d2d, h2d) = bandwidths()?;
+    eprintln!("device copy {d2d:.0} GB/s (read + write), host-to-device {h2d:.1} GB/s");
+
+    let t0 = Instant::now();
+    let mut engine = Engine::load(
+        &dir,
+        &EngineOptions {
+            threads: 0,
+            ctx: 4096,
+            tier: TierOptions {
+                ram_budget,
+                pin_budget: Some(0),
+                usage: UsageMode::Off,
+                ..TierOptions::default()
+            },
+            ..EngineOptions::default()
+        },
+    )?;
+    let summary = match attach(
+        &mut engine,
+        &GpuOptions {
+            device: DeviceChoice::Cuda,
+            vram_budget,
+            ..GpuOptions::default()
+        },
+    )? {
+        colibri_sched::gpu::Attached::Gpu(s) => s,
+        colibri_sched::gpu::Attached::Cpu { .. } => return Err("no GPU tier".into()),
+    };
+    eprintln!("{summary} (loaded in {:.1}s)", t0.elapsed().as_secs_f64());
+    let gpu = engine.gpu.clone().ok_or("no GPU tier")?;
+    let plan = gpu.plan().clone();
+    eprint!("{}", plan.render());
+
+    // Bytes a decode token touches: every dense block once, top-k experts
+    // of every MoE layer (their stored bytes), the embedding row aside.
+    let spec = &engine.model.spec;
+    let top_k = spec.moe.as_ref().map_or(0, |m| m.top_k);
+    let (expert_bytes, moe_layers) = match &engine.tier {
+        Some(t) => {
+            let l = t.layout();
+            let n = l.records.len().max(1);
+            let avg = l
+                .records
+                .iter()
+                .map(|r| r.location.stored_bytes())
+                .sum::<u64>()
+                / n as u64;
+            (avg, l.moe_layers().count())
+        }
+        None => (0, 0),
+    };
+    let dense = plan.dense_resident_bytes + plan.dense_streamed_bytes;
+    let active = dense + (moe_layers * top_k) as u64 * expert_bytes;
+
+    let vocab = spec.vocab_size as u32;
+    let prompt: Vec<u32> = (1..=16u32).map(|t| t % vocab.max(1)).collect();
+    let mut seq = Sequence::new(
+        &engine.model,
+        GenRequest {
+            prompt,
+            max_tokens: warmup + tokens + 1,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            eos: vec![],
+            ignore_eos: true,
+            top_logprobs: None,
+        },
+        engine.context_len(),
+        None,
+    )?;
+    let mut count = 0usize;
+    let mut start: Option<(Instant, colibri_sched::gpu::GpuStats)> = None;
+    let mut end: Option<(Instant, colibri_sched::gpu::GpuStats)> = None;
+    engine.generate(&mut seq, |_| {
+        count += 1;
+        if count == warmup + 1 {
+            start = Some((Instant::now(), gpu.stats()));
+        }
+        if count == warmup + tokens + 1 {
+            end = Some((Instant::now(), gpu.stats()));
+        }
+        true
+    })?;
+    let ((t_a, s_a), (t_b, s_b)) = (start.ok_or("no start")?, end.ok_or("no end")?);
+    let secs = t_b.duration_since(t_a).as_secs_f64();
+    let tok_s = tokens as f64 / secs;
+    let h2d_bytes =
+        (s_b.expert_h2d_bytes - s_a.expert_h2d_bytes) + (s_b.dense_h2d_bytes - s_a.dense_h2d_bytes);
+    let h2d_rate = h2d_bytes as f64 / secs / 1e9;
+    let hits = s_b.cache.hits - s_a.cache.hits;
+    let misses = s_b.cache.misses - s_a.cache.misses;
+    let roofline = d2d * 1e9 / active.max(1) as f64;
+    println!("model                 {}", dir.display());
+    println!("placement             {summary}");
+    println!(
+        "bytes per decode token {} (dense {}, {} MoE layers x top-{} x {})",
+        ByteSize(active),
+        ByteSize(dense),
+        moe_layers,
+        top_k,
+        ByteSize(expert_bytes)
+    );
+    println!("decode                {tok_s:.1} tok/s over {tokens} tokens ({secs:.3} s)");
+    println!(
+        "HBM roofline          {roofline:.0} tok/s at {d2d:.0} GB/s copy bandwidth: {:.1}% of it",
+        100.0 * tok_s / roofline
+    );
+    println!(
+        "VRAM expert hits      {hits} of {} ({:.1}%)",
+        hits + misses,
+        100.0 * hits as f64 / (hits + misses).max(1) as f64
+    );
+    println!(
+        "host-to-device        {} per token, {h2d_rate:.1} GB/s during decode vs {h2d:.1} GB/s \
+         measured ({:.0}%)",
+        ByteSize(h2d_bytes / tokens.max(1) as u64),
+        100.0 * h2d_rate / h2d
+    );
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": dir.display().to_string(),
+            "vram_budget": vram_budget,
+            "ram_budget": ram_budget,
+            "tokens": tokens,
+            "decode_tok_s": tok_s,
+            "bytes_per_token": active,
+            "d2d_copy_gb_s": d2d,
+            "hbm_roofline_tok_s": roofline,
+            "h2d_measured_gb_s": h2d,
+            "h2d_decode_gb_s": h2d_rate,
+            "h2d_bytes_per_token": h2d_bytes as f64 / tokens as f64,
+            "vram_hits": hits,
+            "vram_misses": misses,
+            "stats": s_b,
+        })
+    );
+    Ok(())
+}

@@ -1,0 +1,1337 @@
+//! The forward pass on the GPU: the CPU tier's `Model::forward`, layer for
+//! layer, with every product, norm, rotation, attention and combine on the
+//! device.
+//!
+//! A batch is cut into passes of at most `max_rows` rows (each sequence's
+//! tokens stay in order, so the result is the one of a single pass). A
+//! pass: the host embeds the token rows into pinned memory and the compute
+//! stream takes them; each layer runs RMSNorm, attention (projections,
+//! q/k norms, clamps, rotary embedding, appending to each sequence's KV
+//! cache, attention per sequence, output projection) and the FFN (dense
+//! SwiGLU, or the MoE block: router logits read back, rows routed on the
+//! host by the CPU tier's own `route`, experts through [`ExpertTier`],
+//! shared expert, combine) with residual adds; the head normalizes and
+//! projects the rows that want logits, a few at a time, and reads them
+//! back. Every pass ends with the compute stream drained, so pinned host
+//! buffers and RAM leases are free again.
+
+use std::sync::Arc;
+
+use colibri_cuda::{
+    Attention, BufMut, BufView, CudaDevice, DeviceBuffer, HostBuffer, HostRegistration, KernelSet,
+    KvView, MatvecGroup, RopeTable, WeightView,
+};
+use colibri_io::PinnedArena;
+use colibri_model::config::QkNorm;
+use colibri_model::experts::ExpertSource;
+use colibri_model::moe::{Routing, route};
+use colibri_model::rope::Rope;
+use colibri_model::weights::FfnWeights;
+use colibri_model::{KvCache, Logits, Model, ModelError, SeqInput};
+
+use super::experts::{Classes, ExpertShape, ExpertTier, MoeBufs};
+use super::kv::{self, KvGrant, KvShape};
+use super::plan::VramPlan;
+use super::weights::{AttnRef, DenseBlocks, FfnRef, LinRef, MatRef, MlaQRef, MlpRef, VecRef};
+use super::{AttnDims, Dims, GpuError, GpuStats, LM_ROWS, zeros};
+
+/// The eps of DeepSeek's q_a/kv_a layernorms (as the CPU tier).
+const MLA_LORA_NORM_EPS: f32 = 1e-6;
+
+/// Element counts of the scratch buffers for a pass of `max_rows` rows.
+struct ScratchSizes {
+    hidden_rows: usize,
+    q: usize,
+    kv: usize,
+    ql: usize,
+    ckv: usize,
+    qa: usize,
+    ctx: usize,
+    mo: usize,
+    mtmp: usize,
+    mlp: usize,
+    rl: usize,
+    rows: usize,
+    hn: usize,
+    lg: usize,
+}
+
+fn sizes(d: &Dims, mla_fallback: bool) -> ScratchSizes {
+    let r = d.max_rows;
+    let (q, kv, ql, ckv, qa, ctx, mo, mtmp) = match d.attn {
+        AttnDims::Gqa { nh, nkv, hd, .. } => (nh * hd, nkv * hd, 0, 0, 0, nh * hd, 0, 0),
+        AttnDims::Mla {
+            nh,
+            r: rank,
+            dn,
+            dr,
+            dv,
+            q_lora,
+            ..
+        } => (
+            nh * (dn + dr),
+            0,
+            q_lora.unwrap_or(0),
+            rank + dr,
+            nh * (rank + dr),
+            nh * rank,
+            nh * dv,
+            if mla_fallback { nh * (dn + dv) } else { 0 },
+        ),
+    };
+    ScratchSizes {
+        hidden_rows: r * d.hidden,
+        q: r * q,
+        kv: r * kv,
+        ql: r * ql,
+        ckv: r * ckv,
+        qa: r * qa,
+        ctx: r * ctx,
+        mo: r * mo,
+        mtmp: r * mtmp,
+        mlp: r * d.mlp_inter,
+        rl: r * d.experts.max(1),
+        rows: r,
+        hn: LM_ROWS * d.hidden,
+        lg: LM_ROWS * d.vocab,
+    }
+}
+
+/// Whether MLA's W_uv must take the slow per-head path (an FP8 kv_b whose
+/// head blocks do not start on a scale block).
+fn mla_needs_fallback(model: &Model) -> bool {
+    let AttnDims::Mla { dn, dv, .. } = (match Dims::of(model, 1) {
+        Ok(d) => d.attn,
+        Err(_) => return false,
+    }) else {
+        return false;
+    };
+    model.weights.layers.iter().any(|l| match &l.attn {
+        colibri_model::weights::AttnWeights::Mla(a) => a
+            .kv_b
+            .scales()
+            .is_some_and(|s| !dn.is_multiple_of(s.block) || !(dn + dv).is_multiple_of(s.block)),
+        _ => false,
+    })
+}
+
+/// Device bytes of scratch, MoE buffers and rotary tables (planner).
+pub(crate) fn scratch_bytes(d: &Dims, rope_positions: usize, model: &Model) -> u64 {
+    let s = sizes(d, mla_needs_fallback(model));
+    let floats = 3 * s.hidden_rows
+        + s.q
+        + 2 * s.kv
+        + s.ql
+        + s.ckv
+        + s.qa
+        + s.ctx
+        + s.mo
+        + s.mtmp
+        + 2 * s.mlp
+        + s.hidden_rows
+        + s.rows
+        + s.rl
+        + s.hn
+        + s.lg;
+    let u32s = 2 * s.rows + LM_ROWS;
+    let rope = super::rope_of(model).dim() * rope_positions;
+    (4 * (floats + u32s + rope)) as u64 + MoeBufs::device_bytes(d)
+}
+
+struct Scratch {
+    x: DeviceBuffer<f32>,
+    h: DeviceBuffer<f32>,
+    a: DeviceBuffer<f32>,
+    q: DeviceBuffer<f32>,
+    k: DeviceBuffer<f32>,
+    v: DeviceBuffer<f32>,
+    ql: DeviceBuffer<f32>,
+    ckv: DeviceBuffer<f32>,
+    qa: DeviceBuffer<f32>,
+    ctx: DeviceBuffer<f32>,
+    mo: DeviceBuffer<f32>,
+    mtmp: DeviceBuffer<f32>,
+    fg: DeviceBuffer<f32>,
+    fu: DeviceBuffer<f32>,
+    sh: DeviceBuffer<f32>,
+    gl: DeviceBuffer<f32>,
+    rl: DeviceBuffer<f32>,
+    pos: DeviceBuffer<u32>,
+    slot0: DeviceBuffer<u32>,
+    want: DeviceBuffer<u32>,
+    hn: DeviceBuffer<f32>,
+    lg: DeviceBuffer<f32>,
+}
+
+/// Pinned host buffers of a pass.
+struct HostIo {
+    x: HostBuffer,
+    pos: HostBuffer,
+    rl: HostBuffer,
+    want: HostBuffer,
+    lg: HostBuffer,
+}
+
+/// One sequence's share of a pass.
+struct Part<'a> {
+    cache: &'a mut KvCache,
+    tokens: &'a [u32],
+    /// Token indices (within `tokens`) whose logits are wanted.
+    want: Vec<usize>,
+}
+
+/// The device state of a GPU tier; one pass at a time.
+pub(crate) struct State {
+    // Dropped first: registrations end before the arenas they cover can go.
+    registrations: Vec<HostRegistration>,
+    arenas: Vec<Arc<PinnedArena>>,
+    pub experts: ExpertTier,
+    dense: DenseBlocks,
+    s: Scratch,
+    moe: MoeBufs,
+    io: HostIo,
+    rope: RopeDev,
+    mla_fallback: bool,
+    kv_grant: Arc<KvGrant>,
+    kv_shape: KvShape,
+    dims: Dims,
+    passes: u64,
+    rows: u64,
+    k: KernelSet,
+    dev: CudaDevice,
+}
+
+/// `y = W x (+ b)` for `n` rows.
+fn linear(
+    dev: &CudaDevice,
+    k: &KernelSet,
+    base: BufView<'_, u8>,
+    l: &LinRef,
+    x: BufView<'_, f32>,
+    n: usize,
+    mut y: BufMut<'_, f32>,
+) -> Result<(), GpuError> {
+    let w = l.w.view(base)?;
+    k.matvec(dev, &w, x, n, y.reborrow())?;
+    if let Some(b) = &l.bias {
+        k.add_bias(dev, y, b.view(base)?, n)?;
+    }
+    Ok(())
+}
+
+/// `down(silu(gate x) · up x)` for `n` rows of `x` into `y`.
+#[allow(clippy::too_many_arguments)]
+fn mlp(
+    dev: &CudaDevice,
+    k: &KernelSet,
+    base: BufView<'_, u8>,
+    m: &MlpRef,
+    x: BufView<'_, f32>,
+    n: usize,
+    y: BufMut<'_, f32>,
+    fg: &mut DeviceBuffer<f32>,
+    fu: &mut DeviceBuffer<f32>,
+) -> Result<(), GpuError> {
+    let inter = m.gate.rows;
+    let (g, u, dn) = (m.gate.view(base)?, m.up.view(base)?, m.down.view(base)?);
+    k.matvec(dev, &g, x, n, fg.view_mut(0..n * inter)?)?;
+    k.matvec(dev, &u, x, n, fu.view_mut(0..n * inter)?)?;
+    k.swiglu_inplace(
+        dev,
+        fg.view_mut(0..n * inter)?,
+        fu.view(0..n * inter)?,
+        n,
+        inter,
+    )?;
+    k.matvec(dev, &dn, fg.view(0..n * inter)?, n, y)?;
+    Ok(())
+}
+
+/// The rotary tables on the device.
+struct RopeDev {
+    cos: DeviceBuffer<f32>,
+    sin: DeviceBuffer<f32>,
+    dim: usize,
+    positions: usize,
+    interleaved: bool,
+}
+
+impl RopeDev {
+    fn table(&self) -> RopeTable<'_> {
+        RopeTable {
+            cos: self.cos.as_view(),
+            sin: self.sin.as_view(),
+            rot_dim: self.dim,
+            positions: self.positions,
+            interleaved: self.interleaved,
+        }
+    }
+}
+
+static NEXT_TIER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl State {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        dev: CudaDevice,
+        k: KernelSet,
+        model: &Model,
+        plan: &VramPlan,
+        dims: Dims,
+        classes: Classes,
+        shapes: &[Option<ExpertShape>],
+        rope: Rope,
+        rope_positions: usize,
+        registrations: Vec<HostRegistration>,
+        arenas: Vec<Arc<PinnedArena>>,
+        max_held: usize,
+    ) -> Result<State, GpuError> {
+        let mla_fallback = mla_needs_fallback(model);
+        let z = sizes(&dims, mla_fallback);
+        let f = |n: usize| zeros::<f32>(&dev, n);
+        let s = Scratch {
+            x: f(z.hidden_rows)?,
+            h: f(z.hidden_rows)?,
+            a: f(z.hidden_rows)?,
+            q: f(z.q)?,
+            k: f(z.kv)?,
+            v: f(z.kv)?,
+            ql: f(z.ql)?,
+            ckv: f(z.ckv)?,
+            qa: f(z.qa)?,
+            ctx: f(z.ctx)?,
+            mo: f(z.mo)?,
+            mtmp: f(z.mtmp)?,
+            fg: f(z.mlp)?,
+            fu: f(z.mlp)?,
+            sh: f(z.hidden_rows)?,
+            gl: f(z.rows)?,
+            rl: f(z.rl)?,
+            pos: zeros::<u32>(&dev, z.rows)?,
+            slot0: zeros::<u32>(&dev, z.rows)?,
+            want: zeros::<u32>(&dev, LM_ROWS)?,
+            hn: f(z.hn)?,
+            lg: f(z.lg)?,
+        };
+        let io = HostIo {
+            x: dev.alloc_host(4 * z.hidden_rows)?,
+            pos: dev.alloc_host(4 * z.rows)?,
+            rl: dev.alloc_host(4 * z.rl)?,
+            want: dev.alloc_host(4 * LM_ROWS)?,
+            lg: dev.alloc_host(4 * z.lg)?,
+        };
+        let half = rope.dim() / 2;
+        let (mut cos_all, mut sin_all) = (
+            Vec::with_capacity(half * rope_positions),
+            Vec::with_capacity(half * rope_positions),
+        );
+        let (mut c, mut sn) = (Vec::new(), Vec::new());
+        for p in 0..rope_positions {
+            rope.cos_sin(p, &mut c, &mut sn);
+            cos_all.extend_from_slice(&c);
+            sin_all.extend_from_slice(&sn);
+        }
+        let rope_interleaved = matches!(
+            model.spec.attention,
+            colibri_model::config::AttentionSpec::Mla {
+                rope_interleave: true,
+                ..
+            }
+        );
+        let dense = DenseBlocks::load(&dev, &model.weights, &plan.dense_resident)?;
+        let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held)?;
+        let moe = MoeBufs::new(&dev, &dims)?;
+        let (a, b) = dims.kv_parts();
+        let state = State {
+            registrations,
+            arenas,
+            experts,
+            dense,
+            s,
+            moe,
+            io,
+            rope: RopeDev {
+                cos: dev.upload(&cos_all)?,
+                sin: dev.upload(&sin_all)?,
+                dim: rope.dim(),
+                positions: rope_positions,
+                interleaved: rope_interleaved,
+            },
+            mla_fallback,
+            kv_grant: KvGrant::new(plan.kv_vram_bytes),
+            kv_shape: KvShape {
+                tier: NEXT_TIER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                layers: dims.layers,
+                a,
+                b,
+            },
+            dims,
+            passes: 0,
+            rows: 0,
+            k,
+            dev,
+        };
+        state.dev.synchronize()?;
+        Ok(state)
+    }
+
+    pub fn stats(&self) -> GpuStats {
+        let c = self.experts.counters;
+        GpuStats {
+            passes: self.passes,
+            rows: self.rows,
+            cache: self.experts.cache_stats(),
+            experts_copied: c.copied,
+            expert_h2d_bytes: c.h2d_bytes,
+            dense_h2d_bytes: self.dense.streamed_bytes,
+            promotions: c.promotions,
+            kv_vram_bytes: self
+                .kv_grant
+                .in_vram
+                .load(std::sync::atomic::Ordering::Relaxed),
+            kv_host_bytes: self
+                .kv_grant
+                .in_host
+                .load(std::sync::atomic::Ordering::Relaxed),
+            arenas_registered: self.registrations.len().min(self.arenas.len()),
+            dense_resident_blocks: self.dense.resident_count(),
+        }
+    }
+
+    pub fn preload_pinned(
+        &mut self,
+        pinned: &[(usize, usize)],
+        source: &dyn ExpertSource,
+        plan: &VramPlan,
+    ) -> Result<usize, GpuError> {
+        self.experts.preload_pinned(&self.dev, pinned, source, plan)
+    }
+
+    /// `Model::forward` on the GPU.
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let spec = &model.spec;
+        for seq in batch.iter() {
+            seq.cache.check_room(seq.tokens.len())?;
+            if let Some(&t) = seq.tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
+                return Err(ModelError::TokenOutOfRange {
+                    id: t,
+                    vocab: spec.vocab_size,
+                }
+                .into());
+            }
+            if seq.cache.len() + seq.tokens.len() > self.rope.positions {
+                return Err(ModelError::ContextExceeded {
+                    needed: seq.cache.len() + seq.tokens.len(),
+                    context: self.rope.positions,
+                }
+                .into());
+            }
+        }
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); batch.len()];
+        let mut done = vec![0usize; batch.len()];
+        loop {
+            // The next pass: a chunk of each unfinished sequence, in order,
+            // up to max_rows rows.
+            let mut room = self.dims.max_rows;
+            let mut parts = Vec::new();
+            let mut owners = Vec::new();
+            for (s, seq) in batch.iter_mut().enumerate() {
+                let left = seq.tokens.len() - done[s];
+                if left == 0 || room == 0 {
+                    continue;
+                }
+                let take = left.min(room);
+                room -= take;
+                let (a, b) = (done[s], done[s] + take);
+                let last = b == seq.tokens.len();
+                let want = match seq.logits {
+                    Logits::None => Vec::new(),
+                    Logits::Last if last => vec![take - 1],
+                    Logits::Last => Vec::new(),
+                    Logits::All => (0..take).collect(),
+                };
+                parts.push(Part {
+                    cache: &mut *seq.cache,
+                    tokens: &seq.tokens[a..b],
+                    want,
+                });
+                owners.push(s);
+                done[s] = b;
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let result = self.pass(model, experts, &mut parts);
+            // Whatever happened, the stream drains and RAM leases go back.
+            let drained = self.dev.synchronize();
+            self.experts.release_leases();
+            let logits = result?;
+            drained?;
+            for (o, l) in owners.iter().zip(logits) {
+                out[*o].extend_from_slice(&l);
+            }
+        }
+        Ok(out)
+    }
+
+    fn sync_compute(&self) -> Result<(), GpuError> {
+        self.dev.record_compute()?.synchronize()?;
+        Ok(())
+    }
+
+    fn pass(
+        &mut self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        parts: &mut [Part<'_>],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let d = self.dims;
+        let hd = d.hidden;
+        let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        let mut starts = Vec::with_capacity(parts.len());
+        {
+            let x_h = self.io.x.typed_mut::<f32>();
+            let mut r = 0;
+            for p in parts.iter() {
+                starts.push(r);
+                for &t in p.tokens {
+                    model
+                        .weights
+                        .embed
+                        .row_to_f32(t as usize, &mut x_h[r * hd..(r + 1) * hd]);
+                    r += 1;
+                }
+            }
+            let pos_h = self.io.pos.typed_mut::<u32>();
+            let mut r = 0;
+            for p in parts.iter() {
+                for i in 0..p.tokens.len() {
+                    pos_h[r] = (p.cache.len() + i) as u32;
+                    r += 1;
+                }
+            }
+        }
+        for p in parts.iter_mut() {
+            let need = p.cache.len() + p.tokens.len();
+            kv::ensure(
+                p.cache,
+                need,
+                &self.kv_shape,
+                &self.dev,
+                &self.k,
+                &self.kv_grant,
+            )?;
+        }
+        // SAFETY: the pinned inputs are written only between passes, and
+        // every pass ends with the compute stream drained.
+        unsafe {
+            self.dev.upload_async(
+                &self.io.x.typed::<f32>()[..n * hd],
+                self.s.x.view_mut(0..n * hd)?,
+            )?;
+            self.dev
+                .upload_async(&self.io.pos.typed::<u32>()[..n], self.s.pos.view_mut(0..n)?)?;
+        }
+
+        for l in 0..d.layers {
+            self.dense.prepare(&self.dev, l)?;
+            let r = self.layer(model, experts, l, n, parts, &starts);
+            self.dense.finish(&self.dev)?;
+            r?;
+        }
+
+        // The head, for the rows that want logits.
+        let mut wanted = Vec::new();
+        for (pi, p) in parts.iter().enumerate() {
+            for &i in &p.want {
+                wanted.push((pi, starts[pi] + i));
+            }
+        }
+        let mut logits: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
+        if !wanted.is_empty() {
+            let head = self.dense.head_block();
+            self.dense.prepare(&self.dev, head)?;
+            let r = self.head(n, &wanted, &mut logits);
+            self.dense.finish(&self.dev)?;
+            r?;
+        }
+        for p in parts.iter_mut() {
+            p.cache.append_external(p.tokens.len())?;
+        }
+        self.passes += 1;
+        self.rows += n as u64;
+        Ok(logits)
+    }
+
+    fn head(
+        &mut self,
+        n: usize,
+        wanted: &[(usize, usize)],
+        logits: &mut [Vec<f32>],
+    ) -> Result<(), GpuError> {
+        let d = self.dims;
+        let (hd, vocab) = (d.hidden, d.vocab);
+        let head = self.dense.head_block();
+        let base = self.dense.view(head)?;
+        let href = self.dense.head;
+        let norm = href.norm.view(base)?;
+        let lm = href.lm_head.view(base)?;
+        for chunk in wanted.chunks(LM_ROWS) {
+            let c = chunk.len();
+            for (j, &(_, row)) in chunk.iter().enumerate() {
+                self.io.want.typed_mut::<u32>()[j] = row as u32;
+            }
+            // SAFETY: `want` is written only here, after the previous
+            // chunk's read-back drained the stream; rows are < n.
+            unsafe {
+                self.dev.upload_async(
+                    &self.io.want.typed::<u32>()[..c],
+                    self.s.want.view_mut(0..c)?,
+                )?;
+                self.k.gather_rows(
+                    &self.dev,
+                    self.s.x.view(0..n * hd)?,
+                    hd,
+                    n,
+                    self.s.want.view(0..c)?,
+                    self.s.hn.view_mut(0..c * hd)?,
+                    hd,
+                    hd,
+                )?;
+            }
+            self.k.rms_norm_inplace(
+                &self.dev,
+                self.s.hn.view_mut(0..c * hd)?,
+                norm,
+                c,
+                hd,
+                d.eps,
+            )?;
+            self.k.matvec(
+                &self.dev,
+                &lm,
+                self.s.hn.view(0..c * hd)?,
+                c,
+                self.s.lg.view_mut(0..c * vocab)?,
+            )?;
+            // SAFETY: the pinned logits are read only after the sync below.
+            unsafe {
+                self.dev.download_async(
+                    self.s.lg.view(0..c * vocab)?,
+                    &mut self.io.lg.typed_mut::<f32>()[..c * vocab],
+                )?;
+            }
+            self.sync_compute()?;
+            let lg = self.io.lg.typed::<f32>();
+            for (j, &(pi, _)) in chunk.iter().enumerate() {
+                logits[pi].extend_from_slice(&lg[j * vocab..(j + 1) * vocab]);
+            }
+        }
+        Ok(())
+    }
+
+    fn layer(
+        &mut self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        l: usize,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+    ) -> Result<(), GpuError> {
+        let d = self.dims;
+        let hd = d.hidden;
+        let lr = self.dense.layers[l];
+        {
+            let base = self.dense.view(l)?;
+            self.k.rms_norm(
+                &self.dev,
+                self.s.x.view(0..n * hd)?,
+                lr.attn_norm.view(base)?,
+                self.s.h.view_mut(0..n * hd)?,
+                n,
+                hd,
+                d.eps,
+            )?;
+        }
+        self.attention(model, l, n, parts, starts, &lr.attn)?;
+        self.k.add_inplace(
+            &self.dev,
+            self.s.x.view_mut(0..n * hd)?,
+            self.s.a.view(0..n * hd)?,
+        )?;
+        {
+            let base = self.dense.view(l)?;
+            self.k.rms_norm(
+                &self.dev,
+                self.s.x.view(0..n * hd)?,
+                lr.ffn_norm.view(base)?,
+                self.s.h.view_mut(0..n * hd)?,
+                n,
+                hd,
+                d.eps,
+            )?;
+        }
+        match lr.ffn {
+            FfnRef::Dense(m) => {
+                let base = self.dense.view(l)?;
+                mlp(
+                    &self.dev,
+                    &self.k,
+                    base,
+                    &m,
+                    self.s.h.view(0..n * hd)?,
+                    n,
+                    self.s.a.view_mut(0..n * hd)?,
+                    &mut self.s.fg,
+                    &mut self.s.fu,
+                )?;
+            }
+            FfnRef::Moe {
+                router,
+                shared,
+                shared_gate,
+            } => self.moe(model, experts, l, n, &router, shared, shared_gate)?,
+        }
+        self.k.add_inplace(
+            &self.dev,
+            self.s.x.view_mut(0..n * hd)?,
+            self.s.a.view(0..n * hd)?,
+        )?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &mut self,
+        model: &Model,
+        source: &dyn ExpertSource,
+        l: usize,
+        n: usize,
+        router: &MatRef,
+        shared: Option<MlpRef>,
+        shared_gate: Option<MatRef>,
+    ) -> Result<(), GpuError> {
+        let d = self.dims;
+        let (hd, ne, k) = (d.hidden, d.experts, d.top_k);
+        let spec = model
+            .spec
+            .moe
+            .as_ref()
+            .ok_or_else(|| GpuError::Internal("MoE layer without MoE spec".into()))?;
+        let selection_bias = match &model.weights.layers[l].ffn {
+            FfnWeights::Moe(m) => m.selection_bias.as_deref(),
+            FfnWeights::Dense(_) => None,
+        };
+        {
+            let base = self.dense.view(l)?;
+            let w = router.view(base)?;
+            self.k.matvec(
+                &self.dev,
+                &w,
+                self.s.h.view(0..n * hd)?,
+                n,
+                self.s.rl.view_mut(0..n * ne)?,
+            )?;
+        }
+        // SAFETY: the pinned router logits are read after the sync below.
+        unsafe {
+            self.dev.download_async(
+                self.s.rl.view(0..n * ne)?,
+                &mut self.io.rl.typed_mut::<f32>()[..n * ne],
+            )?;
+        }
+        self.sync_compute()?;
+        let routing: Vec<Routing> = self.io.rl.typed::<f32>()[..n * ne]
+            .chunks_exact(ne)
+            .map(|row| route(spec, row, selection_bias))
+            .collect();
+        self.experts.moe_layer(
+            &self.dev,
+            &self.k,
+            &d,
+            l,
+            &routing,
+            self.s.h.view(0..n * hd)?,
+            &mut self.moe,
+            source,
+        )?;
+        let base = self.dense.view(l)?;
+        let has_shared = shared.is_some();
+        if let Some(m) = shared {
+            mlp(
+                &self.dev,
+                &self.k,
+                base,
+                &m,
+                self.s.h.view(0..n * hd)?,
+                n,
+                self.s.sh.view_mut(0..n * hd)?,
+                &mut self.s.fg,
+                &mut self.s.fu,
+            )?;
+        }
+        let has_gate = shared_gate.is_some();
+        if let Some(g) = shared_gate {
+            let w = g.view(base)?;
+            self.k.matvec(
+                &self.dev,
+                &w,
+                self.s.h.view(0..n * hd)?,
+                n,
+                self.s.gl.view_mut(0..n)?,
+            )?;
+        }
+        self.k.moe_combine(
+            &self.dev,
+            self.moe.so.view(0..n * k * hd)?,
+            self.moe.d_comb_ids.view(0..n * k)?,
+            self.moe.d_comb_w.view(0..n * k)?,
+            if has_shared {
+                Some(self.s.sh.view(0..n * hd)?)
+            } else {
+                None
+            },
+            if has_gate {
+                Some(self.s.gl.view(0..n)?)
+            } else {
+                None
+            },
+            self.s.a.view_mut(0..n * hd)?,
+            n,
+            k,
+            hd,
+        )?;
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        model: &Model,
+        l: usize,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+        attn: &AttnRef,
+    ) -> Result<(), GpuError> {
+        match (*attn, self.dims.attn) {
+            (
+                AttnRef::Gqa {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                },
+                AttnDims::Gqa {
+                    nh,
+                    nkv,
+                    hd,
+                    qk_norm,
+                    clip,
+                    scale,
+                },
+            ) => self.gqa(
+                model,
+                l,
+                n,
+                parts,
+                starts,
+                [q, k, v, o],
+                q_norm,
+                k_norm,
+                (nh, nkv, hd, qk_norm, clip, scale),
+            ),
+            (
+                AttnRef::Mla {
+                    q,
+                    kv_a,
+                    kv_a_norm,
+                    kv_b,
+                    o,
+                },
+                AttnDims::Mla {
+                    nh,
+                    r,
+                    dn,
+                    dr,
+                    dv,
+                    scale,
+                    ..
+                },
+            ) => self.mla(
+                l,
+                n,
+                parts,
+                starts,
+                q,
+                kv_a,
+                kv_a_norm,
+                kv_b,
+                o,
+                (nh, r, dn, dr, dv, scale),
+            ),
+            _ => Err(GpuError::Internal(
+                "attention weights do not match the spec".into(),
+            )),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn gqa(
+        &mut self,
+        model: &Model,
+        l: usize,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+        [wq, wk, wv, wo]: [LinRef; 4],
+        q_norm: Option<VecRef>,
+        k_norm: Option<VecRef>,
+        (nh, nkv, hd, qk_norm, clip, scale): (usize, usize, usize, QkNorm, Option<f32>, f32),
+    ) -> Result<(), GpuError> {
+        let dims = self.dims;
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let eps = dims.eps;
+        let base = self.dense.view(l)?;
+        let h = self.s.h.view(0..n * dims.hidden)?;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &wq,
+            h,
+            n,
+            self.s.q.view_mut(0..n * qd)?,
+        )?;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &wk,
+            h,
+            n,
+            self.s.k.view_mut(0..n * kvd)?,
+        )?;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &wv,
+            h,
+            n,
+            self.s.v.view_mut(0..n * kvd)?,
+        )?;
+        let norm_w = |r: Option<VecRef>| -> Result<BufView<'_, f32>, GpuError> {
+            r.ok_or_else(|| GpuError::Internal("q/k norm weights missing".into()))?
+                .view(base)
+        };
+        match qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => {
+                self.k.rms_norm_inplace(
+                    &self.dev,
+                    self.s.q.view_mut(0..n * qd)?,
+                    norm_w(q_norm)?,
+                    n * nh,
+                    hd,
+                    eps,
+                )?;
+                self.k.rms_norm_inplace(
+                    &self.dev,
+                    self.s.k.view_mut(0..n * kvd)?,
+                    norm_w(k_norm)?,
+                    n * nkv,
+                    hd,
+                    eps,
+                )?;
+            }
+            QkNorm::Full => {
+                self.k.rms_norm_inplace(
+                    &self.dev,
+                    self.s.q.view_mut(0..n * qd)?,
+                    norm_w(q_norm)?,
+                    n,
+                    qd,
+                    eps,
+                )?;
+                self.k.rms_norm_inplace(
+                    &self.dev,
+                    self.s.k.view_mut(0..n * kvd)?,
+                    norm_w(k_norm)?,
+                    n,
+                    kvd,
+                    eps,
+                )?;
+            }
+        }
+        if let Some(c) = clip {
+            self.k
+                .clamp_inplace(&self.dev, self.s.q.view_mut(0..n * qd)?, c)?;
+            self.k
+                .clamp_inplace(&self.dev, self.s.k.view_mut(0..n * kvd)?, c)?;
+            self.k
+                .clamp_inplace(&self.dev, self.s.v.view_mut(0..n * kvd)?, c)?;
+        }
+        let table = self.rope.table();
+        let pos = self.s.pos.view(0..n)?;
+        self.k.rope(
+            &self.dev,
+            self.s.q.view_mut(0..n * qd)?,
+            n,
+            nh,
+            qd,
+            hd,
+            0,
+            &table,
+            pos,
+        )?;
+        self.k.rope(
+            &self.dev,
+            self.s.k.view_mut(0..n * kvd)?,
+            n,
+            nkv,
+            kvd,
+            hd,
+            0,
+            &table,
+            pos,
+        )?;
+        let window = model.spec.layers[l].sliding_window;
+        for (p, &r0) in parts.iter_mut().zip(starts) {
+            let m = p.tokens.len();
+            let len = p.cache.len();
+            let kv = kv::attached(p.cache)?;
+            for (part, src) in [(0, &self.s.k), (1, &self.s.v)] {
+                let dst = kv
+                    .part_mut(l, part)?
+                    .slice_mut(len * kvd..(len + m) * kvd)?;
+                self.k.copy_2d(
+                    &self.dev,
+                    src.view(r0 * kvd..(r0 + m) * kvd)?,
+                    m * kvd,
+                    dst,
+                    m * kvd,
+                    1,
+                    m * kvd,
+                )?;
+            }
+            let at = Attention {
+                q: self.s.q.view(r0 * qd..(r0 + m) * qd)?,
+                rows: m,
+                heads: nh,
+                dim_a: hd,
+                dim_b: 0,
+                dim_v: hd,
+                group: nh / nkv,
+                key_a: KvView {
+                    data: kv.part(l, 0)?,
+                    slot_stride: kvd,
+                    head_stride: hd,
+                },
+                key_b: None,
+                value: KvView {
+                    data: kv.part(l, 1)?,
+                    slot_stride: kvd,
+                    head_stride: hd,
+                },
+                capacity: kv.capacity(),
+                pos: self.s.pos.view(r0..r0 + m)?,
+                slot0: self.s.slot0.view(0..m)?,
+                window,
+                scale,
+            };
+            self.k
+                .attention(&self.dev, &at, self.s.ctx.view_mut(r0 * qd..(r0 + m) * qd)?)?;
+        }
+        let base = self.dense.view(l)?;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &wo,
+            self.s.ctx.view(0..n * qd)?,
+            n,
+            self.s.a.view_mut(0..n * dims.hidden)?,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mla(
+        &mut self,
+        l: usize,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+        q: MlaQRef,
+        kv_a: LinRef,
+        kv_a_norm: VecRef,
+        kv_b: MatRef,
+        o: LinRef,
+        (nh, r, dn, dr, dv, scale): (usize, usize, usize, usize, usize, f32),
+    ) -> Result<(), GpuError> {
+        let dims = self.dims;
+        let qk = dn + dr;
+        let qw = nh * qk;
+        let base = self.dense.view(l)?;
+        let h = self.s.h.view(0..n * dims.hidden)?;
+        match q {
+            MlaQRef::Direct(w) => linear(
+                &self.dev,
+                &self.k,
+                base,
+                &w,
+                h,
+                n,
+                self.s.q.view_mut(0..n * qw)?,
+            )?,
+            MlaQRef::LowRank { a, norm, b } => {
+                let ql = a.w.rows;
+                linear(
+                    &self.dev,
+                    &self.k,
+                    base,
+                    &a,
+                    h,
+                    n,
+                    self.s.ql.view_mut(0..n * ql)?,
+                )?;
+                self.k.rms_norm_inplace(
+                    &self.dev,
+                    self.s.ql.view_mut(0..n * ql)?,
+                    norm.view(base)?,
+                    n,
+                    ql,
+                    MLA_LORA_NORM_EPS,
+                )?;
+                linear(
+                    &self.dev,
+                    &self.k,
+                    base,
+                    &b,
+                    self.s.ql.view(0..n * ql)?,
+                    n,
+                    self.s.q.view_mut(0..n * qw)?,
+                )?;
+            }
+        }
+        let cw = r + dr;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &kv_a,
+            h,
+            n,
+            self.s.ckv.view_mut(0..n * cw)?,
+        )?;
+        self.k.rms_norm_strided_inplace(
+            &self.dev,
+            self.s.ckv.view_mut(0..n * cw)?,
+            cw,
+            kv_a_norm.view(base)?,
+            n,
+            r,
+            MLA_LORA_NORM_EPS,
+        )?;
+        let table = self.rope.table();
+        let pos = self.s.pos.view(0..n)?;
+        self.k.rope(
+            &self.dev,
+            self.s.ckv.view_mut(0..n * cw)?,
+            n,
+            1,
+            cw,
+            cw,
+            r,
+            &table,
+            pos,
+        )?;
+        self.k.rope(
+            &self.dev,
+            self.s.q.view_mut(0..n * qw)?,
+            n,
+            nh,
+            qw,
+            qk,
+            dn,
+            &table,
+            pos,
+        )?;
+        let kv_b_w = kv_b.view(base)?;
+        let aw = nh * cw;
+        self.k.mla_absorb(
+            &self.dev,
+            &kv_b_w,
+            nh,
+            dn,
+            dv,
+            self.s.q.view(0..n * qw)?,
+            qw,
+            qk,
+            n,
+            self.s.qa.view_mut(0..n * aw)?,
+            aw,
+            cw,
+        )?;
+        // q_pe beside the absorbed query: qa[row][head] = [absorbed | q_pe].
+        self.k.copy_2d(
+            &self.dev,
+            self.s.q.view(dn..n * qw)?,
+            qk,
+            self.s.qa.view_mut(r..n * aw)?,
+            cw,
+            n * nh,
+            dr,
+        )?;
+        let ctxw = nh * r;
+        for (p, &r0) in parts.iter_mut().zip(starts) {
+            let m = p.tokens.len();
+            let len = p.cache.len();
+            let kv = kv::attached(p.cache)?;
+            self.k.copy_2d(
+                &self.dev,
+                self.s.ckv.view(r0 * cw..(r0 + m) * cw)?,
+                cw,
+                kv.part_mut(l, 0)?.slice_mut(len * r..(len + m) * r)?,
+                r,
+                m,
+                r,
+            )?;
+            self.k.copy_2d(
+                &self.dev,
+                self.s.ckv.view(r0 * cw + r..(r0 + m) * cw)?,
+                cw,
+                kv.part_mut(l, 1)?.slice_mut(len * dr..(len + m) * dr)?,
+                dr,
+                m,
+                dr,
+            )?;
+            let at = Attention {
+                q: self.s.qa.view(r0 * aw..(r0 + m) * aw)?,
+                rows: m,
+                heads: nh,
+                dim_a: r,
+                dim_b: dr,
+                dim_v: r,
+                group: nh,
+                key_a: KvView {
+                    data: kv.part(l, 0)?,
+                    slot_stride: r,
+                    head_stride: 0,
+                },
+                key_b: Some(KvView {
+                    data: kv.part(l, 1)?,
+                    slot_stride: dr,
+                    head_stride: 0,
+                }),
+                value: KvView {
+                    data: kv.part(l, 0)?,
+                    slot_stride: r,
+                    head_stride: 0,
+                },
+                capacity: kv.capacity(),
+                pos: self.s.pos.view(r0..r0 + m)?,
+                slot0: self.s.slot0.view(0..m)?,
+                window: None,
+                scale,
+            };
+            self.k.attention(
+                &self.dev,
+                &at,
+                self.s.ctx.view_mut(r0 * ctxw..(r0 + m) * ctxw)?,
+            )?;
+        }
+        // W_uv per head: rows h·(dn+dv)+dn .. +dv of kv_b on the head's
+        // attended latent.
+        let mow = nh * dv;
+        if !self.mla_fallback {
+            let rb = kv_b_w
+                .format
+                .row_bytes(r)
+                .ok_or_else(|| GpuError::Internal("kv_b rows".into()))?;
+            let fp8 = match kv_b_w.fp8 {
+                None => None,
+                Some(s) => {
+                    let gc = r.div_ceil(s.block);
+                    Some(colibri_cuda::Fp8Scales {
+                        scales: s.scales.slice((dn / s.block) * gc..s.scales.len())?,
+                        block: s.block,
+                    })
+                }
+            };
+            let w = WeightView {
+                format: kv_b_w.format,
+                rows: dv,
+                cols: r,
+                data: kv_b_w.data.slice(dn * rb..kv_b_w.data.len())?,
+                fp8,
+            };
+            let scale_stride = kv_b_w
+                .fp8
+                .map_or(0, |s| ((dn + dv) / s.block) * r.div_ceil(s.block));
+            self.k.matvec_group(
+                &self.dev,
+                &MatvecGroup {
+                    w,
+                    matrices: nh,
+                    w_stride: (dn + dv) * rb,
+                    scale_stride,
+                    x: self.s.ctx.view(0..n * ctxw)?,
+                    x_tok_stride: ctxw,
+                    x_mat_stride: r,
+                    ntok: n,
+                    y_tok_stride: mow,
+                    y_mat_stride: dv,
+                },
+                self.s.mo.view_mut(0..n * mow)?,
+            )?;
+        } else {
+            let full = nh * (dn + dv);
+            for head in 0..nh {
+                self.k.matvec_group(
+                    &self.dev,
+                    &MatvecGroup {
+                        w: kv_b_w,
+                        matrices: 1,
+                        w_stride: 0,
+                        scale_stride: 0,
+                        x: self.s.ctx.view(head * r..n * ctxw)?,
+                        x_tok_stride: ctxw,
+                        x_mat_stride: 0,
+                        ntok: n,
+                        y_tok_stride: full,
+                        y_mat_stride: 0,
+                    },
+                    self.s.mtmp.view_mut(0..n * full)?,
+                )?;
+                let from = head * (dn + dv) + dn;
+                self.k.copy_2d(
+                    &self.dev,
+                    self.s.mtmp.view(from..n * full)?,
+                    full,
+                    self.s.mo.view_mut(head * dv..n * mow)?,
+                    mow,
+                    n,
+                    dv,
+                )?;
+            }
+        }
+        let base = self.dense.view(l)?;
+        linear(
+            &self.dev,
+            &self.k,
+            base,
+            &o,
+            self.s.mo.view(0..n * mow)?,
+            n,
+            self.s.a.view_mut(0..n * dims.hidden)?,
+        )
+    }
+}

@@ -1,0 +1,260 @@
+//! The KV cache of a sequence on the GPU tier: per layer, part A (GQA: the
+//! keys; MLA: the normed latent) and part B (GQA: the values; MLA: the
+//! rotated shared key), `[position][width]` each, for `cap` positions.
+//!
+//! It lives in VRAM while the tier's KV grant has room, otherwise in
+//! mapped pinned RAM that the attention kernel reads in place over the bus
+//! (each step reads a sequence's whole cache once either way, so a copy
+//! would only move the same bytes twice). It is attached to the model's
+//! [`KvCache`] (its tier state), so it moves with the sequence and is freed
+//! with it; capacity grows by doubling, the old positions copied over.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use colibri_cuda::{BufMut, BufView, CudaDevice, DeviceBuffer, HostBuffer, KernelSet};
+use colibri_model::KvCache;
+
+use super::GpuError;
+
+/// The first allocation of a sequence's cache, in positions.
+pub const KV_INITIAL_POSITIONS: usize = 256;
+
+/// VRAM granted to KV caches, shared by every sequence of one tier.
+#[derive(Debug)]
+pub(crate) struct KvGrant {
+    left: Mutex<u64>,
+    pub in_vram: AtomicU64,
+    pub in_host: AtomicU64,
+}
+
+impl KvGrant {
+    pub fn new(bytes: u64) -> Arc<KvGrant> {
+        Arc::new(KvGrant {
+            left: Mutex::new(bytes),
+            in_vram: AtomicU64::new(0),
+            in_host: AtomicU64::new(0),
+        })
+    }
+
+    fn take(&self, bytes: u64) -> bool {
+        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        if *left >= bytes {
+            *left -= bytes;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn give(&self, bytes: u64) {
+        *self.left.lock().unwrap_or_else(|p| p.into_inner()) += bytes;
+    }
+}
+
+enum Mem {
+    Vram(DeviceBuffer<f32>, Arc<KvGrant>, u64),
+    Host(HostBuffer, Arc<KvGrant>, u64),
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        match self {
+            Mem::Vram(_, g, bytes) => {
+                g.give(*bytes);
+                g.in_vram.fetch_sub(*bytes, Ordering::Relaxed);
+            }
+            Mem::Host(_, g, bytes) => {
+                g.in_host.fetch_sub(*bytes, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One sequence's keys and values on the GPU tier.
+pub(crate) struct DeviceKv {
+    tier: u64,
+    cap: usize,
+    a: usize,
+    b: usize,
+    mem: Mem,
+}
+
+impl DeviceKv {
+    fn alloc(
+        dev: &CudaDevice,
+        grant: &Arc<KvGrant>,
+        tier: u64,
+        layers: usize,
+        cap: usize,
+        a: usize,
+        b: usize,
+    ) -> Result<DeviceKv, GpuError> {
+        let floats = layers
+            .checked_mul(cap)
+            .and_then(|n| n.checked_mul(a + b))
+            .ok_or_else(|| GpuError::Internal("KV cache size overflows".into()))?;
+        let bytes = (floats * 4) as u64;
+        let mem = if grant.take(bytes) {
+            match dev.alloc::<f32>(floats) {
+                Ok(buf) => {
+                    grant.in_vram.fetch_add(bytes, Ordering::Relaxed);
+                    Mem::Vram(buf, Arc::clone(grant), bytes)
+                }
+                Err(e) => {
+                    grant.give(bytes);
+                    return Err(e.into());
+                }
+            }
+        } else {
+            let h = dev.alloc_host(floats * 4)?;
+            grant.in_host.fetch_add(bytes, Ordering::Relaxed);
+            Mem::Host(h, Arc::clone(grant), bytes)
+        };
+        Ok(DeviceKv {
+            tier,
+            cap,
+            a,
+            b,
+            mem,
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn all(&self) -> BufView<'_, f32> {
+        match &self.mem {
+            Mem::Vram(b, ..) => b.as_view(),
+            Mem::Host(h, ..) => h.device_view::<f32>(),
+        }
+    }
+
+    fn all_mut(&mut self) -> BufMut<'_, f32> {
+        match &mut self.mem {
+            Mem::Vram(b, ..) => b.as_mut(),
+            Mem::Host(h, ..) => h.device_view_mut::<f32>(),
+        }
+    }
+
+    fn range(&self, layer: usize, part: usize) -> std::ops::Range<usize> {
+        let per_layer = self.cap * (self.a + self.b);
+        let start = layer * per_layer + if part == 0 { 0 } else { self.cap * self.a };
+        let len = self.cap * if part == 0 { self.a } else { self.b };
+        start..start + len
+    }
+
+    /// Part A (0) or B (1) of `layer`: `cap × width` floats.
+    pub fn part(&self, layer: usize, part: usize) -> Result<BufView<'_, f32>, GpuError> {
+        let r = self.range(layer, part);
+        Ok(self.all().slice(r)?)
+    }
+
+    pub fn part_mut(&mut self, layer: usize, part: usize) -> Result<BufMut<'_, f32>, GpuError> {
+        let r = self.range(layer, part);
+        Ok(self.all_mut().slice_mut(r)?)
+    }
+}
+
+/// What a tier needs to give a sequence its device cache.
+pub(crate) struct KvShape {
+    pub tier: u64,
+    pub layers: usize,
+    /// Floats per position of part A and part B.
+    pub a: usize,
+    pub b: usize,
+}
+
+/// The sequence's device cache, with room for `need` positions (created,
+/// or grown by doubling with the `len` positions it holds copied over).
+pub(crate) fn ensure<'c>(
+    cache: &'c mut KvCache,
+    need: usize,
+    shape: &KvShape,
+    dev: &CudaDevice,
+    k: &KernelSet,
+    grant: &Arc<KvGrant>,
+) -> Result<&'c mut DeviceKv, GpuError> {
+    let len = cache.len();
+    let capacity = cache.capacity();
+    if need > capacity {
+        return Err(GpuError::Internal(format!(
+            "{need} positions in a cache of {capacity}"
+        )));
+    }
+    let grown_cap = |cur: usize| {
+        need.max(cur.saturating_mul(2))
+            .max(KV_INITIAL_POSITIONS)
+            .min(capacity)
+    };
+    let slot = cache.tier_state();
+    let current = match slot.take() {
+        None => {
+            if len > 0 {
+                return Err(GpuError::Unsupported(format!(
+                    "this KV cache's {len} positions were computed by the CPU tier (or it was \
+                     cloned): the GPU tier cannot continue it"
+                )));
+            }
+            None
+        }
+        Some(any) => match any.downcast::<DeviceKv>() {
+            Ok(kv) if kv.tier == shape.tier => Some(kv),
+            Ok(_) => {
+                return Err(GpuError::Unsupported(
+                    "this KV cache belongs to another GPU engine".into(),
+                ));
+            }
+            Err(_) => {
+                return Err(GpuError::Unsupported(
+                    "this KV cache belongs to another compute tier".into(),
+                ));
+            }
+        },
+    };
+    let kv = match current {
+        Some(kv) if kv.cap >= need => kv,
+        old => {
+            let cap = grown_cap(old.as_ref().map_or(0, |o| o.cap));
+            let mut fresh = Box::new(DeviceKv::alloc(
+                dev,
+                grant,
+                shape.tier,
+                shape.layers,
+                cap,
+                shape.a,
+                shape.b,
+            )?);
+            if let Some(old) = old
+                && len > 0
+            {
+                for l in 0..shape.layers {
+                    for part in 0..2 {
+                        let w = if part == 0 { shape.a } else { shape.b };
+                        let src = old.part(l, part)?.slice(0..len * w)?;
+                        let dst = fresh.part_mut(l, part)?.slice_mut(0..len * w)?;
+                        k.copy_2d(dev, src, len * w, dst, len * w, 1, len * w)?;
+                    }
+                }
+                // The old memory is freed when `old` drops: stream-ordered
+                // for VRAM, after both streams are idle for mapped memory.
+            }
+            fresh
+        }
+    };
+    *slot = Some(kv);
+    match slot.as_mut().and_then(|b| b.downcast_mut::<DeviceKv>()) {
+        Some(kv) => Ok(kv),
+        None => Err(GpuError::Internal("KV state vanished".into())),
+    }
+}
+
+/// The device cache already attached to `cache`.
+pub(crate) fn attached(cache: &mut KvCache) -> Result<&mut DeviceKv, GpuError> {
+    cache
+        .tier_state()
+        .as_mut()
+        .and_then(|b| b.downcast_mut::<DeviceKv>())
+        .ok_or_else(|| GpuError::Internal("KV cache without device state".into()))
+}

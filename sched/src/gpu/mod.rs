@@ -1,0 +1,656 @@
+//! The GPU tier: the forward pass on a CUDA device, with VRAM as one more
+//! placement tier above RAM and NVMe (DESIGN.md: one hierarchy, never a
+//! threshold).
+//!
+//! - [`plan`]: the VRAM planner ([`VramPlan`]): dense blocks, KV reserve
+//!   and expert cache slots inside `--vram-budget`; scratch, staging ring
+//!   and stream buffers outside it; never over-committed.
+//! - [`slots`]: the VRAM expert cache's bookkeeping ([`VramCache`]):
+//!   eviction (O(1) LRU), leases, single flight, pinning.
+//! - `weights`: dense blocks, resident or streamed per layer from pinned
+//!   RAM through two stream buffers (copy stream, events).
+//! - `kv`: each sequence's keys and values, in VRAM or mapped pinned RAM.
+//! - `experts`: a layer's routed experts: hits computed from their VRAM
+//!   slots while misses, taken from the RAM tier (whose pinned arenas are
+//!   registered with CUDA, so the copy reads the very bytes the disk read
+//!   landed in), are copied host-to-device into the staging ring on the
+//!   copy stream, chunk by chunk, each chunk computed as soon as its copies
+//!   land; events recycle ring slots. One pointer-table matvec launch per
+//!   matrix covers every expert of a chunk, whatever slots they sit in.
+//! - `forward`: the layer loop (attention, MoE, head) for a batch.
+//!
+//! What runs where: every matrix product, norm, rotary embedding,
+//! attention, SwiGLU and the MoE combine run on the GPU; the host embeds
+//! token rows (one row per token, exact), routes each row from the router
+//! logits the GPU computed (the CPU tier's own routing function, so the
+//! decisions follow the same rules), and drives the copies.
+//!
+//! Exactness: each GPU kernel computes an output element with one fixed
+//! reduction order, whatever the batch, the slot, the placement or the
+//! chunking, so a GPU run is bit-identical to itself under every VRAM
+//! budget and batch composition. It is not bit-identical to the CPU tier
+//! (different, equally exact-in-spirit reduction orders); Q8_0/Q4_0
+//! weights are dequantized exactly on the GPU, so the CPU reference for the
+//! GPU tier is the CPU run with `--exact-quant` (the CPU's default 8-bit
+//! activation path is a CPU speed trick, not the model's definition).
+
+pub mod plan;
+pub mod slots;
+
+mod experts;
+mod forward;
+mod kv;
+mod weights;
+
+use std::sync::{Arc, Mutex};
+
+use colibri_cuda::{
+    CudaDevice, CudaError, DeviceBuffer, HostRegistration, KernelCache, KernelSet,
+    WeightFormat as DevFormat,
+};
+use colibri_io::PinnedArena;
+use colibri_model::config::{AttentionSpec, FfnKind, QkNorm};
+use colibri_model::format::WeightFormat;
+use colibri_model::rope::{Rope, mla_softmax_scale_factor};
+use colibri_model::{ExpertSource, Model, ModelError, SeqInput};
+use serde::Serialize;
+
+use crate::Engine;
+use crate::tier::plan::{DEFAULT_KV_RESERVE_POSITIONS, kv_bytes_per_position};
+
+pub use self::experts::ExpertShape;
+pub use self::plan::{VramBudgetSource, VramPlan, VramRequest};
+pub use self::slots::{VramCache, VramCacheStats, VramResidency};
+
+/// Rows one pass carries at most (a bigger batch runs as several passes:
+/// each sequence's tokens stay in order, so the result is the same).
+pub const DEFAULT_MAX_ROWS: usize = 512;
+
+/// Rows of logits computed and copied back at a time.
+pub const LM_ROWS: usize = 64;
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceChoice {
+    /// CUDA when a usable GPU and NVRTC are there, else the CPU tier.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" | "gpu" => Ok(DeviceChoice::Cuda),
+            other => Err(format!("unknown device `{other}` (auto, cpu or cuda)")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        })
+    }
+}
+
+/// Settings of the GPU tier (`--device`, `--vram-budget`, `--devices`).
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    pub device: DeviceChoice,
+    /// Bytes for dense weights, KV cache and expert cache; `None`: what is
+    /// free minus the working set and a reserve.
+    pub vram_budget: Option<u64>,
+    /// Device ordinals; empty: device 0. One device for now.
+    pub devices: Vec<usize>,
+    /// Rows per pass at most.
+    pub max_rows: usize,
+    /// Staging slots per expert size class.
+    pub ring_slots: usize,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            device: DeviceChoice::Auto,
+            vram_budget: None,
+            devices: Vec::new(),
+            max_rows: DEFAULT_MAX_ROWS,
+            ring_slots: plan::DEFAULT_RING_SLOTS,
+        }
+    }
+}
+
+/// Errors of the GPU tier.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The model or the request needs something the GPU tier lacks.
+    #[error("GPU tier: {0}")]
+    Unsupported(String),
+    /// The device cannot hold the tier's working set.
+    #[error("GPU tier: {0}")]
+    Plan(String),
+    #[error("GPU tier internal error: {0}")]
+    Internal(String),
+}
+
+impl From<GpuError> for ModelError {
+    fn from(e: GpuError) -> ModelError {
+        match e {
+            GpuError::Model(m) => m,
+            other => ModelError::Invalid(other.to_string()),
+        }
+    }
+}
+
+pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
+    match f {
+        WeightFormat::F32 => DevFormat::F32,
+        WeightFormat::F16 => DevFormat::F16,
+        WeightFormat::Bf16 => DevFormat::Bf16,
+        WeightFormat::F8E4M3 => DevFormat::F8E4M3,
+        WeightFormat::Q8_0 => DevFormat::Q8_0,
+        WeightFormat::Q4_0 => DevFormat::Q4_0,
+    }
+}
+
+/// The attention geometry of a model.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum AttnDims {
+    Gqa {
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        qk_norm: QkNorm,
+        clip: Option<f32>,
+        scale: f32,
+    },
+    Mla {
+        nh: usize,
+        r: usize,
+        dn: usize,
+        dr: usize,
+        dv: usize,
+        q_lora: Option<usize>,
+        scale: f32,
+    },
+}
+
+/// Everything about the model's shapes the GPU pass needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub hidden: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    pub eps: f32,
+    pub experts: usize,
+    pub top_k: usize,
+    pub moe_inter: usize,
+    /// Widest dense MLP or shared expert.
+    pub mlp_inter: usize,
+    pub max_rows: usize,
+    pub attn: AttnDims,
+}
+
+/// The attention kernel's limits (cuda/kernels/attention.cu).
+const AT_MAX_DQ: usize = 640;
+const AT_MAX_DV: usize = 512;
+const RP_MAX_DIM: usize = 1024;
+const CB_MAX_K: usize = 64;
+
+impl Dims {
+    pub fn of(model: &Model, max_rows: usize) -> Result<Dims, GpuError> {
+        let spec = &model.spec;
+        let attn = match &spec.attention {
+            AttentionSpec::Gqa {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                qk_norm,
+                clip_qkv,
+                ..
+            } => {
+                if *head_dim > AT_MAX_DQ.min(AT_MAX_DV) || *head_dim > RP_MAX_DIM {
+                    return Err(GpuError::Unsupported(format!(
+                        "head_dim {head_dim} exceeds the attention kernel's {AT_MAX_DV}"
+                    )));
+                }
+                if *num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+                    return Err(GpuError::Unsupported(format!(
+                        "{num_heads} heads over {num_kv_heads} KV heads"
+                    )));
+                }
+                AttnDims::Gqa {
+                    nh: *num_heads,
+                    nkv: *num_kv_heads,
+                    hd: *head_dim,
+                    qk_norm: *qk_norm,
+                    clip: *clip_qkv,
+                    scale: (*head_dim as f32).powf(-0.5),
+                }
+            }
+            AttentionSpec::Mla {
+                num_heads,
+                q_lora_rank,
+                kv_lora_rank,
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                v_head_dim,
+                ..
+            } => {
+                if kv_lora_rank + qk_rope_head_dim > AT_MAX_DQ || *kv_lora_rank > AT_MAX_DV {
+                    return Err(GpuError::Unsupported(format!(
+                        "MLA rank {kv_lora_rank} + rope {qk_rope_head_dim} exceeds the attention \
+                         kernel's limits ({AT_MAX_DQ}, {AT_MAX_DV})"
+                    )));
+                }
+                AttnDims::Mla {
+                    nh: *num_heads,
+                    r: *kv_lora_rank,
+                    dn: *qk_nope_head_dim,
+                    dr: *qk_rope_head_dim,
+                    dv: *v_head_dim,
+                    q_lora: *q_lora_rank,
+                    scale: (((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5)
+                        * mla_softmax_scale_factor(&spec.rope)) as f32,
+                }
+            }
+        };
+        let (experts, top_k, moe_inter, shared) = match &spec.moe {
+            Some(m) => (
+                m.num_experts,
+                m.top_k,
+                m.intermediate_size,
+                m.shared.as_ref().map_or(0, |s| s.intermediate_size),
+            ),
+            None => (0, 0, 0, 0),
+        };
+        if top_k > CB_MAX_K {
+            return Err(GpuError::Unsupported(format!(
+                "top-{top_k} routing exceeds the combine kernel's {CB_MAX_K}"
+            )));
+        }
+        let dense_inter = spec
+            .layers
+            .iter()
+            .filter_map(|l| match l.ffn {
+                FfnKind::Dense { intermediate_size } => Some(intermediate_size),
+                FfnKind::Moe => None,
+            })
+            .max()
+            .unwrap_or(0);
+        Ok(Dims {
+            hidden: spec.hidden_size,
+            vocab: spec.vocab_size,
+            layers: spec.num_layers(),
+            eps: spec.rms_norm_eps,
+            experts,
+            top_k,
+            moe_inter,
+            mlp_inter: dense_inter.max(shared).max(1),
+            max_rows: max_rows.max(1),
+            attn,
+        })
+    }
+
+    /// Floats per position of KV part A and part B.
+    pub fn kv_parts(&self) -> (usize, usize) {
+        match self.attn {
+            AttnDims::Gqa { nkv, hd, .. } => (nkv * hd, nkv * hd),
+            AttnDims::Mla { r, dr, .. } => (r, dr),
+        }
+    }
+}
+
+/// Counters of the GPU tier.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct GpuStats {
+    pub passes: u64,
+    pub rows: u64,
+    pub cache: VramCacheStats,
+    /// Routed experts taken from the RAM tier (VRAM misses).
+    pub experts_copied: u64,
+    /// Bytes copied host-to-device for experts / dense blocks.
+    pub expert_h2d_bytes: u64,
+    pub dense_h2d_bytes: u64,
+    /// Experts promoted from the staging ring into the VRAM cache.
+    pub promotions: u64,
+    pub kv_vram_bytes: u64,
+    pub kv_host_bytes: u64,
+    /// RAM-tier arenas registered with CUDA (copies from them are DMA).
+    pub arenas_registered: usize,
+    pub dense_resident_blocks: usize,
+}
+
+/// The GPU tier of an engine.
+pub struct GpuTier {
+    state: Mutex<forward::State>,
+    plan: VramPlan,
+    summary: String,
+}
+
+impl std::fmt::Debug for GpuTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTier")
+            .field("summary", &self.summary)
+            .finish()
+    }
+}
+
+impl GpuTier {
+    /// The placement in effect.
+    pub fn plan(&self) -> &VramPlan {
+        &self.plan
+    }
+
+    /// One line: device and placement.
+    pub fn summary(&self) -> &str {
+        &self.summary
+    }
+
+    pub fn stats(&self) -> GpuStats {
+        self.lock().stats()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, forward::State> {
+        // A panic inside a pass leaves device state that the next pass
+        // rebuilds from scratch (every pass starts from the host's inputs).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs a batch on the GPU (the counterpart of `Model::forward`).
+    pub fn forward(
+        &self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.lock()
+            .forward(model, experts, batch)
+            .map_err(ModelError::from)
+    }
+
+    /// Where one routed expert is in VRAM (tests and diagnostics).
+    pub fn residency(&self, layer: usize, expert: usize) -> Option<VramResidency> {
+        self.lock().experts.residency(layer, expert)
+    }
+}
+
+/// Why the engine runs on the CPU tier, or the GPU tier it attached.
+pub enum Attached {
+    Gpu(String),
+    Cpu { reason: Option<String> },
+}
+
+/// Gives `engine` a GPU tier as `opts` says: `Cpu` attaches none; `Auto`
+/// attaches one when a usable GPU and NVRTC are there and otherwise
+/// returns the reason it runs on the CPU tier; `Cuda` fails when it cannot.
+pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuError> {
+    if opts.device == DeviceChoice::Cpu {
+        return Ok(Attached::Cpu { reason: None });
+    }
+    if opts.devices.len() > 1 {
+        return Err(GpuError::Unsupported(format!(
+            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give \
+             one device id",
+            opts.devices
+        )));
+    }
+    let ordinal = opts.devices.first().copied().unwrap_or(0);
+    match open(engine, opts, ordinal) {
+        Ok(tier) => {
+            let summary = tier.summary.clone();
+            engine.gpu = Some(Arc::new(tier));
+            Ok(Attached::Gpu(summary))
+        }
+        Err(e) if opts.device == DeviceChoice::Auto && fallback_ok(&e) => Ok(Attached::Cpu {
+            reason: Some(e.to_string()),
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `--device auto` runs on the CPU tier after `e` (the GPU tier is
+/// impossible here) rather than failing.
+fn fallback_ok(e: &GpuError) -> bool {
+    matches!(
+        e,
+        GpuError::Cuda(CudaError::Unavailable { .. })
+            | GpuError::Unsupported(_)
+            | GpuError::Plan(_)
+    )
+}
+
+/// Fails early (before a model is loaded) when `opts` insists on CUDA and
+/// no usable device is there.
+pub fn preflight(opts: &GpuOptions) -> Result<(), GpuError> {
+    if opts.device != DeviceChoice::Cuda {
+        return Ok(());
+    }
+    if opts.devices.len() > 1 {
+        return Err(GpuError::Unsupported(format!(
+            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give \
+             one device id",
+            opts.devices
+        )));
+    }
+    CudaDevice::open(opts.devices.first().copied().unwrap_or(0))?;
+    colibri_cuda::nvrtc::load()?;
+    Ok(())
+}
+
+/// The device and kernels (no model): what `colibri plan` asks about.
+pub fn open_device(ordinal: usize) -> Result<(CudaDevice, KernelSet), GpuError> {
+    let dev = CudaDevice::open(ordinal)?;
+    let k = KernelSet::load(&dev, &KernelCache::user_default())?;
+    Ok((dev, k))
+}
+
+/// KV reserve positions for a context of `ctx` (0: the default reserve).
+fn kv_positions(model: &Model, ctx: usize) -> usize {
+    if ctx > 0 {
+        ctx.min(model.spec.max_position_embeddings)
+    } else {
+        model
+            .spec
+            .max_position_embeddings
+            .min(DEFAULT_KV_RESERVE_POSITIONS)
+    }
+}
+
+/// The VRAM request for `model` on a device with `free`/`total` bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn vram_request(
+    model: &Model,
+    device: &str,
+    free: u64,
+    total: u64,
+    ctx: usize,
+    opts: &GpuOptions,
+    layer_shapes: &[Option<ExpertShape>],
+    pin_candidates: Vec<usize>,
+) -> Result<(VramRequest, Dims, experts::Classes), GpuError> {
+    let dims = Dims::of(model, opts.max_rows)?;
+    let classes = experts::Classes::of(layer_shapes, dims.experts);
+    let positions = kv_positions(model, ctx);
+    let rope_positions = rope_positions(model, ctx);
+    let req = VramRequest {
+        device: device.to_string(),
+        total_bytes: total,
+        free_bytes: free,
+        budget: opts.vram_budget,
+        dense_blocks: weights::block_sizes(&model.weights)?,
+        kv_bytes_per_position: kv_bytes_per_position(&model.spec),
+        kv_reserve_positions: positions,
+        expert_classes: classes.requests(),
+        ring_slots: opts.ring_slots,
+        scratch_bytes: forward::scratch_bytes(&dims, rope_positions, model),
+        pin_candidates,
+    };
+    Ok((req, dims, classes))
+}
+
+/// Positions the rotary tables cover.
+fn rope_positions(model: &Model, ctx: usize) -> usize {
+    if ctx > 0 {
+        ctx.min(model.spec.max_position_embeddings)
+    } else {
+        model.spec.max_position_embeddings
+    }
+    .max(1)
+}
+
+/// The rotary embedding the CPU tier uses for `model`.
+pub(crate) fn rope_of(model: &Model) -> Rope {
+    let (dim, interleave) = match &model.spec.attention {
+        AttentionSpec::Gqa { head_dim, .. } => (*head_dim, false),
+        AttentionSpec::Mla {
+            qk_rope_head_dim,
+            rope_interleave,
+            ..
+        } => (*qk_rope_head_dim, *rope_interleave),
+    };
+    Rope::new(&model.spec.rope, dim, interleave)
+}
+
+/// What `colibri plan` shows for the GPU tier of a model on a device.
+pub fn plan_for(
+    model: &Model,
+    locator: Option<&dyn colibri_model::source::ExpertLocator>,
+    ctx: usize,
+    opts: &GpuOptions,
+    device: &str,
+    free: u64,
+    total: u64,
+) -> Result<VramPlan, GpuError> {
+    let shapes = experts::shapes_from_locator(model, locator)?;
+    let (req, _, _) = vram_request(model, device, free, total, ctx, opts, &shapes, Vec::new())?;
+    VramPlan::compute(&req).map_err(GpuError::Plan)
+}
+
+fn open(engine: &Engine, opts: &GpuOptions, ordinal: usize) -> Result<GpuTier, GpuError> {
+    let (dev, k) = open_device(ordinal)?;
+    let model = &engine.model;
+    let shapes = match &engine.tier {
+        Some(t) => experts::shapes_from_layout(model, t.layout())?,
+        None => experts::shapes_from_source(model, engine.experts.as_ref())?,
+    };
+    let pinned: Vec<(usize, usize)> = engine
+        .tier
+        .as_ref()
+        .map(|t| t.plan().pinned.clone())
+        .unwrap_or_default();
+    let (free, total) = dev.mem_info()?;
+    let info = dev.info().clone();
+    let device = format!(
+        "{} (GPU {}, {}, driver CUDA {}.{})",
+        info.name, info.ordinal, info.arch, info.driver_version.0, info.driver_version.1
+    );
+    let classes_probe = experts::Classes::of(&shapes, Dims::of(model, opts.max_rows)?.experts);
+    let pin_candidates = classes_probe.count_pins(&pinned, &shapes);
+    let (req, dims, classes) = vram_request(
+        model,
+        &device,
+        free as u64,
+        total as u64,
+        engine.context_len(),
+        opts,
+        &shapes,
+        pin_candidates,
+    )?;
+    let plan = VramPlan::compute(&req).map_err(GpuError::Plan)?;
+    for w in &plan.warnings {
+        tracing::warn!("{w}");
+    }
+
+    // The RAM tier's arenas: registered, so expert copies are DMA from the
+    // bytes the disk reads landed in (no bounce copy).
+    let mut arenas: Vec<Arc<PinnedArena>> = Vec::new();
+    let mut registrations: Vec<HostRegistration> = Vec::new();
+    if let Some(t) = &engine.tier {
+        for arena in t.arenas() {
+            // SAFETY: the arena's mapping stays allocated while `arenas`
+            // holds it, and `registrations` (dropped first, see State) ends
+            // the registration before that.
+            match unsafe { dev.register_host(arena.as_ptr(), arena.len_bytes()) } {
+                Ok(r) => {
+                    registrations.push(r);
+                    arenas.push(arena);
+                }
+                Err(e) => tracing::warn!(
+                    "could not register a RAM-tier arena of {} bytes with CUDA ({e}); expert \
+                     copies from it are staged by the driver (slower)",
+                    arena.len_bytes()
+                ),
+            }
+        }
+    }
+
+    // RAM leases held for copies in flight at most: half the RAM tier's
+    // staging slots, so its reads always find a slot.
+    let max_held = engine
+        .tier
+        .as_ref()
+        .and_then(|t| {
+            t.plan()
+                .classes
+                .iter()
+                .map(|c| c.staging_slots + c.cache_slots)
+                .filter(|&n| n > 0)
+                .min()
+        })
+        .map_or(usize::MAX, |n| (n / 2).max(1));
+    let rope = rope_of(model);
+    let state = forward::State::new(
+        dev,
+        k,
+        model,
+        &plan,
+        dims,
+        classes,
+        &shapes,
+        rope,
+        rope_positions(model, engine.context_len()),
+        registrations,
+        arenas,
+        max_held,
+    )?;
+    let mut state = state;
+    if !pinned.is_empty() {
+        state.preload_pinned(&pinned, engine.experts.as_ref(), &plan)?;
+    }
+    let summary = format!(
+        "GPU tier on {device}: VRAM budget {}, {} of {} dense blocks resident, {} expert cache \
+         slots, {} staging slots",
+        crate::tier::ByteSize(plan.budget_bytes),
+        plan.dense_resident.iter().filter(|r| **r).count(),
+        plan.dense_resident.len(),
+        plan.cache_slots(),
+        plan.classes.iter().map(|c| c.ring_slots).sum::<usize>()
+    );
+    Ok(GpuTier {
+        state: Mutex::new(state),
+        plan,
+        summary,
+    })
+}
+
+/// A zero-filled device buffer (at least one element).
+pub(crate) fn zeros<T: colibri_cuda::DeviceElem>(
+    dev: &CudaDevice,
+    n: usize,
+) -> Result<DeviceBuffer<T>, GpuError> {
+    Ok(dev.alloc::<T>(n.max(1))?)
+}

@@ -1,0 +1,493 @@
+//! The GPU tier against the CPU tier and against itself.
+//!
+//! Without a GPU (CI): `--device auto` quietly runs on the CPU tier and
+//! says why, `--device cuda` fails with a clear message, several devices
+//! are refused.
+//!
+//! With one (`cargo test -p colibri-sched --test gpu -- --ignored
+//! --test-threads=1`, `COLIBRI_NVRTC_DIR` pointing at libnvrtc.so.13): on
+//! every model fixture and on GGUF Q4_0/Q8_0/BF16 files, greedy
+//! continuations equal the CPU tier's (run with `--exact-quant`: the GPU
+//! dequantizes Q8_0/Q4_0 exactly) and per-position NLL is within
+//! [`NLL_REL_TOL`] of it; logits are bit-identical across VRAM budgets
+//! (nothing resident, partial, everything), RAM budgets, pass sizes and
+//! batch compositions.
+
+use std::path::PathBuf;
+
+use colibri_cuda::{CudaDevice, CudaError};
+use colibri_model::sampling::{SamplingParams, log_softmax};
+use colibri_model::{KvCache, Logits, SeqInput};
+use colibri_sched::gpu::{Attached, DeviceChoice, GpuOptions, attach};
+use colibri_sched::tier::{TierOptions, UsageMode};
+use colibri_sched::{Engine, EngineOptions, GenRequest, Sequence};
+
+/// GPU vs CPU: per-position NLL within this relative difference (f32
+/// everywhere, different but fixed reduction orders).
+const NLL_REL_TOL: f64 = 1e-3;
+
+fn fixtures() -> PathBuf {
+    match std::env::var_os("COLIBRI_FIXTURES") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"),
+    }
+}
+
+/// Every model the GPU tier is checked on: the transformers fixtures and
+/// GGUF files of each quantization.
+fn models() -> Vec<PathBuf> {
+    let f = fixtures();
+    let mut out: Vec<PathBuf> = [
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "deepseek_v3",
+        "deepseek_v3_fp8",
+        "qwen3_moe_bf16_sharded",
+    ]
+    .iter()
+    .map(|n| f.join("models").join(n))
+    .collect();
+    for g in [
+        "qwen3_moe.q4_0.gguf",
+        "qwen3_moe.q8_0.gguf",
+        "mixtral.q8_0.gguf",
+        "deepseek_v3.q4_0.gguf",
+        "olmoe.bf16.gguf",
+    ] {
+        out.push(f.join("gguf").join(g));
+    }
+    out
+}
+
+fn reference_tokens(model: &std::path::Path) -> (Vec<u32>, Vec<u32>) {
+    // GGUF files share their checkpoint's reference prompt and text.
+    let name = model
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .split('.')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let dir = fixtures().join("models").join(&name);
+    let text = std::fs::read_to_string(dir.join("reference.json"))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    (ids("prompt"), ids("tokens"))
+}
+
+fn tier(ram_budget: Option<u64>) -> TierOptions {
+    TierOptions {
+        ram_budget,
+        usage: UsageMode::Off,
+        ..TierOptions::default()
+    }
+}
+
+fn engine(
+    model: &std::path::Path,
+    device: DeviceChoice,
+    vram_budget: Option<u64>,
+    ram_budget: Option<u64>,
+    max_rows: usize,
+) -> Engine {
+    colibri_model::kernels::set_exact_quant(true);
+    let mut e = Engine::load(
+        model,
+        &EngineOptions {
+            threads: 2,
+            ctx: 256,
+            tier: tier(ram_budget),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    let got = attach(
+        &mut e,
+        &GpuOptions {
+            device,
+            vram_budget,
+            max_rows,
+            ..GpuOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    if device == DeviceChoice::Cuda {
+        assert!(matches!(got, Attached::Gpu(_)));
+    }
+    e
+}
+
+fn no_gpu() -> bool {
+    !matches!(CudaDevice::count(), Ok(n) if n > 0)
+}
+
+#[test]
+fn device_choice_parses() {
+    assert_eq!("auto".parse::<DeviceChoice>(), Ok(DeviceChoice::Auto));
+    assert_eq!("cpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Cpu));
+    assert_eq!("cuda".parse::<DeviceChoice>(), Ok(DeviceChoice::Cuda));
+    assert!("tpu".parse::<DeviceChoice>().is_err());
+}
+
+#[test]
+fn auto_without_a_gpu_runs_on_the_cpu_tier_and_says_why() {
+    if !no_gpu() {
+        eprintln!("a GPU is present: nothing to check here");
+        return;
+    }
+    colibri_model::kernels::set_exact_quant(true);
+    let model = fixtures().join("models/qwen3_moe");
+    let mut e = Engine::load(
+        &model,
+        &EngineOptions {
+            threads: 2,
+            ctx: 256,
+            tier: tier(None),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    match attach(&mut e, &GpuOptions::default()).unwrap() {
+        Attached::Cpu { reason: Some(why) } => {
+            assert!(why.contains("CUDA unavailable"), "{why}")
+        }
+        _ => panic!("expected the CPU tier with a reason"),
+    }
+    assert!(e.gpu.is_none());
+    let (prompt, _) = reference_tokens(&model);
+    let mut cache = KvCache::new(&e.model.spec, 64);
+    let out = e
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &prompt,
+            logits: Logits::Last,
+        }])
+        .unwrap();
+    assert_eq!(out[0].len(), e.model.spec.vocab_size);
+    // `--device cpu` attaches nothing and gives no reason.
+    assert!(matches!(
+        attach(
+            &mut e,
+            &GpuOptions {
+                device: DeviceChoice::Cpu,
+                ..GpuOptions::default()
+            }
+        )
+        .unwrap(),
+        Attached::Cpu { reason: None }
+    ));
+}
+
+#[test]
+fn cuda_without_a_gpu_fails_with_the_reason() {
+    if !no_gpu() {
+        eprintln!("a GPU is present: nothing to check here");
+        return;
+    }
+    let model = fixtures().join("models/olmoe");
+    let mut e = Engine::load(
+        &model,
+        &EngineOptions {
+            threads: 1,
+            ctx: 64,
+            tier: tier(None),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let err = match attach(
+        &mut e,
+        &GpuOptions {
+            device: DeviceChoice::Cuda,
+            ..GpuOptions::default()
+        },
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("--device cuda must fail without a GPU"),
+    };
+    assert!(err.contains("CUDA unavailable"), "{err}");
+    assert!(matches!(
+        CudaDevice::open(0),
+        Err(CudaError::Unavailable { .. })
+    ));
+}
+
+#[test]
+fn several_devices_are_refused_for_now() {
+    let model = fixtures().join("models/olmoe");
+    let mut e = Engine::load(
+        &model,
+        &EngineOptions {
+            threads: 1,
+            ctx: 64,
+            tier: tier(None),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let err = match attach(
+        &mut e,
+        &GpuOptions {
+            devices: vec![0, 1],
+            ..GpuOptions::default()
+        },
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("two devices must be refused"),
+    };
+    assert!(err.contains("several GPUs"), "{err}");
+}
+
+/// Teacher-forced logits of `tokens` in one sequence, `chunk` tokens per
+/// forward call.
+fn teacher_forced(e: &Engine, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut cache = KvCache::new(&e.model.spec, 256);
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        let r = e
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: c,
+                logits: Logits::All,
+            }])
+            .unwrap();
+        out.extend_from_slice(&r[0]);
+    }
+    out
+}
+
+fn greedy(e: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = Sequence::new(
+        &e.model,
+        GenRequest {
+            prompt: prompt.to_vec(),
+            max_tokens: n,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            eos: vec![],
+            ignore_eos: true,
+            top_logprobs: None,
+        },
+        256,
+        None,
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    e.generate(&mut seq, |ev| {
+        got.push(ev.token);
+        true
+    })
+    .unwrap();
+    got
+}
+
+fn nll(logits: &[f32], tokens: &[u32], vocab: usize) -> Vec<f64> {
+    logits
+        .chunks_exact(vocab)
+        .zip(&tokens[1..])
+        .map(|(row, &t)| -log_softmax(row)[t as usize])
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn gpu_matches_the_cpu_tier_on_every_fixture() {
+    let mut worst = 0.0f64;
+    for model in models() {
+        let name = model.display().to_string();
+        let (prompt, tokens) = reference_tokens(&model);
+        let cpu = engine(&model, DeviceChoice::Cpu, None, None, 512);
+        let gpu = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        let vocab = cpu.model.spec.vocab_size;
+        let want = greedy(&cpu, &prompt, 24);
+        let got = greedy(&gpu, &prompt, 24);
+        assert_eq!(got, want, "{name}: greedy continuation");
+        let c = nll(&teacher_forced(&cpu, &tokens, 64), &tokens, vocab);
+        let g = nll(&teacher_forced(&gpu, &tokens, 64), &tokens, vocab);
+        assert_eq!(c.len(), g.len());
+        let mut model_worst = 0.0f64;
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            let rel = (a - b).abs() / b.abs().max(1e-6);
+            assert!(
+                rel <= NLL_REL_TOL,
+                "{name}: position {i}: GPU NLL {a} vs CPU {b} ({rel:.2e} relative)"
+            );
+            model_worst = model_worst.max(rel);
+        }
+        worst = worst.max(model_worst);
+        eprintln!(
+            "{name}: greedy equal ({} tokens), NLL max relative difference {model_worst:.2e}",
+            want.len()
+        );
+    }
+    eprintln!("all fixtures: worst NLL relative difference {worst:.2e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn gpu_is_bit_identical_across_vram_and_ram_budgets() {
+    for model in models() {
+        let name = model.display().to_string();
+        let (prompt, tokens) = reference_tokens(&model);
+        // The full placement, to size the partial budgets from.
+        let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        let plan = full.gpu.as_ref().unwrap().plan().clone();
+        let dense: u64 = plan.dense_resident_bytes + plan.dense_streamed_bytes;
+        let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
+        let budgets: Vec<(Option<u64>, Option<u64>, usize)> = vec![
+            (None, None, 512),
+            (Some(0), None, 512),
+            (Some(0), Some(0), 7),
+            (Some(dense / 2), None, 512),
+            (Some(dense + 3 * slot), Some(0), 512),
+            (Some(dense + plan.kv_vram_bytes + 3 * slot), None, 3),
+        ];
+        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
+            let tf = teacher_forced(e, &tokens, 16);
+            let continuation = greedy(e, &prompt, 16);
+            (bits(&tf), continuation)
+        };
+        let want = run(&full);
+        let s = full.gpu.as_ref().unwrap().stats();
+        assert!(s.cache.hits > 0, "{name}: the all-in-VRAM run never hit");
+        for (vram, ram, rows) in budgets {
+            let e = engine(&model, DeviceChoice::Cuda, vram, ram, rows);
+            let got = run(&e);
+            let s = e.gpu.as_ref().unwrap().stats();
+            assert!(
+                got.0 == want.0,
+                "{name}: logits differ at --vram-budget {vram:?} --ram-budget {ram:?}, {rows} \
+                 rows per pass ({s:?})"
+            );
+            assert_eq!(got.1, want.1, "{name}: greedy differs at {vram:?}/{ram:?}");
+            if vram == Some(0) {
+                assert_eq!(s.cache.hits, 0, "{name}: nothing may be cached at budget 0");
+                assert!(s.experts_copied > 0);
+                assert!(s.dense_h2d_bytes > 0, "{name}: dense blocks must stream");
+                assert_eq!(s.kv_vram_bytes, 0);
+            }
+            eprintln!("{name}: identical at --vram-budget {vram:?} --ram-budget {ram:?} ({s:?})");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn gpu_is_bit_identical_across_batch_compositions() {
+    for model in models() {
+        let name = model.display().to_string();
+        let (_, toks) = reference_tokens(&model);
+        for (vram, rows) in [(None, 512), (Some(0), 4)] {
+            let e = engine(&model, DeviceChoice::Cuda, vram, None, rows);
+            let spec = &e.model.spec;
+            let splits = [(0usize, 20usize), (5, 9), (11, 30)];
+            let mut alone = Vec::new();
+            let mut caches = Vec::new();
+            for &(a, b) in &splits {
+                let mut c = KvCache::new(spec, 256);
+                e.forward(&mut [SeqInput {
+                    cache: &mut c,
+                    tokens: &toks[a..b],
+                    logits: Logits::None,
+                }])
+                .unwrap();
+                caches.push(c);
+            }
+            for (c, &(_, b)) in caches.iter_mut().zip(&splits) {
+                alone.push(
+                    e.forward(&mut [SeqInput {
+                        cache: c,
+                        tokens: &toks[b..b + 3],
+                        logits: Logits::All,
+                    }])
+                    .unwrap()
+                    .remove(0),
+                );
+            }
+            // The same three, prefilled and continued together.
+            let mut cs: Vec<KvCache> = splits.iter().map(|_| KvCache::new(spec, 256)).collect();
+            {
+                let mut batch: Vec<SeqInput<'_>> = cs
+                    .iter_mut()
+                    .zip(&splits)
+                    .map(|(c, &(a, b))| SeqInput {
+                        cache: c,
+                        tokens: &toks[a..b],
+                        logits: Logits::None,
+                    })
+                    .collect();
+                e.forward(&mut batch).unwrap();
+            }
+            let mut batch: Vec<SeqInput<'_>> = cs
+                .iter_mut()
+                .zip(&splits)
+                .map(|(c, &(_, b))| SeqInput {
+                    cache: c,
+                    tokens: &toks[b..b + 3],
+                    logits: Logits::All,
+                })
+                .collect();
+            let together = e.forward(&mut batch).unwrap();
+            for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+                assert!(
+                    bits(a) == bits(t),
+                    "{name}: sequence {i} differs alone vs batched (vram {vram:?}, {rows} rows)"
+                );
+            }
+            eprintln!("{name}: batch-invariant (vram {vram:?}, {rows} rows per pass)");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn a_gpu_cache_refuses_the_cpu_tier_and_vice_versa() {
+    let model = fixtures().join("models/qwen3_moe");
+    let gpu = engine(&model, DeviceChoice::Cuda, None, None, 512);
+    let cpu = engine(&model, DeviceChoice::Cpu, None, None, 512);
+    let (prompt, _) = reference_tokens(&model);
+    let mut cache = KvCache::new(&gpu.model.spec, 64);
+    gpu.forward(&mut [SeqInput {
+        cache: &mut cache,
+        tokens: &prompt,
+        logits: Logits::None,
+    }])
+    .unwrap();
+    let err = cpu
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &prompt[..1],
+            logits: Logits::Last,
+        }])
+        .unwrap_err();
+    assert!(err.to_string().contains("GPU tier"), "{err}");
+    let mut cache = KvCache::new(&gpu.model.spec, 64);
+    cpu.forward(&mut [SeqInput {
+        cache: &mut cache,
+        tokens: &prompt,
+        logits: Logits::None,
+    }])
+    .unwrap();
+    let err = gpu
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &prompt[..1],
+            logits: Logits::Last,
+        }])
+        .unwrap_err();
+    assert!(err.to_string().contains("CPU tier"), "{err}");
+}
