@@ -12,11 +12,10 @@ use std::time::Instant;
 
 use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
-use colibri_model::kernels::{kernels, matmul, matvec};
+use colibri_model::kernels::{kernels, matmul, matvec, read_bandwidth};
 use colibri_model::quant::{quantize_q4_0, quantize_q8_0};
 use colibri_model::tensor::{Bytes, QMatrix};
 use rand::{Rng, SeedableRng};
-use rayon::prelude::*;
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -25,28 +24,6 @@ fn arg(name: &str, default: usize) -> usize {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// GB/s of a parallel read-only pass (sum) over `bytes` bytes.
-fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
-    let buf: Vec<u32> = (0..bytes / 4).map(|i| (i % 7) as u32).collect();
-    // Integer adds vectorize (float sums would be latency-bound), so this
-    // measures how fast the cores can pull bytes from memory.
-    let pass = || {
-        pool.install(|| {
-            buf.par_chunks(1 << 16)
-                .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
-                .reduce(|| 0, u32::wrapping_add)
-        })
-    };
-    std::hint::black_box(pass());
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        std::hint::black_box(pass());
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    bytes as f64 / best / 1e9
 }
 
 fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) -> QMatrix {

@@ -7,8 +7,6 @@
 //! itself runs per (row, head) in parallel. Each (row, head) is computed by
 //! the same code whatever the batch, so batching never changes a result.
 
-use rayon::prelude::*;
-
 use crate::config::{AttentionSpec, QkNorm};
 use crate::error::Result;
 use crate::forward::{Model, RowInfo};
@@ -107,32 +105,30 @@ pub(crate) fn attention(
             let group = nh / nkv;
             let mut out = vec![0.0f32; n * nh * hd];
             let caches: &[&mut KvCache] = caches;
-            pool.install(|| {
-                out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-                    let (i, head) = (idx / nh, idx % nh);
-                    let ri = rows[i];
-                    let LayerCache::Gqa { k: kc, v: vc } = &caches[ri.seq].layers[layer] else {
-                        return;
-                    };
-                    let qh = &q[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
-                    let kvh = head / group;
-                    let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
-                    let dot = kernels::kernels().dot_f32;
-                    let mut scores: Vec<f32> = (first..=ri.pos)
-                        .map(|t| {
-                            let kt = &kc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
-                            dot(qh, kt) * scale
-                        })
-                        .collect();
-                    softmax_inplace(&mut scores);
-                    o.fill(0.0);
-                    for (s, t) in scores.iter().zip(first..=ri.pos) {
-                        let vt = &vc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
-                        for (oo, vv) in o.iter_mut().zip(vt) {
-                            *oo += s * vv;
-                        }
+            pool.for_each_chunk_mut(&mut out, hd, |idx, o| {
+                let (i, head) = (idx / nh, idx % nh);
+                let ri = rows[i];
+                let LayerCache::Gqa { k: kc, v: vc } = &caches[ri.seq].layers[layer] else {
+                    return;
+                };
+                let qh = &q[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
+                let kvh = head / group;
+                let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
+                let dot = kernels::kernels().dot_f32;
+                let mut scores: Vec<f32> = (first..=ri.pos)
+                    .map(|t| {
+                        let kt = &kc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
+                        dot(qh, kt) * scale
+                    })
+                    .collect();
+                softmax_inplace(&mut scores);
+                o.fill(0.0);
+                for (s, t) in scores.iter().zip(first..=ri.pos) {
+                    let vt = &vc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
+                    for (oo, vv) in o.iter_mut().zip(vt) {
+                        *oo += s * vv;
                     }
-                })
+                }
             });
             Ok(linear_rows(pool, &w.o, &out, n))
         }
@@ -185,42 +181,40 @@ pub(crate) fn attention(
             let mut out = vec![0.0f32; n * nh * dv];
             let caches: &[&mut KvCache] = caches;
             let kv_b = &w.kv_b;
-            pool.install(|| {
-                out.par_chunks_mut(dv).enumerate().for_each(|(idx, o)| {
-                    let (i, head) = (idx / nh, idx % nh);
-                    let ri = rows[i];
-                    let LayerCache::Mla { latent, k_pe } = &caches[ri.seq].layers[layer] else {
-                        return;
-                    };
-                    let ks = kernels::kernels();
-                    let qh = &q[i * nh * qk + head * qk..i * nh * qk + (head + 1) * qk];
-                    let (q_nope, q_pe) = qh.split_at(dn);
-                    // Absorb W_uk into the query: qa = W_uk_hᵀ q_nope.
-                    let base = head * (dn + dv);
-                    let mut qa = vec![0.0f32; r];
-                    let mut scratch = Vec::new();
-                    for (j, &qj) in q_nope.iter().enumerate() {
-                        kernels::row_axpy(kv_b, base + j, qj, &mut qa, &mut scratch);
+            pool.for_each_chunk_mut(&mut out, dv, |idx, o| {
+                let (i, head) = (idx / nh, idx % nh);
+                let ri = rows[i];
+                let LayerCache::Mla { latent, k_pe } = &caches[ri.seq].layers[layer] else {
+                    return;
+                };
+                let ks = kernels::kernels();
+                let qh = &q[i * nh * qk + head * qk..i * nh * qk + (head + 1) * qk];
+                let (q_nope, q_pe) = qh.split_at(dn);
+                // Absorb W_uk into the query: qa = W_uk_hᵀ q_nope.
+                let base = head * (dn + dv);
+                let mut qa = vec![0.0f32; r];
+                let mut scratch = Vec::new();
+                for (j, &qj) in q_nope.iter().enumerate() {
+                    kernels::row_axpy(kv_b, base + j, qj, &mut qa, &mut scratch);
+                }
+                let mut scores: Vec<f32> = (0..=ri.pos)
+                    .map(|t| {
+                        let c = &latent[t * r..(t + 1) * r];
+                        let p = &k_pe[t * dr..(t + 1) * dr];
+                        ((ks.dot_f32)(&qa, c) + (ks.dot_f32)(q_pe, p)) * scale
+                    })
+                    .collect();
+                softmax_inplace(&mut scores);
+                let mut ctx = vec![0.0f32; r];
+                for (t, s) in scores.iter().enumerate() {
+                    for (cc, lv) in ctx.iter_mut().zip(&latent[t * r..(t + 1) * r]) {
+                        *cc += s * lv;
                     }
-                    let mut scores: Vec<f32> = (0..=ri.pos)
-                        .map(|t| {
-                            let c = &latent[t * r..(t + 1) * r];
-                            let p = &k_pe[t * dr..(t + 1) * dr];
-                            ((ks.dot_f32)(&qa, c) + (ks.dot_f32)(q_pe, p)) * scale
-                        })
-                        .collect();
-                    softmax_inplace(&mut scores);
-                    let mut ctx = vec![0.0f32; r];
-                    for (t, s) in scores.iter().enumerate() {
-                        for (cc, lv) in ctx.iter_mut().zip(&latent[t * r..(t + 1) * r]) {
-                            *cc += s * lv;
-                        }
-                    }
-                    // Apply W_uv to the attended latent.
-                    for (j, oj) in o.iter_mut().enumerate() {
-                        *oj = dot_row(ks, kv_b, base + dn + j, &ctx);
-                    }
-                })
+                }
+                // Apply W_uv to the attended latent.
+                for (j, oj) in o.iter_mut().enumerate() {
+                    *oj = dot_row(ks, kv_b, base + dn + j, &ctx);
+                }
             });
             Ok(linear_rows(pool, &w.o, &out, n))
         }

@@ -9,16 +9,16 @@
 //! SIMD is chosen once at run time; `scalar` holds the reference of every
 //! kernel.
 
+pub mod pool;
 pub mod q8act;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
+pub use pool::Pool;
 pub use q8act::Q8Activation;
 
 use std::sync::OnceLock;
-
-use rayon::prelude::*;
 
 use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
 use crate::quant::{self, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
@@ -110,6 +110,46 @@ pub const AVX2: KernelSet = KernelSet {
     int_activations: true,
 };
 
+#[cfg(target_arch = "x86_64")]
+mod avx512_wrappers {
+    // SAFETY (both): installed by `select` only after
+    // `is_x86_feature_detected!` confirmed avx512f/bw/vl/vnni/vbmi, avx2,
+    // fma and f16c.
+    pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        unsafe { super::q8act::avx512::dot_q4_0_q8(w, x) }
+    }
+    pub fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&super::Q8Activation], out: &mut [f32]) {
+        if q4 {
+            unsafe { super::q8act::avx512::dot_q4_0_q8_multi(w, xs, out) }
+        } else {
+            unsafe { super::q8act::avx2::dot_q_q8_multi(w, q4, xs, out) }
+        }
+    }
+}
+
+/// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
+/// reaches memory bandwidth with AVX2; docs/benchmarks.md).
+#[cfg(target_arch = "x86_64")]
+pub const AVX512_VNNI: KernelSet = KernelSet {
+    name: "avx512-vnni",
+    dot_q4_0_q8: avx512_wrappers::dot_q4_0_q8,
+    dot_q_q8_multi: avx512_wrappers::dot_q_q8_multi,
+    ..AVX2
+};
+
+/// Whether this CPU runs [`AVX512_VNNI`].
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512_vnni() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx512vbmi")
+}
+
 static EXACT_QUANT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Makes Q8_0/Q4_0 matrix products dequantize exactly instead of
@@ -135,6 +175,9 @@ fn select_simd() -> KernelSet {
     }
     #[cfg(target_arch = "x86_64")]
     {
+        if has_avx512_vnni() && std::env::var_os("COLIBRI_NO_AVX512").is_none() {
+            return AVX512_VNNI;
+        }
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
@@ -238,47 +281,38 @@ pub fn row_axpy(w: &QMatrix, r: usize, alpha: f32, out: &mut [f32], scratch: &mu
     }
 }
 
-/// A pool of compute threads. Work is split by output rows only, so the
-/// result never depends on how many threads there are.
-pub struct Pool {
-    inner: rayon::ThreadPool,
-}
-
 impl Pool {
-    /// A pool of `threads` workers (0 = one per available core).
-    pub fn new(threads: usize) -> Result<Self, crate::ModelError> {
-        Pool::with_setup(threads, None)
-    }
-
-    /// A pool whose worker `i` first runs `setup(i)` (to pin itself to a
-    /// core, say).
-    pub fn with_setup(
-        threads: usize,
-        setup: Option<std::sync::Arc<dyn Fn(usize) + Send + Sync>>,
-    ) -> Result<Self, crate::ModelError> {
-        let mut b = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("colibri-cpu-{i}"));
-        if let Some(f) = setup {
-            b = b.start_handler(move |i| f(i));
-        }
-        let inner = b
-            .build()
-            .map_err(|e| crate::ModelError::Invalid(format!("thread pool: {e}")))?;
-        Ok(Pool { inner })
-    }
-
-    pub fn threads(&self) -> usize {
-        self.inner.current_num_threads()
-    }
-
-    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.inner.install(f)
-    }
-
     fn rows_per_task(&self, rows: usize) -> usize {
         (rows / (self.threads() * 4)).clamp(8, 1024)
     }
+}
+
+/// GB/s of a parallel read-only pass over `bytes` bytes of memory on
+/// `pool`'s threads (best of five passes after one warm-up): the memory
+/// bandwidth a decode that streams weights from RAM can reach, measured
+/// the way the kernels read (every thread summing its own chunks). Use a
+/// size well above the last-level cache.
+pub fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
+    let buf: Vec<u32> = (0..bytes / 4).map(|i| (i % 7) as u32).collect();
+    // Integer adds vectorize (float sums would be latency-bound), so this
+    // measures how fast the cores pull bytes from memory.
+    let chunk = 1 << 16;
+    let pass = || {
+        pool.map_collect(buf.len().div_ceil(chunk), |i| {
+            let c = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
+            c.iter().fold(0u32, |a, &b| a.wrapping_add(b))
+        })
+        .into_iter()
+        .fold(0u32, u32::wrapping_add)
+    };
+    std::hint::black_box(pass());
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        std::hint::black_box(pass());
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (buf.len() * 4) as f64 / best.max(1e-9) / 1e9
 }
 
 /// A matrix product's input vector, prepared once for the weight format:
@@ -329,13 +363,11 @@ pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
     let k = kernels();
     let input = Input::prepare(k, w, x);
     let chunk = pool.rows_per_task(w.rows);
-    pool.install(|| {
-        y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
-            let r0 = ci * chunk;
-            for (i, o) in ys.iter_mut().enumerate() {
-                *o = dot_input(k, w, r0 + i, &input);
-            }
-        })
+    pool.for_each_chunk_mut(y, chunk, |ci, ys| {
+        let r0 = ci * chunk;
+        for (i, o) in ys.iter_mut().enumerate() {
+            *o = dot_input(k, w, r0 + i, &input);
+        }
     });
 }
 
@@ -356,47 +388,44 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
         .collect();
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
-    let blocks: Vec<Vec<f32>> = pool.install(|| {
-        (0..rows.div_ceil(chunk))
-            .into_par_iter()
-            .map(|b| {
-                let r0 = b * chunk;
-                let r1 = (r0 + chunk).min(rows);
-                // Token-major output, but row-major loop: each weight row is
-                // read from memory once and reused from L1 for every token.
-                let mut out = vec![0.0f32; (r1 - r0) * n];
-                let q8: Vec<&Q8Activation> = inputs
-                    .iter()
-                    .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
-                    .collect();
-                let len = r1 - r0;
-                if q8.len() == n {
-                    // Integer kernels: one pass over each row serves up to
-                    // MULTI tokens (same results as one token at a time).
-                    let q4 = w.format == WeightFormat::Q4_0;
-                    let rb = w.data().len() / w.rows;
-                    let bytes = w.data().as_slice();
-                    let mut tmp = [0.0f32; q8act::MULTI];
-                    for r in r0..r1 {
-                        let row = &bytes[r * rb..(r + 1) * rb];
-                        for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
-                            (k.dot_q_q8_multi)(row, q4, group, &mut tmp[..group.len()]);
-                            for (j, v) in tmp[..group.len()].iter().enumerate() {
-                                out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
-                            }
-                        }
-                    }
-                } else {
-                    for r in r0..r1 {
-                        for (t, input) in inputs.iter().enumerate() {
-                            out[t * len + (r - r0)] = dot_input(k, w, r, input);
+    let blocks: Vec<Vec<f32>> = {
+        pool.map_collect(rows.div_ceil(chunk), |b| {
+            let r0 = b * chunk;
+            let r1 = (r0 + chunk).min(rows);
+            // Token-major output, but row-major loop: each weight row is
+            // read from memory once and reused from L1 for every token.
+            let mut out = vec![0.0f32; (r1 - r0) * n];
+            let q8: Vec<&Q8Activation> = inputs
+                .iter()
+                .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
+                .collect();
+            let len = r1 - r0;
+            if q8.len() == n {
+                // Integer kernels: one pass over each row serves up to
+                // MULTI tokens (same results as one token at a time).
+                let q4 = w.format == WeightFormat::Q4_0;
+                let rb = w.data().len() / w.rows;
+                let bytes = w.data().as_slice();
+                let mut tmp = [0.0f32; q8act::MULTI];
+                for r in r0..r1 {
+                    let row = &bytes[r * rb..(r + 1) * rb];
+                    for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
+                        (k.dot_q_q8_multi)(row, q4, group, &mut tmp[..group.len()]);
+                        for (j, v) in tmp[..group.len()].iter().enumerate() {
+                            out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
                         }
                     }
                 }
-                out
-            })
-            .collect()
-    });
+            } else {
+                for r in r0..r1 {
+                    for (t, input) in inputs.iter().enumerate() {
+                        out[t * len + (r - r0)] = dot_input(k, w, r, input);
+                    }
+                }
+            }
+            out
+        })
+    };
     for (b, out) in blocks.iter().enumerate() {
         let r0 = b * chunk;
         let len = out.len() / n;

@@ -1,0 +1,353 @@
+//! The compute threads: a persistent pool that runs one data-parallel job
+//! at a time, built for the thousands of small matrix products of a decode
+//! token (several per MoE expert, each tens of microseconds).
+//!
+//! A job is `tasks` independent calls `f(i)`. The calling thread takes part
+//! and workers claim task indices from a shared counter, so which thread
+//! runs a task never changes what it computes: results are the same for any
+//! thread count. Between jobs a worker spins (then yields) for
+//! [`SPIN`] before it parks on a condition variable, so back-to-back
+//! products within a token cost no system call, while an idle pool (a
+//! server waiting for requests, a decode blocked on the disk) does not
+//! burn a core. A general work-stealing pool (rayon) wakes its sleeping
+//! workers through the kernel on every product; measured on 2 cores, that
+//! was a fifth of a warm decode token's time (docs/benchmarks.md).
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, TryLockError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker keeps polling for the next job before parking.
+pub const SPIN: Duration = Duration::from_micros(200);
+
+/// One job, on the stack of the thread that runs it.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    tasks: usize,
+    next: AtomicUsize,
+    finished: AtomicUsize,
+}
+
+impl Job<'_> {
+    /// Claims and runs tasks until none is left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.tasks {
+                return;
+            }
+            (self.f)(i);
+            self.finished.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+struct Shared {
+    /// Bumped once per published job.
+    epoch: AtomicU64,
+    /// The job being run (type-erased `*const Job`), or null.
+    job: AtomicPtr<()>,
+    /// Workers between announcing themselves and leaving the job: the
+    /// publisher may not return (and free the job) before this is 0.
+    active: AtomicUsize,
+    /// Workers parked (or about to park) on `wake`.
+    sleepers: AtomicUsize,
+    shutdown: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+/// A pool of compute threads. Work is split by task (output rows, heads)
+/// only, so the result never depends on how many threads there are.
+pub struct Pool {
+    shared: Arc<Shared>,
+    /// One job at a time; a second caller (or a nested call) runs its job
+    /// on its own thread, with the same results.
+    publish: Mutex<()>,
+    threads: usize,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    /// A pool of `threads` threads, the caller's included (0 = one per
+    /// available core).
+    pub fn new(threads: usize) -> Result<Self, crate::ModelError> {
+        Pool::with_setup(threads, None)
+    }
+
+    /// A pool whose worker `i` (1 ≤ i < threads; the calling thread is 0)
+    /// first runs `setup(i)` (to pin itself to a core, say).
+    pub fn with_setup(
+        threads: usize,
+        setup: Option<Arc<dyn Fn(usize) + Send + Sync>>,
+    ) -> Result<Self, crate::ModelError> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            active: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut pool = Pool {
+            shared: shared.clone(),
+            publish: Mutex::new(()),
+            threads,
+            workers: Vec::with_capacity(threads.saturating_sub(1)),
+        };
+        for i in 1..threads {
+            let shared = shared.clone();
+            let setup = setup.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("colibri-cpu-{i}"))
+                .spawn(move || {
+                    if let Some(f) = setup {
+                        f(i);
+                    }
+                    worker(&shared);
+                })
+                .map_err(|e| crate::ModelError::Invalid(format!("thread pool: {e}")))?;
+            // Pushed at once so that Drop stops the ones already started if
+            // a later spawn fails.
+            pool.workers.push(handle);
+        }
+        Ok(pool)
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f(0..tasks)`, each index exactly once, on the pool's threads
+    /// and the caller's; returns when all have run.
+    pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if tasks == 0 {
+            return;
+        }
+        let guard = match self.publish.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if guard.is_none() || tasks == 1 || self.workers.is_empty() {
+            (0..tasks).for_each(f);
+            return;
+        }
+        let job = Job {
+            f,
+            tasks,
+            next: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+        };
+        let sh = &*self.shared;
+        sh.job
+            .store(&job as *const Job<'_> as *mut (), Ordering::SeqCst);
+        sh.epoch.fetch_add(1, Ordering::SeqCst);
+        if sh.sleepers.load(Ordering::SeqCst) > 0 {
+            let _l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
+            sh.wake.notify_all();
+        }
+        job.work();
+        let mut spins = 0u32;
+        while job.finished.load(Ordering::Acquire) < tasks {
+            // A worker holding the last task may have been preempted.
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // Retract the job, then wait for every worker that may have seen
+        // it to leave: after this, nothing refers to `job` (on our stack).
+        sh.job.store(std::ptr::null_mut(), Ordering::SeqCst);
+        while sh.active.load(Ordering::SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+        drop(guard);
+    }
+
+    /// Splits `data` into chunks of `chunk` elements (the last may be
+    /// shorter) and runs `f(chunk_index, chunk)` for each on the pool.
+    pub fn for_each_chunk_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        chunk: usize,
+        f: impl Fn(usize, &mut [T]) + Sync,
+    ) {
+        let chunk = chunk.max(1);
+        let len = data.len();
+        let base = SendPtr(data.as_mut_ptr());
+        self.run(len.div_ceil(chunk), &|i| {
+            let start = i * chunk;
+            let n = chunk.min(len - start);
+            // SAFETY: `run` calls each index once, so the chunks
+            // `[i·chunk, i·chunk + n)` handed out are disjoint and inside
+            // `data`, which stays mutably borrowed until `run` returns.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), n) };
+            f(i, part);
+        });
+    }
+
+    /// `f(i)` for `i in 0..n` on the pool, collected in index order.
+    pub fn map_collect<R: Send>(&self, n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+        let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+        self.for_each_chunk_mut(&mut out, 1, |i, slot| slot[0] = Some(f(i)));
+        out.into_iter().flatten().collect()
+    }
+}
+
+/// A raw pointer the pool's tasks may share (each touches its own part).
+struct SendPtr<T>(*mut T);
+
+impl<T> SendPtr<T> {
+    fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
+// SAFETY: only used by `for_each_chunk_mut`, whose tasks write disjoint
+// ranges of a slice of `T: Send`.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+fn worker(sh: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        // Wait for a new job: spin, then yield, then park.
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if sh.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            if sh.epoch.load(Ordering::Acquire) != seen {
+                break;
+            }
+            spins += 1;
+            if !spins.is_multiple_of(64) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if started.elapsed() < SPIN {
+                std::thread::yield_now();
+                continue;
+            }
+            let mut l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
+            sh.sleepers.fetch_add(1, Ordering::SeqCst);
+            while sh.epoch.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
+                l = sh.wake.wait(l).unwrap_or_else(|p| p.into_inner());
+            }
+            sh.sleepers.fetch_sub(1, Ordering::SeqCst);
+            break;
+        }
+        seen = sh.epoch.load(Ordering::Acquire);
+        sh.active.fetch_add(1, Ordering::SeqCst);
+        let job = sh.job.load(Ordering::SeqCst) as *const Job<'_>;
+        if !job.is_null() {
+            // SAFETY: the publisher retracts `job` and then waits for
+            // `active` to reach 0 before the job leaves its stack; we
+            // counted ourselves in `active` before loading the pointer
+            // (both SeqCst), so either we saw null or the job is alive
+            // until we decrement below.
+            unsafe { &*job }.work();
+        }
+        sh.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _l = self.shared.lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once_for_any_thread_count() {
+        for threads in [1, 2, 3, 5] {
+            let pool = Pool::new(threads).unwrap();
+            for tasks in [0usize, 1, 2, 7, 100, 1000] {
+                let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(tasks, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_and_collect_cover_the_data_in_order() {
+        let pool = Pool::new(3).unwrap();
+        let mut v: Vec<u64> = vec![0; 1001];
+        pool.for_each_chunk_mut(&mut v, 10, |ci, part| {
+            for (j, x) in part.iter_mut().enumerate() {
+                *x = (ci * 10 + j) as u64 * 3 + 1;
+            }
+        });
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u64 * 3 + 1));
+        let squares = pool.map_collect(57, |i| i * i);
+        assert_eq!(squares, (0..57).map(|i| i * i).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn parked_workers_wake_and_concurrent_callers_both_finish() {
+        let pool = Arc::new(Pool::new(3).unwrap());
+        // Let the workers park, then publish again.
+        std::thread::sleep(SPIN * 5);
+        let sum = AtomicUsize::new(0);
+        pool.run(64, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 64 * 63 / 2);
+        // Two threads at once: one publishes, the other runs inline.
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let pool = pool.clone();
+                std::thread::spawn(move || {
+                    let mut total = 0usize;
+                    for _ in 0..200 {
+                        let s = AtomicUsize::new(0);
+                        pool.run(33, &|i| {
+                            s.fetch_add(i + 1, Ordering::Relaxed);
+                        });
+                        total += s.load(Ordering::Relaxed);
+                    }
+                    total
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), 200 * 33 * 34 / 2);
+        }
+    }
+
+    #[test]
+    fn a_task_may_use_the_pool_again() {
+        let pool = Pool::new(2).unwrap();
+        let total = AtomicUsize::new(0);
+        pool.run(4, &|_| {
+            pool.run(5, &|j| {
+                total.fetch_add(j, Ordering::Relaxed);
+            });
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 4 * 10);
+    }
+}
