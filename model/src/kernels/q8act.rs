@@ -26,6 +26,10 @@ use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
 pub struct Q8Activation {
     pub scales: Vec<f32>,
     pub quants: Vec<i8>,
+    /// Per block, 8 sums of 4 consecutive quants (the lanes of the vector
+    /// kernels): what a kernel multiplying unsigned weight codes subtracts
+    /// to apply the weights' zero point exactly.
+    pub sums: Vec<i32>,
 }
 
 impl Q8Activation {
@@ -42,15 +46,22 @@ impl Q8Activation {
         debug_assert!(x.len().is_multiple_of(QK));
         self.scales.clear();
         self.quants.clear();
+        self.sums.clear();
         for block in x.chunks_exact(QK) {
             let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             self.scales.push(d);
+            let start = self.quants.len();
             self.quants.extend(
                 block
                     .iter()
                     .map(|v| (v * id).round().clamp(-127.0, 127.0) as i8),
+            );
+            let q = &self.quants[start..];
+            self.sums.extend(
+                q.chunks_exact(4)
+                    .map(|c| c.iter().map(|&v| v as i32).sum::<i32>()),
             );
         }
     }
@@ -162,6 +173,17 @@ pub mod avx2 {
     unsafe fn finish(a0: __m256, a1: __m256) -> f32 {
         // SAFETY: register arithmetic under the caller's avx guarantee.
         unsafe { hsum(_mm256_add_ps(a0, a1)) }
+    }
+
+    /// The even- and odd-block accumulators reduced in the order every
+    /// vector kernel uses (for the AVX-512 kernels).
+    ///
+    /// # Safety
+    /// Requires AVX.
+    #[inline(always)]
+    pub(super) unsafe fn finish_pub(a0: __m256, a1: __m256) -> f32 {
+        // SAFETY: forwarded guarantee.
+        unsafe { finish(a0, a1) }
     }
 
     /// # Safety
@@ -320,6 +342,203 @@ pub mod avx2 {
             }
             for t in 0..N {
                 out[t] = finish(acc[t][0], acc[t][1]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! Q4_0 kernels with AVX-512 VNNI (`vpdpbusd`: 4 unsigned × signed byte
+    //! products summed into each i32 lane in one instruction), two blocks
+    //! per 512-bit register. The weight codes enter unsigned (0..15) and
+    //! the zero point is applied exactly afterwards, `Σ(w−8)q = Σwq −
+    //! 8Σq`, with the activation's precomputed lane sums. Lane `k` of a
+    //! block holds exactly the integer the AVX2 kernel's lane `k` holds,
+    //! the low 256 bits accumulate the even blocks and the high 256 bits
+    //! the odd ones, so the results equal the scalar reference bit for bit.
+    //!
+    //! # Safety
+    //! Every function requires AVX-512 F, BW, VL, VNNI and VBMI, FMA and
+    //! F16C (checked by the caller with `is_x86_feature_detected!`),
+    //! `w.len() == blocks × 18` and activations of `blocks × 32` quants.
+
+    use std::arch::x86_64::*;
+
+    use super::Q8Activation;
+    use crate::quant::{Q4_0_BLOCK_BYTES, QK};
+
+    /// `vpermb` indices placing a block pair's packed nibbles (bytes 2..18
+    /// and 20..36 of the 36 loaded) twice each: 128-bit lanes 0 and 2 keep
+    /// the low nibbles, lanes 1 and 3 (shifted) the high ones.
+    const PAIR: [u8; 64] = {
+        let mut idx = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            let block = i / 32;
+            idx[i] = (2 + block * Q4_0_BLOCK_BYTES + i % 16) as u8;
+            i += 1;
+        }
+        idx
+    };
+
+    /// The unsigned codes of blocks `p` and `p + 18`, in activation order.
+    #[inline(always)]
+    unsafe fn unpack_pair(p: *const u8, idx: __m512i) -> __m512i {
+        // SAFETY: the masked load touches only the pair's 36 bytes (caller);
+        // the rest is register arithmetic under the module's guarantee.
+        unsafe {
+            let raw = _mm512_maskz_loadu_epi8((1u64 << 36) - 1, p as *const i8);
+            let dup = _mm512_permutexvar_epi8(idx, raw);
+            let high = _mm512_mask_blend_epi64(0b1100_1100, dup, _mm512_srli_epi16(dup, 4));
+            _mm512_and_si512(high, _mm512_set1_epi8(0x0f))
+        }
+    }
+
+    /// The pair's two block scales times the activation's, each broadcast
+    /// over its block's 8 lanes (the same f32 products as the scalar
+    /// reference's `f16_to_f32(d) · x.scales[b]`).
+    #[inline(always)]
+    unsafe fn pair_scale(dw: __m128, xs: *const f32, spread: __m512i) -> __m512 {
+        // SAFETY: xs[0..2] is in bounds (caller); register arithmetic
+        // under the module's guarantee.
+        unsafe {
+            let dx = _mm_castpd_ps(_mm_load_sd(xs as *const f64));
+            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dw, dx)))
+        }
+    }
+
+    /// The pair's two weight scales (f16, converted exactly) in lanes 0, 1.
+    #[inline(always)]
+    unsafe fn pair_dw(p: *const u8) -> __m128 {
+        // SAFETY: both blocks' scale bytes are in bounds (caller).
+        unsafe {
+            let d0 = (p as *const u16).read_unaligned() as u32;
+            let d1 = (p.add(Q4_0_BLOCK_BYTES) as *const u16).read_unaligned() as u32;
+            _mm_cvtph_ps(_mm_cvtsi32_si128((d0 | (d1 << 16)) as i32))
+        }
+    }
+
+    /// The lanes of one block pair against one activation (blocks `b`,
+    /// `b + 1`).
+    #[inline(always)]
+    unsafe fn pair_lanes(wq: __m512i, x: &Q8Activation, b: usize) -> __m512i {
+        // SAFETY: quants[32b..32b+64] and sums[8b..8b+16] are in bounds for
+        // b + 1 < blocks (caller).
+        unsafe {
+            let xq = _mm512_loadu_si512(x.quants.as_ptr().add(b * QK) as *const __m512i);
+            let sums = _mm512_loadu_si512(x.sums.as_ptr().add(b * 8) as *const __m512i);
+            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
+            _mm512_sub_epi32(dot, _mm512_slli_epi32(sums, 3))
+        }
+    }
+
+    /// The last block of an odd count (an even block: the low half).
+    #[inline(always)]
+    unsafe fn tail(p: *const u8, x: &Q8Activation, b: usize, acc: __m512) -> __m512 {
+        // SAFETY: block b's 18 bytes, quants[32b..32b+32] and sums[8b..8b+8]
+        // are in bounds (caller).
+        unsafe {
+            let raw = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let low = _mm_set1_epi8(0x0f);
+            let lo = _mm_and_si128(raw, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+            let wq = _mm256_set_m128i(hi, lo);
+            let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * QK) as *const __m256i);
+            let sums = _mm256_loadu_si256(x.sums.as_ptr().add(b * 8) as *const __m256i);
+            let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
+            let lanes = _mm256_sub_epi32(dot, _mm256_slli_epi32(sums, 3));
+            let bits = (p as *const u16).read_unaligned() as i32;
+            let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+            let d = _mm256_set1_ps(dw * *x.scales.get_unchecked(b));
+            let even = _mm512_castps512_ps256(acc);
+            let even = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), even);
+            _mm512_insertf32x8(acc, even, 0)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish(acc: __m512) -> f32 {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let even = _mm512_castps512_ps256(acc);
+            let odd = _mm512_extractf32x8_ps(acc, 1);
+            super::avx2::finish_pub(even, odd)
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+    pub unsafe fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let blocks = w.len() / Q4_0_BLOCK_BYTES;
+        let wp = w.as_ptr();
+        // SAFETY: pairs b, b+1 < blocks and the tail block are in bounds
+        // (module docs); PAIR is 64 bytes.
+        unsafe {
+            let idx = _mm512_loadu_si512(PAIR.as_ptr() as *const __m512i);
+            let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            let mut acc = _mm512_setzero_ps();
+            let mut b = 0;
+            while b + 2 <= blocks {
+                let p = wp.add(b * Q4_0_BLOCK_BYTES);
+                let wq = unpack_pair(p, idx);
+                let d = pair_scale(pair_dw(p), x.scales.as_ptr().add(b), spread);
+                acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(pair_lanes(wq, x, b)), acc);
+                b += 2;
+            }
+            if b < blocks {
+                acc = tail(wp.add(b * Q4_0_BLOCK_BYTES), x, b, acc);
+            }
+            finish(acc)
+        }
+    }
+
+    /// One Q4_0 row against up to [`super::MULTI`] activations; `out[t]`
+    /// equals `dot_q4_0_q8(w, xs[t])` bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs; `xs.len() == out.len() <= MULTI`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+    pub unsafe fn dot_q4_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: forwarded contract; N matches the slice lengths.
+        unsafe {
+            match xs.len().min(out.len()) {
+                1 => multi::<1>(w, xs, out),
+                2 => multi::<2>(w, xs, out),
+                3 => multi::<3>(w, xs, out),
+                4 => multi::<4>(w, xs, out),
+                _ => {}
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+    unsafe fn multi<const N: usize>(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        let blocks = w.len() / Q4_0_BLOCK_BYTES;
+        let wp = w.as_ptr();
+        // SAFETY: as in `dot_q4_0_q8`, for each of the N activations.
+        unsafe {
+            let idx = _mm512_loadu_si512(PAIR.as_ptr() as *const __m512i);
+            let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            let mut acc = [_mm512_setzero_ps(); N];
+            let mut b = 0;
+            while b + 2 <= blocks {
+                let p = wp.add(b * Q4_0_BLOCK_BYTES);
+                let wq = unpack_pair(p, idx);
+                let dw = pair_dw(p);
+                for t in 0..N {
+                    let d = pair_scale(dw, xs[t].scales.as_ptr().add(b), spread);
+                    let lanes = pair_lanes(wq, xs[t], b);
+                    acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes), acc[t]);
+                }
+                b += 2;
+            }
+            for t in 0..N {
+                if b < blocks {
+                    acc[t] = tail(wp.add(b * Q4_0_BLOCK_BYTES), xs[t], b, acc[t]);
+                }
+                out[t] = finish(acc[t]);
             }
         }
     }
@@ -491,5 +710,59 @@ mod tests {
         // SAFETY: as above.
         let v = unsafe { avx2::dot_q8_0_q8(&q8, &a) };
         assert_eq!(v.to_bits(), dot_q8_0_q8(&q8, &a).to_bits());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_vnni_equals_the_scalar_reference_bit_for_bit() {
+        if !crate::kernels::has_avx512_vnni() {
+            eprintln!(
+                "SKIP: this CPU has no AVX-512 F/BW/VL/VNNI/VBMI (probe: is_x86_feature_detected)"
+            );
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(14);
+        for &blocks in &[1usize, 2, 3, 16, 65, 96] {
+            let n = blocks * QK;
+            for spread in [0.01f32, 1.0, 300.0] {
+                let w = data(&mut rng, n, spread);
+                let acts: Vec<Q8Activation> = (0..MULTI)
+                    .map(|_| Q8Activation::quantize(&data(&mut rng, n, spread)))
+                    .collect();
+                let q4 = quantize_q4_0(&w).unwrap();
+                for a in &acts {
+                    // SAFETY: features checked above; lengths from the quantizers.
+                    let v = unsafe { avx512::dot_q4_0_q8(&q4, a) };
+                    assert_eq!(
+                        v.to_bits(),
+                        dot_q4_0_q8(&q4, a).to_bits(),
+                        "{blocks} blocks"
+                    );
+                }
+                let refs: Vec<&Q8Activation> = acts.iter().collect();
+                for m in 1..=MULTI {
+                    let mut out = vec![f32::NAN; m];
+                    // SAFETY: as above.
+                    unsafe { avx512::dot_q4_0_q8_multi(&q4, &refs[..m], &mut out) };
+                    for (t, o) in out.iter().enumerate() {
+                        let want = dot_q4_0_q8(&q4, refs[t]);
+                        assert_eq!(o.to_bits(), want.to_bits(), "{blocks} blocks m={m} t={t}");
+                    }
+                }
+            }
+        }
+        // Every nibble value, including the extremes 0 and 15, in a row
+        // whose slice ends exactly at the last block (the masked loads must
+        // not read past it).
+        let mut row = quantize_q4_0(&data(&mut rng, 3 * QK, 1.0)).unwrap();
+        for (i, b) in row.iter_mut().enumerate() {
+            if i % Q4_0_BLOCK_BYTES >= 2 {
+                *b = (i as u8).wrapping_mul(37);
+            }
+        }
+        let a = Q8Activation::quantize(&data(&mut rng, 3 * QK, 1.0));
+        // SAFETY: as above.
+        let v = unsafe { avx512::dot_q4_0_q8(&row[..], &a) };
+        assert_eq!(v.to_bits(), dot_q4_0_q8(&row, &a).to_bits());
     }
 }
