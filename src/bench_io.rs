@@ -28,6 +28,10 @@
 //!   every predictor (how many of each layer's experts it guessed) are
 //!   measured in the main run at the cost of one extra router product per
 //!   layer.
+//! - `--model DIR --warm`: the same decode with every routed expert read
+//!   into RAM first, against the memory-bandwidth roofline: weight bytes a
+//!   decode token reads (dense weights + top-k experts per MoE layer) over
+//!   the read bandwidth of the compute threads, measured in the same run.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -38,8 +42,9 @@ use colibri_io::bench::{AccessPattern, BenchLimit, RawBenchConfig, RawReport, ra
 use colibri_io::{Backend, IoBackendChoice};
 use colibri_model::sampling::SamplingParams;
 use colibri_sched::prefetch::{Predictor, PrefetchOptions, PrefetcherStats};
+use colibri_sched::tier::plan::decode_bytes_per_token;
 use colibri_sched::tier::{
-    ByteSize, LatencySummary, QueueDepthMode, TierOptions, TierStats, UsageMode,
+    ByteSize, LatencySummary, QueueDepthMode, TierCache, TierOptions, TierStats, UsageMode,
 };
 use colibri_sched::{Engine, EngineOptions, GenRequest, Sequence};
 use serde::Serialize;
@@ -100,6 +105,15 @@ pub struct BenchIoArgs {
     /// (each on a fresh, cold tier) and compare tokens/s.
     #[arg(long)]
     pub compare_prefetch: bool,
+    /// --model: read every routed expert into RAM first (the RAM budget
+    /// must hold them all) and measure decode against the memory-bandwidth
+    /// roofline instead of the disk.
+    #[arg(long, conflicts_with = "compare_prefetch")]
+    pub warm: bool,
+    /// --warm: bytes of the memory bandwidth measurement (well above the
+    /// last-level cache).
+    #[arg(long, value_name = "SIZE", default_value = "512MiB")]
+    pub bandwidth_bytes: ByteSize,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -262,6 +276,9 @@ fn decode_run(
             dir.display()
         );
     };
+    if args.warm {
+        warm_up(&tier)?;
+    }
     let mut seq = Sequence::new(
         &engine.model,
         GenRequest {
@@ -340,6 +357,104 @@ fn decode_run(
     Ok((run, engine))
 }
 
+/// Reads every routed expert into the RAM tier: the warm benchmark's
+/// starting state. Fails, saying what is needed, if the budget cannot hold
+/// them all.
+fn warm_up(tier: &TierCache) -> Result<()> {
+    let plan = tier.plan();
+    let layout = tier.layout();
+    let held = plan.cache_slots() + plan.pinned.len();
+    if held < layout.len() {
+        bail!(
+            "--warm needs every routed expert in RAM, but the budget of {} holds {} of {} \
+             (all experts: {}); pass a larger --ram-budget on a machine with the memory",
+            ByteSize(plan.ram_budget_bytes),
+            held,
+            layout.len(),
+            ByteSize(plan.all_experts_bytes)
+        );
+    }
+    let started = Instant::now();
+    let ids: Vec<usize> = (0..layout.experts_per_layer).collect();
+    for (layer, base) in layout.base.iter().enumerate() {
+        if base.is_none() {
+            continue;
+        }
+        for chunk in ids.chunks(32) {
+            tier.fetch_with_prefetch(layer, chunk, &[], &mut |_, _| Ok(()))
+                .with_context(|| format!("reading the experts of layer {layer} into RAM"))?;
+        }
+    }
+    tracing::info!(
+        "--warm: {} experts ({}) read into RAM in {:.1} s",
+        layout.len(),
+        ByteSize(plan.all_experts_bytes),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The warm benchmark's report: decode against the memory roofline.
+fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine) -> Result<()> {
+    let Some(tier) = engine.tier.as_ref() else {
+        bail!("no tier");
+    };
+    let bytes = usize::try_from(args.bandwidth_bytes.bytes()).context("--bandwidth-bytes")?;
+    let bandwidth_gb_s = colibri_model::kernels::read_bandwidth(&engine.pool, bytes);
+    let per_token = decode_bytes_per_token(&engine.model.weights, tier.layout());
+    let roofline = bandwidth_gb_s * 1e9 / per_token.max(1) as f64;
+    let decode_disk = run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
+    if args.json {
+        let v = json!({
+            "model": dir.display().to_string(),
+            "warm": true,
+            "tokens": run.tokens,
+            "threads": engine.pool.threads(),
+            "kernels": colibri_model::kernels::kernels().name,
+            "tok_s": run.tok_s,
+            "ttft_s": run.ttft_s,
+            "weight_bytes_per_token": per_token,
+            "memory_read_gb_s": bandwidth_gb_s,
+            "roofline_tok_s": roofline,
+            "tok_s_of_roofline": run.tok_s / roofline,
+            "ram_hit_rate": run.ram_hit_rate,
+            "decode_disk_bytes": decode_disk,
+            "time": run.time,
+            "decode": run.decode,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "model {} (warm: every expert in RAM), {} tokens, {} threads, {} kernels",
+        dir.display(),
+        run.tokens,
+        engine.pool.threads(),
+        colibri_model::kernels::kernels().name
+    );
+    println!(
+        "decode {:.2} tok/s; RAM hit rate {:.1}%, {} read from disk during decode",
+        run.tok_s,
+        run.ram_hit_rate * 100.0,
+        ByteSize(decode_disk as u64)
+    );
+    println!(
+        "memory read bandwidth {:.2} GB/s ({} threads, {}); weights read per token {}",
+        bandwidth_gb_s,
+        engine.pool.threads(),
+        ByteSize(bytes as u64),
+        ByteSize(per_token)
+    );
+    println!(
+        "physical bound (weight bytes per token / memory bandwidth): {:.2} tok/s; measured \
+         {:.2} tok/s = {:.1}% of it",
+        roofline,
+        run.tok_s,
+        run.tok_s / roofline * 100.0
+    );
+    Ok(())
+}
+
 fn name(predictor: Option<Predictor>) -> &'static str {
     predictor.map_or("off", Predictor::name)
 }
@@ -366,7 +481,11 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     // The main run scores every predictor's guesses (one extra router
     // product per layer); comparison runs do not, so their tokens/s are
     // what each setting costs.
-    let (run, engine) = decode_run(args, &setup, main_predictor, main_predictor.is_some())?;
+    let evaluate = main_predictor.is_some() && !args.warm;
+    let (run, engine) = decode_run(args, &setup, main_predictor, evaluate)?;
+    if args.warm {
+        return report_warm(args, dir, &run, &engine);
+    }
     let mut compared = Vec::new();
     if args.compare_prefetch {
         let others = std::iter::once(None).chain(Predictor::ALL.into_iter().map(Some));

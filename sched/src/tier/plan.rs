@@ -154,6 +154,30 @@ pub fn dense_bytes(w: &DenseWeights) -> u64 {
     total
 }
 
+/// Weight bytes one decode token reads: every dense weight once (of the
+/// embedding table, one row, unless the output head shares it), plus
+/// `top_k` routed experts per MoE layer at that layer's mean expert size
+/// as stored. Divided into a measured memory bandwidth, this is the
+/// roofline of a decode whose weights are all in RAM.
+pub fn decode_bytes_per_token(w: &DenseWeights, layout: &ExpertLayout) -> u64 {
+    let tied = std::ptr::eq(
+        w.lm_head.data().as_slice().as_ptr(),
+        w.embed.data().as_slice().as_ptr(),
+    );
+    let mut dense = dense_bytes(w);
+    if !tied {
+        let table = w.embed.stored_bytes() as u64;
+        dense = dense - table + table / w.embed.rows.max(1) as u64;
+    }
+    let mut experts = 0u64;
+    for base in layout.base.iter().flatten() {
+        let records = &layout.records[*base..*base + layout.experts_per_layer];
+        let total: u64 = records.iter().map(|r| r.location.stored_bytes()).sum();
+        experts += total * layout.top_k as u64 / layout.experts_per_layer.max(1) as u64;
+    }
+    dense + experts
+}
+
 /// What the planner is told.
 #[derive(Clone, Debug)]
 pub struct PlanRequest<'a> {
