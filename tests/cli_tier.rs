@@ -145,6 +145,103 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
     );
 }
 
+/// Bytes a decode token reads from the fixture, from its safetensors
+/// header alone: every tensor but the routed experts, of the (untied)
+/// embedding table one row, plus top-k of each MoE layer's experts.
+fn weight_bytes_per_token(dir: &Path) -> u64 {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["tie_word_embeddings"], false);
+    let (experts, top_k) = (
+        config["num_local_experts"].as_u64().unwrap(),
+        config["num_experts_per_tok"].as_u64().unwrap(),
+    );
+    let mut dense = 0u64;
+    let mut routed = 0u64;
+    for (name, t) in header.as_object().unwrap() {
+        if name == "__metadata__" {
+            continue;
+        }
+        let off = &t["data_offsets"];
+        let len = off[1].as_u64().unwrap() - off[0].as_u64().unwrap();
+        if name.contains(".mlp.experts.") {
+            routed += len;
+        } else if name == "model.embed_tokens.weight" {
+            dense += len / t["shape"][0].as_u64().unwrap();
+        } else {
+            dense += len;
+        }
+    }
+    dense + routed * top_k / experts
+}
+
+#[test]
+fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = fixture("qwen3_moe");
+    let m = model.to_str().unwrap();
+    let v = ok_json(&colibri(
+        &[
+            "bench-io",
+            "--model",
+            m,
+            "--warm",
+            "--ram-budget",
+            "64MiB",
+            "--tokens",
+            "6",
+            "--threads",
+            "2",
+            "--bandwidth-bytes",
+            "16MiB",
+            "--json",
+        ],
+        cache.path(),
+    ));
+    assert_eq!(v["warm"], true);
+    assert_eq!(v["tokens"], 6);
+    // Every expert was read before the decode: nothing missed, nothing read.
+    assert_eq!(v["ram_hit_rate"].as_f64().unwrap(), 1.0);
+    assert_eq!(v["decode_disk_bytes"].as_f64().unwrap(), 0.0);
+    assert_eq!(
+        v["weight_bytes_per_token"].as_u64().unwrap(),
+        weight_bytes_per_token(&model)
+    );
+    let (bw, roof, tok_s) = (
+        v["memory_read_gb_s"].as_f64().unwrap(),
+        v["roofline_tok_s"].as_f64().unwrap(),
+        v["tok_s"].as_f64().unwrap(),
+    );
+    assert!(bw > 0.0 && roof > 0.0 && tok_s > 0.0, "{v}");
+    let per_token = v["weight_bytes_per_token"].as_f64().unwrap();
+    assert!((roof - bw * 1e9 / per_token).abs() <= 1e-6 * roof, "{v}");
+    assert!((v["tok_s_of_roofline"].as_f64().unwrap() - tok_s / roof).abs() < 1e-9);
+
+    // A budget that cannot hold every expert is refused, saying so.
+    let out = colibri(
+        &[
+            "bench-io",
+            "--model",
+            m,
+            "--warm",
+            "--ram-budget",
+            "100KiB",
+            "--tokens",
+            "2",
+        ],
+        cache.path(),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--warm needs every routed expert in RAM"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bench_io_model_compares_prefetch_on_and_off() {
     let cache = tempfile::tempdir().unwrap();
