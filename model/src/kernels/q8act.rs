@@ -26,10 +26,12 @@ use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
 pub struct Q8Activation {
     pub scales: Vec<f32>,
     pub quants: Vec<i8>,
-    /// Per block, 8 sums of 4 consecutive quants (the lanes of the vector
-    /// kernels): what a kernel multiplying unsigned weight codes subtracts
-    /// to apply the weights' zero point exactly.
-    pub sums: Vec<i32>,
+    /// Per block, 8 lanes of `8 · Σ q` over 4 consecutive quants (the
+    /// vector kernels' lanes): what Q4_0's zero point of 8 contributes,
+    /// subtracted exactly by kernels that multiply unsigned weight codes.
+    pub sums8: Vec<i32>,
+    /// Per block, the scale repeated over the 8 lanes.
+    pub scales8: Vec<f32>,
 }
 
 impl Q8Activation {
@@ -46,7 +48,8 @@ impl Q8Activation {
         debug_assert!(x.len().is_multiple_of(QK));
         self.scales.clear();
         self.quants.clear();
-        self.sums.clear();
+        self.sums8.clear();
+        self.scales8.clear();
         for block in x.chunks_exact(QK) {
             let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
@@ -59,10 +62,11 @@ impl Q8Activation {
                     .map(|v| (v * id).round().clamp(-127.0, 127.0) as i8),
             );
             let q = &self.quants[start..];
-            self.sums.extend(
+            self.sums8.extend(
                 q.chunks_exact(4)
-                    .map(|c| c.iter().map(|&v| v as i32).sum::<i32>()),
+                    .map(|c| 8 * c.iter().map(|&v| v as i32).sum::<i32>()),
             );
+            self.scales8.extend([d; 8]);
         }
     }
 }
@@ -382,62 +386,75 @@ pub mod avx512 {
         idx
     };
 
-    /// The unsigned codes of blocks `p` and `p + 18`, in activation order.
+    /// The 36 bytes of blocks `p` and `p + 18`.
     #[inline(always)]
-    unsafe fn unpack_pair(p: *const u8, idx: __m512i) -> __m512i {
-        // SAFETY: the masked load touches only the pair's 36 bytes (caller);
-        // the rest is register arithmetic under the module's guarantee.
+    unsafe fn load_pair(p: *const u8) -> __m512i {
+        // SAFETY: the masked load touches only the pair's 36 bytes, in
+        // bounds (caller).
+        unsafe { _mm512_maskz_loadu_epi8((1u64 << 36) - 1, p as *const i8) }
+    }
+
+    /// The pair's unsigned codes, in activation order.
+    #[inline(always)]
+    unsafe fn unpack_pair(raw: __m512i, idx: __m512i) -> __m512i {
+        // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
-            let raw = _mm512_maskz_loadu_epi8((1u64 << 36) - 1, p as *const i8);
             let dup = _mm512_permutexvar_epi8(idx, raw);
             let high = _mm512_mask_blend_epi64(0b1100_1100, dup, _mm512_srli_epi16(dup, 4));
             _mm512_and_si512(high, _mm512_set1_epi8(0x0f))
         }
     }
 
-    /// The pair's two block scales times the activation's, each broadcast
-    /// over its block's 8 lanes (the same f32 products as the scalar
-    /// reference's `f16_to_f32(d) · x.scales[b]`).
+    /// `vpermw` indices broadcasting the pair's two f16 scales (words 0
+    /// and 9 of the 36 loaded bytes) over 8 lanes each.
+    const SCALES: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut i = 8;
+        while i < 16 {
+            idx[i] = (Q4_0_BLOCK_BYTES / 2) as u16;
+            i += 1;
+        }
+        idx
+    };
+
+    /// The pair's two weight scales (f16, converted exactly), each over its
+    /// block's 8 lanes.
     #[inline(always)]
-    unsafe fn pair_scale(dw: __m128, xs: *const f32, spread: __m512i) -> __m512 {
-        // SAFETY: xs[0..2] is in bounds (caller); register arithmetic
-        // under the module's guarantee.
+    unsafe fn pair_dw(raw: __m512i, sidx: __m512i) -> __m512 {
+        // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
-            let dx = _mm_castpd_ps(_mm_load_sd(xs as *const f64));
-            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dw, dx)))
+            let words = _mm512_permutexvar_epi16(sidx, raw);
+            _mm512_cvtph_ps(_mm512_castsi512_si256(words))
         }
     }
 
-    /// The pair's two weight scales (f16, converted exactly) in lanes 0, 1.
+    /// Weight scales times the activation's (blocks `b`, `b + 1`): the same
+    /// f32 products as the scalar reference's `f16_to_f32(d) · x.scales[b]`.
     #[inline(always)]
-    unsafe fn pair_dw(p: *const u8) -> __m128 {
-        // SAFETY: both blocks' scale bytes are in bounds (caller).
-        unsafe {
-            let d0 = (p as *const u16).read_unaligned() as u32;
-            let d1 = (p.add(Q4_0_BLOCK_BYTES) as *const u16).read_unaligned() as u32;
-            _mm_cvtph_ps(_mm_cvtsi32_si128((d0 | (d1 << 16)) as i32))
-        }
+    unsafe fn pair_scale(dw: __m512, x: &Q8Activation, b: usize) -> __m512 {
+        // SAFETY: scales8[8b..8b+16] is in bounds for b + 1 < blocks.
+        unsafe { _mm512_mul_ps(dw, _mm512_loadu_ps(x.scales8.as_ptr().add(b * 8))) }
     }
 
     /// The lanes of one block pair against one activation (blocks `b`,
     /// `b + 1`).
     #[inline(always)]
     unsafe fn pair_lanes(wq: __m512i, x: &Q8Activation, b: usize) -> __m512i {
-        // SAFETY: quants[32b..32b+64] and sums[8b..8b+16] are in bounds for
-        // b + 1 < blocks (caller).
+        // SAFETY: quants[32b..32b+64] and sums8[8b..8b+16] are in bounds
+        // for b + 1 < blocks (caller).
         unsafe {
             let xq = _mm512_loadu_si512(x.quants.as_ptr().add(b * QK) as *const __m512i);
-            let sums = _mm512_loadu_si512(x.sums.as_ptr().add(b * 8) as *const __m512i);
+            let zero = _mm512_loadu_si512(x.sums8.as_ptr().add(b * 8) as *const __m512i);
             let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
-            _mm512_sub_epi32(dot, _mm512_slli_epi32(sums, 3))
+            _mm512_sub_epi32(dot, zero)
         }
     }
 
     /// The last block of an odd count (an even block: the low half).
     #[inline(always)]
     unsafe fn tail(p: *const u8, x: &Q8Activation, b: usize, acc: __m512) -> __m512 {
-        // SAFETY: block b's 18 bytes, quants[32b..32b+32] and sums[8b..8b+8]
-        // are in bounds (caller).
+        // SAFETY: block b's 18 bytes, quants[32b..32b+32] and
+        // sums8[8b..8b+8] are in bounds (caller).
         unsafe {
             let raw = _mm_loadu_si128(p.add(2) as *const __m128i);
             let low = _mm_set1_epi8(0x0f);
@@ -445,15 +462,21 @@ pub mod avx512 {
             let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
             let wq = _mm256_set_m128i(hi, lo);
             let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * QK) as *const __m256i);
-            let sums = _mm256_loadu_si256(x.sums.as_ptr().add(b * 8) as *const __m256i);
+            let zero = _mm256_loadu_si256(x.sums8.as_ptr().add(b * 8) as *const __m256i);
             let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
-            let lanes = _mm256_sub_epi32(dot, _mm256_slli_epi32(sums, 3));
+            let lanes = _mm256_sub_epi32(dot, zero);
             let bits = (p as *const u16).read_unaligned() as i32;
             let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
             let d = _mm256_set1_ps(dw * *x.scales.get_unchecked(b));
             let even = _mm512_castps512_ps256(acc);
             let even = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), even);
-            _mm512_insertf32x8(acc, even, 0)
+            // The low 256 bits replaced (insertf64x4 is AVX-512 F; the f32x8
+            // form would need DQ).
+            _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(acc),
+                _mm256_castps_pd(even),
+                0,
+            ))
         }
     }
 
@@ -462,7 +485,7 @@ pub mod avx512 {
         // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
             let even = _mm512_castps512_ps256(acc);
-            let odd = _mm512_extractf32x8_ps(acc, 1);
+            let odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
             super::avx2::finish_pub(even, odd)
         }
     }
@@ -477,13 +500,13 @@ pub mod avx512 {
         // (module docs); PAIR is 64 bytes.
         unsafe {
             let idx = _mm512_loadu_si512(PAIR.as_ptr() as *const __m512i);
-            let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            let sidx = _mm512_loadu_si512(SCALES.as_ptr() as *const __m512i);
             let mut acc = _mm512_setzero_ps();
             let mut b = 0;
             while b + 2 <= blocks {
-                let p = wp.add(b * Q4_0_BLOCK_BYTES);
-                let wq = unpack_pair(p, idx);
-                let d = pair_scale(pair_dw(p), x.scales.as_ptr().add(b), spread);
+                let raw = load_pair(wp.add(b * Q4_0_BLOCK_BYTES));
+                let wq = unpack_pair(raw, idx);
+                let d = pair_scale(pair_dw(raw, sidx), x, b);
                 acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(pair_lanes(wq, x, b)), acc);
                 b += 2;
             }
@@ -520,15 +543,15 @@ pub mod avx512 {
         // SAFETY: as in `dot_q4_0_q8`, for each of the N activations.
         unsafe {
             let idx = _mm512_loadu_si512(PAIR.as_ptr() as *const __m512i);
-            let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            let sidx = _mm512_loadu_si512(SCALES.as_ptr() as *const __m512i);
             let mut acc = [_mm512_setzero_ps(); N];
             let mut b = 0;
             while b + 2 <= blocks {
-                let p = wp.add(b * Q4_0_BLOCK_BYTES);
-                let wq = unpack_pair(p, idx);
-                let dw = pair_dw(p);
+                let raw = load_pair(wp.add(b * Q4_0_BLOCK_BYTES));
+                let wq = unpack_pair(raw, idx);
+                let dw = pair_dw(raw, sidx);
                 for t in 0..N {
-                    let d = pair_scale(dw, xs[t].scales.as_ptr().add(b), spread);
+                    let d = pair_scale(dw, xs[t], b);
                     let lanes = pair_lanes(wq, xs[t], b);
                     acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes), acc[t]);
                 }
