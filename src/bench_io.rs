@@ -258,7 +258,11 @@ fn decode_run(
         dir,
         &EngineOptions {
             threads: args.threads,
-            ctx: 0,
+            // The KV reserve the planner sets aside is what this run
+            // uses, not the model's default reserve (3 GiB of f32 keys
+            // for 16 Ki positions of Qwen3-30B-A3B), which would be taken
+            // from the expert cache.
+            ctx: setup.prompt.len() + args.tokens,
             tier: options,
             prefetch: PrefetchOptions {
                 enabled: predictor.is_some(),
