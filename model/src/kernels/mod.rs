@@ -43,6 +43,9 @@ pub struct KernelSet {
     /// 8-bit blocks and use the integer kernels (the default); false keeps
     /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
     pub int_activations: bool,
+    /// Activations are quantized with the AVX2 quantizer (same results as
+    /// the scalar one).
+    pub vector_quantize: bool,
 }
 
 pub const SCALAR: KernelSet = KernelSet {
@@ -57,6 +60,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0_q8: q8act::dot_q4_0_q8,
     dot_q_q8_multi: q8act::dot_q_q8_multi,
     int_activations: true,
+    vector_quantize: false,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -108,6 +112,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q_q8_multi: avx2_wrappers::dot_q_q8_multi,
     int_activations: true,
+    vector_quantize: true,
 };
 
 #[cfg(target_arch = "x86_64")]

@@ -43,32 +43,62 @@ impl Q8Activation {
         a
     }
 
-    /// As [`Q8Activation::quantize`], reusing this value's buffers.
+    /// As [`Q8Activation::quantize`], reusing this value's buffers. Uses
+    /// the AVX2 quantizer where the AVX2 (or AVX-512) kernels run; it
+    /// gives the scalar one's results exactly.
     pub fn quantize_from(&mut self, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::kernels().vector_quantize {
+            // SAFETY: `vector_quantize` is set only where AVX2 was detected.
+            unsafe { avx2::quantize(self, x) };
+            return;
+        }
+        self.quantize_scalar(x);
+    }
+
+    /// The reference quantizer.
+    pub fn quantize_scalar(&mut self, x: &[f32]) {
         debug_assert!(x.len().is_multiple_of(QK));
-        self.scales.clear();
-        self.quants.clear();
-        self.sums8.clear();
-        self.scales8.clear();
+        self.clear();
         for block in x.chunks_exact(QK) {
-            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            self.scales.push(d);
+            let (d, id) = block_scale(block);
             let start = self.quants.len();
             self.quants.extend(
                 block
                     .iter()
                     .map(|v| (v * id).round().clamp(-127.0, 127.0) as i8),
             );
-            let q = &self.quants[start..];
-            self.sums8.extend(
-                q.chunks_exact(4)
-                    .map(|c| 8 * c.iter().map(|&v| v as i32).sum::<i32>()),
-            );
-            self.scales8.extend([d; 8]);
+            self.finish_block(d, start);
         }
     }
+
+    fn clear(&mut self) {
+        self.scales.clear();
+        self.quants.clear();
+        self.sums8.clear();
+        self.scales8.clear();
+    }
+
+    /// Records block scale `d` and the lane sums of the block's quants,
+    /// which start at `start`.
+    fn finish_block(&mut self, d: f32, start: usize) {
+        self.scales.push(d);
+        let q = &self.quants[start..start + QK];
+        self.sums8.extend(
+            q.chunks_exact(4)
+                .map(|c| 8 * c.iter().map(|&v| v as i32).sum::<i32>()),
+        );
+        self.scales8.extend([d; 8]);
+    }
+}
+
+/// A block's scale `d = amax / 127` and its inverse (0 for an all-zero
+/// block). NaNs are skipped by the maximum, as `f32::max` does.
+#[inline]
+fn block_scale(block: &[f32]) -> (f32, f32) {
+    let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
 }
 
 /// The reduction order of the vector kernels' horizontal sum.
@@ -135,6 +165,50 @@ pub mod avx2 {
 
     use super::Q8Activation;
     use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
+
+    /// [`Q8Activation::quantize_scalar`] with 8 lanes: the same scale, and
+    /// `round` (half away from zero) as `trunc(x) ± (|x − trunc(x)| ≥ ½)`,
+    /// exact because `x − trunc(x)` is; NaN lanes become 0 as Rust's
+    /// saturating `as i8` makes them.
+    ///
+    /// # Safety
+    /// Requires AVX2 (checked by the caller).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize(a: &mut Q8Activation, x: &[f32]) {
+        a.clear();
+        a.quants.reserve(x.len());
+        let sign = _mm256_set1_ps(-0.0);
+        let half = _mm256_set1_ps(0.5);
+        let one = _mm256_set1_ps(1.0);
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for block in x.chunks_exact(QK) {
+            let (d, id) = super::block_scale(block);
+            let vid = _mm256_set1_ps(id);
+            let mut ints = [_mm256_setzero_si256(); 4];
+            for (k, out) in ints.iter_mut().enumerate() {
+                // SAFETY: k·8 + 8 <= 32 = block.len().
+                let v = unsafe { _mm256_loadu_ps(block.as_ptr().add(k * 8)) };
+                let xv = _mm256_mul_ps(v, vid);
+                let t = _mm256_round_ps(xv, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(xv, t));
+                let away = _mm256_or_ps(_mm256_and_ps(xv, sign), one);
+                let up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), away);
+                let r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, up), lo), hi);
+                let ordered = _mm256_cmp_ps(xv, xv, _CMP_ORD_Q);
+                *out = _mm256_cvttps_epi32(_mm256_and_ps(r, ordered));
+            }
+            let w16a = _mm256_packs_epi32(ints[0], ints[1]);
+            let w16b = _mm256_packs_epi32(ints[2], ints[3]);
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b), order);
+            let start = a.quants.len();
+            let mut q = [0i8; QK];
+            // SAFETY: `q` has 32 bytes.
+            unsafe { _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes) };
+            a.quants.extend_from_slice(&q);
+            a.finish_block(d, start);
+        }
+    }
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -663,6 +737,53 @@ mod tests {
                     "{got} vs {exact} (bound {bound})"
                 );
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_quantizer_equals_the_scalar_one() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("SKIP: this CPU has no AVX2+FMA+F16C (probe: is_x86_feature_detected)");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(15);
+        let mut inputs: Vec<Vec<f32>> = (0..40)
+            .map(|i| data(&mut rng, QK * (1 + i % 5), [0.001f32, 1.0, 1e4][i % 3]))
+            .collect();
+        // Products that land on and next to .5 (ties round away from zero):
+        // with amax 127 the inverse scale is 1, so x·id = x.
+        let mut ties = vec![127.0f32];
+        for k in 0..31 {
+            let v = (k as f32 - 15.0) + 0.5;
+            ties.push(match k % 3 {
+                0 => v,
+                1 => f32::from_bits(v.to_bits() - 1),
+                _ => f32::from_bits(v.to_bits() + 1),
+            });
+        }
+        inputs.push(ties);
+        let mut odd = data(&mut rng, 2 * QK, 1.0);
+        odd[3] = f32::NAN;
+        odd[40] = f32::INFINITY;
+        odd[41] = f32::NEG_INFINITY;
+        odd[50..].fill(0.0);
+        inputs.push(odd);
+        inputs.push(vec![0.0; QK]);
+        for x in &inputs {
+            let mut want = Q8Activation::default();
+            want.quantize_scalar(x);
+            let mut got = Q8Activation::default();
+            // SAFETY: features checked above.
+            unsafe { avx2::quantize(&mut got, x) };
+            assert_eq!(got.quants, want.quants);
+            assert_eq!(got.sums8, want.sums8);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.scales), bits(&want.scales));
+            assert_eq!(bits(&got.scales8), bits(&want.scales8));
         }
     }
 
