@@ -10,7 +10,7 @@
 use crate::config::{AttentionSpec, QkNorm};
 use crate::error::Result;
 use crate::forward::{Model, RowInfo};
-use crate::kernels::{self, Pool, dot_row, matmul};
+use crate::kernels::{self, Pool, dot_row, matmul, matmul_shared_input};
 use crate::kv::{KvCache, LayerCache};
 use crate::ops::{rms_norm_inplace, softmax_inplace};
 use crate::weights::{AttnWeights, Linear, MlaQuery};
@@ -22,6 +22,25 @@ const MLA_LORA_NORM_EPS: f32 = 1e-6;
 pub(crate) fn linear_rows(pool: &Pool, l: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; n * l.w.rows];
     matmul(pool, &l.w, x, n, &mut y);
+    add_bias(l, &mut y);
+    y
+}
+
+/// `[q, k, v]` = three linears of the same input, in one pool job when
+/// `n == 1` (same results as three [`linear_rows`]).
+fn qkv_rows(pool: &Pool, ls: [&Linear; 3], x: &[f32], n: usize) -> [Vec<f32>; 3] {
+    let mut ys = ls.map(|l| vec![0.0f32; n * l.w.rows]);
+    {
+        let [a, b, c] = &mut ys;
+        matmul_shared_input(pool, &ls.map(|l| &l.w), x, n, &mut [a, b, c]);
+    }
+    for (l, y) in ls.iter().zip(ys.iter_mut()) {
+        add_bias(l, y);
+    }
+    ys
+}
+
+fn add_bias(l: &Linear, y: &mut [f32]) {
     if let Some(b) = &l.bias {
         for row in y.chunks_exact_mut(l.w.rows) {
             for (v, bb) in row.iter_mut().zip(b) {
@@ -29,7 +48,6 @@ pub(crate) fn linear_rows(pool: &Pool, l: &Linear, x: &[f32], n: usize) -> Vec<f
             }
         }
     }
-    y
 }
 
 /// Attention of layer `layer` for the normed hidden rows `h` (`n × hidden`).
@@ -58,9 +76,7 @@ pub(crate) fn attention(
         ) => {
             let (nh, nkv, hd) = (*num_heads, *num_kv_heads, *head_dim);
             let eps = model.spec.rms_norm_eps;
-            let mut q = linear_rows(pool, &w.q, h, n);
-            let mut k = linear_rows(pool, &w.k, h, n);
-            let mut v = linear_rows(pool, &w.v, h, n);
+            let [mut q, mut k, mut v] = qkv_rows(pool, [&w.q, &w.k, &w.v], h, n);
             let (mut cos, mut sin, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
             for (i, ri) in rows.iter().enumerate() {
                 let qr = &mut q[i * nh * hd..(i + 1) * nh * hd];

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::config::{MoeSpec, RouterKind};
 use crate::error::{ModelError, Result};
 use crate::experts::{ExpertSource, ExpertWeights};
-use crate::kernels::{Pool, matmul};
+use crate::kernels::{Pool, matmul, matmul_shared_input};
 use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
 use crate::weights::{MlpWeights, MoeWeights};
 
@@ -21,8 +21,7 @@ pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<
     let inter = w.gate.rows;
     let mut g = vec![0.0f32; n * inter];
     let mut u = vec![0.0f32; n * inter];
-    matmul(pool, &w.gate, x, n, &mut g);
-    matmul(pool, &w.up, x, n, &mut u);
+    matmul_shared_input(pool, &[&w.gate, &w.up], x, n, &mut [&mut g, &mut u]);
     for (gv, uv) in g.iter_mut().zip(&u) {
         *gv = silu(*gv) * uv;
     }

@@ -376,6 +376,56 @@ pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
     });
 }
 
+/// `ys[i] = ws[i] X` for several matrices that share their input (gate and
+/// up, or q, k and v): for one vector, one pool job over every matrix's
+/// rows and the input prepared once per weight format; the same results
+/// as separate [`matmul`] calls.
+pub fn matmul_shared_input(
+    pool: &Pool,
+    ws: &[&QMatrix],
+    x: &[f32],
+    n: usize,
+    ys: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), ys.len(), "one output per matrix");
+    if n != 1 {
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            matmul(pool, w, x, n, y);
+        }
+        return;
+    }
+    let k = kernels();
+    let mut inputs: Vec<(WeightFormat, Input<'_>)> = Vec::new();
+    let mut input_of = Vec::with_capacity(ws.len());
+    for w in ws {
+        assert_eq!(x.len(), w.cols, "matvec input length");
+        let i = match inputs.iter().position(|(f, _)| *f == w.format) {
+            Some(i) => i,
+            None => {
+                inputs.push((w.format, Input::prepare(k, w, x)));
+                inputs.len() - 1
+            }
+        };
+        input_of.push(i);
+    }
+    // Tasks: (matrix, chunk of its rows), matrix after matrix.
+    let mut tasks = Vec::new();
+    for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
+        assert_eq!(y.len(), w.rows, "matvec output length");
+        let chunk = pool.rows_per_task(w.rows);
+        for (c, part) in y.chunks_mut(chunk).enumerate() {
+            tasks.push((i, c * chunk, part));
+        }
+    }
+    pool.for_each_chunk_mut(&mut tasks, 1, |_, task| {
+        let (i, r0, part) = &mut task[0];
+        let (w, input) = (ws[*i], &inputs[input_of[*i]].1);
+        for (j, o) in part.iter_mut().enumerate() {
+            *o = dot_input(k, w, *r0 + j, input);
+        }
+    });
+}
+
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
 /// into `y` (`n × rows`).
 pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
@@ -599,6 +649,64 @@ mod tests {
                     .map(|j| wf[r * cols + j] as f64 * x[t * cols + j] as f64)
                     .sum();
                 assert!((y1[t * rows + r] as f64 - exact).abs() < 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn shared_input_products_equal_separate_ones() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let cols = 96;
+        let quantized = |rng: &mut rand_chacha::ChaCha8Rng, rows: usize, q4: bool| {
+            let w = rand_vec(rng, rows * cols);
+            let bytes: Vec<u8> = w
+                .chunks(cols)
+                .flat_map(|r| {
+                    if q4 {
+                        quant::quantize_q4_0(r).unwrap()
+                    } else {
+                        quant::quantize_q8_0(r).unwrap()
+                    }
+                })
+                .collect();
+            let format = if q4 {
+                WeightFormat::Q4_0
+            } else {
+                WeightFormat::Q8_0
+            };
+            QMatrix::new(
+                "t",
+                rows,
+                cols,
+                format,
+                crate::tensor::Bytes::from_vec(bytes),
+                None,
+            )
+            .unwrap()
+        };
+        let ws = [
+            quantized(&mut rng, 301, true),
+            QMatrix::from_f32(17, cols, rand_vec(&mut rng, 17 * cols)).unwrap(),
+            quantized(&mut rng, 64, false),
+            quantized(&mut rng, 9, true),
+        ];
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        for n in [1usize, 3] {
+            let x = rand_vec(&mut rng, n * cols);
+            for threads in [1, 2, 3] {
+                let pool = Pool::new(threads).unwrap();
+                let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows]).collect();
+                {
+                    let mut outs: Vec<&mut [f32]> =
+                        ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+                    matmul_shared_input(&pool, &refs, &x, n, &mut outs);
+                }
+                for (w, y) in ws.iter().zip(&ys) {
+                    let mut want = vec![f32::NAN; n * w.rows];
+                    matmul(&pool, w, &x, n, &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(y), bits(&want), "n={n} threads={threads}");
+                }
             }
         }
     }
