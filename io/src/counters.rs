@@ -32,6 +32,7 @@ pub(crate) struct Counters {
     pub bytes_delivered: AtomicU64,
     pub short_reads_resubmitted: AtomicU64,
     pub reads_discarded: AtomicU64,
+    pub bytes_discarded: AtomicU64,
     pub reads_retried: AtomicU64,
     pub faults_injected: AtomicU64,
     pub requests_promoted: AtomicU64,
@@ -52,6 +53,7 @@ impl Default for Counters {
             bytes_delivered: AtomicU64::new(0),
             short_reads_resubmitted: AtomicU64::new(0),
             reads_discarded: AtomicU64::new(0),
+            bytes_discarded: AtomicU64::new(0),
             reads_retried: AtomicU64::new(0),
             faults_injected: AtomicU64::new(0),
             requests_promoted: AtomicU64::new(0),
@@ -76,7 +78,8 @@ pub struct CounterSnapshot {
     pub requests_failed: u64,
     /// Requests completed as cancelled.
     pub requests_cancelled: u64,
-    /// Bytes the kernel transferred (aligned supersets included).
+    /// Bytes the kernel transferred (aligned supersets included, and the
+    /// reads whose results were discarded).
     pub bytes_read: u64,
     /// Bytes the callers asked for, of successful requests.
     pub bytes_delivered: u64,
@@ -85,6 +88,8 @@ pub struct CounterSnapshot {
     /// Reads that finished in the kernel after their request was cancelled
     /// or had failed: bandwidth spent for nothing (stale prefetch).
     pub reads_discarded: u64,
+    /// Bytes those discarded reads transferred (part of `bytes_read`).
+    pub bytes_discarded: u64,
     /// Reads retried after `EINTR`/`EAGAIN`.
     pub reads_retried: u64,
     /// Faults the injector applied.
@@ -114,6 +119,7 @@ impl Counters {
             bytes_delivered: get(&self.bytes_delivered),
             short_reads_resubmitted: get(&self.short_reads_resubmitted),
             reads_discarded: get(&self.reads_discarded),
+            bytes_discarded: get(&self.bytes_discarded),
             reads_retried: get(&self.reads_retried),
             faults_injected: get(&self.faults_injected),
             requests_promoted: get(&self.requests_promoted),

@@ -500,8 +500,17 @@ impl Dispatcher {
         request.in_kernel.retain(|&id| id != result.id);
         if !request.running() {
             // Cancelled or failed meanwhile: whatever the kernel did is
-            // discarded; the slot goes back once nothing else is in flight.
+            // discarded (but the drive did read it: counted, so the totals
+            // match the kernel's disk counters); the slot goes back once
+            // nothing else is in flight.
             counters::add(&self.counters.reads_discarded, 1);
+            if result.res > 0 {
+                let got = result.res as u64;
+                counters::add(&self.counters.bytes_read, got);
+                counters::add(&self.counters.bytes_discarded, got);
+                self.files
+                    .drop_cached(read.plan.file, read.plan.offset, got);
+            }
             self.maybe_complete(ticket);
             return;
         }

@@ -1072,6 +1072,14 @@ fn cancelling_a_request_with_a_read_in_the_kernel_discards_that_read() {
             let c = reader.counters();
             // One or two of B's reads were in the kernel (queue depth 2).
             assert!((1..=2).contains(&c.reads_discarded), "{context}: {c:?}");
+            // What they transferred (if the kernel finished them rather
+            // than cancelling) is counted as read, at most one 64 KiB read
+            // each.
+            assert!(
+                c.bytes_discarded <= c.reads_discarded * (64 << 10)
+                    && c.bytes_discarded <= c.bytes_read,
+                "{context}: {c:?}"
+            );
             assert_eq!((c.reads_queued, c.reads_in_kernel), (0, 0), "{context}");
             assert_eq!(arena.free_slots(), 2, "{context}");
             assert!(
