@@ -149,6 +149,11 @@ pub const MODULES: &[ModuleSource] = &[
         source: include_str!("../kernels/router.cu"),
         kernels: &["router_softmax_topk", "router_sigmoid_grouped_topk"],
     },
+    ModuleSource {
+        name: "moe",
+        source: include_str!("../kernels/moe.cu"),
+        kernels: &["moe_route_plan", "kv_append"],
+    },
 ];
 
 /// NVRTC options for `arch`. No fast-math: the kernels rely on IEEE

@@ -306,6 +306,7 @@ impl KernelSet {
     ) -> Result<()> {
         let f = self.function(name)?;
         dev.context().bind_to_thread().op("cuCtxSetCurrent")?;
+        dev.count_launch();
         let mut params: Vec<*mut c_void> = args.slots[..args.n]
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
