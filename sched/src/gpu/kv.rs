@@ -124,6 +124,11 @@ impl DeviceKv {
         self.cap
     }
 
+    /// The device address of the cache's memory (it moves when it grows).
+    pub fn device_ptr(&self) -> u64 {
+        self.all().device_ptr()
+    }
+
     fn all(&self) -> BufView<'_, f32> {
         match &self.mem {
             Mem::Vram(b, ..) => b.as_view(),
