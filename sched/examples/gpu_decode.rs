@@ -180,6 +180,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     engine.generate(&mut seq, |_| {
         count += 1;
         if count == warmup + 1 {
+            gpu.reset_profile();
             start = Some((Instant::now(), gpu.stats()));
         }
         if count == warmup + tokens + 1 {
@@ -238,7 +239,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let per_pass = 1.0 / p.passes.max(1) as f64;
         println!(
             "profile               {} passes, {} layers (COLIBRI_GPU_PROFILE=1: no graphs, a timed \
-             event between phases; warm-up and prompt passes included)",
+             event between phases; the measured tokens only)",
             p.passes, p.layers
         );
         println!("  phase       GPU ms/pass  GPU us/layer  host ms/pass  host us/layer");

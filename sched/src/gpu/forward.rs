@@ -901,6 +901,12 @@ impl State {
         Ok(())
     }
 
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = self.profile.as_mut() {
+            *p = Profile::default();
+        }
+    }
+
     pub fn profile(&self) -> Option<&Profile> {
         self.profile.as_ref()
     }

@@ -387,6 +387,11 @@ impl GpuTier {
         self.lock().stats()
     }
 
+    /// Starts the per-phase profile afresh (e.g. after a warm-up).
+    pub fn reset_profile(&self) {
+        self.lock().reset_profile();
+    }
+
     /// The per-phase profile, when `COLIBRI_GPU_PROFILE=1` was set at
     /// attach.
     pub fn profile(&self) -> Option<GpuProfile> {
