@@ -19,8 +19,8 @@
 // (alignment only picks wider loads, never another order), nor on how many
 // matrices are in the group.
 //
-// Launch: block = MV_THREADS (8 warps), each warp owns MV_ROWS_PER_WARP
-// consecutive rows; grid = (ceil(rows / MV_ROWS_PER_BLOCK),
+// Launch: block = MV_THREADS (8 warps), each warp owns R consecutive rows
+// (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP); grid = (ceil(rows / 8R),
 // ceil(ntok / NT), matrices). The tokens of a pass are staged in shared
 // memory a tile of MV_TILE_FOR(FMT, NT) columns at a time, padded by 4 floats
 // every 32 so the lanes' float4 reads hit distinct banks.
@@ -32,8 +32,6 @@
 
 #define MV_WARPS 8
 #define MV_THREADS (MV_WARPS * 32)
-#define MV_ROWS_PER_WARP 4
-#define MV_ROWS_PER_BLOCK (MV_WARPS * MV_ROWS_PER_WARP)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
 // q4_0, fp8): its lanes then own two groups of a tile and load both before
@@ -256,14 +254,14 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
     }
 }
 
-// One block's share of one matrix: rows blockIdx.x·MV_ROWS_PER_BLOCK.. of
+// One block's share of one matrix: rows blockIdx.x·8R.. of
 // the matrix at `wm` (FP8 scales at `sm`) for the `nt` ≤ NT tokens at `xm`,
 // written to `ym`. Both launch shapes below resolve their matrix and tokens
 // and then run exactly this, so they share every bit of arithmetic.
 //
 // R, the rows each warp owns, only decides which rows a warp computes, never
 // how: a row's sum is formed by its lanes over its groups whatever R is.
-template <int FMT, int NT, int R = MV_ROWS_PER_WARP>
+template <int FMT, int NT, int R>
 __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
                                             const float* __restrict__ sm, u32 s_block, u32 s_cols,
                                             const float* __restrict__ xm, u32 x_tstride,
@@ -352,6 +350,12 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
     }
 }
 
+// Rows per warp of the strided-group launch: 2 for one token (decode's
+// matrices are small: twice the blocks of 4 rows per warp, more of the
+// chip streaming weights at once), 4 for several. The host sizes the grid
+// to match (cuda/src/ops.rs).
+#define MV_PLAIN_ROWS_PER_WARP(NT) ((NT) == 1 ? 2 : 4)
+
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
 // at x + z·x_mstride, writing y + z·y_mstride.
 template <int FMT, int NT>
@@ -364,7 +368,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
     const u64 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     const u32 nt = min((u32)NT, ntok - t0);
-    matvec_core<FMT, NT>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
+    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(NT)>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
                          s_block, s_cols, x + z * x_mstride + (u64)t0 * x_tstride, x_tstride,
                          y + z * y_mstride + (u64)t0 * y_tstride, y_tstride, rows, cols, nt);
 }
@@ -372,8 +376,9 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
 // The table launch keeps three more 64-bit values live (its matrix, scale
 // and token addresses come from memory, not from parameters the compiler
 // can recompute), which made ptxas spill at 4 rows per warp for several
-// tokens; 2 rows per warp there (the same arithmetic, see matvec_core).
-#define MV_TABLE_ROWS_PER_WARP(NT) ((NT) == 1 ? 4 : 2)
+// tokens; 2 rows per warp there, and for one token too (twice the blocks
+// for a layer's few experts; the same arithmetic, see matvec_core).
+#define MV_TABLE_ROWS_PER_WARP(NT) 2
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to

@@ -30,8 +30,10 @@
 
 #define MR_THREADS 256
 #define MR_WARPS (MR_THREADS / 32)
-#define MR_MAX_E 512
+#define MR_MAX_E 256
 #define MR_MAX_K 64
+// Rows × k the plan keeps in shared memory (the host routes larger passes).
+#define MR_MAX_PAIRS 2048
 #define MR_NONE 0xffffffffu
 
 // 1/n! for n = 0..11, as f64 bit patterns (the host checks the same bits).
@@ -116,7 +118,7 @@ __device__ __forceinline__ void mr_top_k(const float* vals, u32 n, u32 k, u32* s
 __device__ void mr_route_row(const float* __restrict__ lr, u32 E, u32 k, u32 kind, u32 norm,
                              const float* __restrict__ bias, u32 n_group, u32 topk_group,
                              float scaling, float* a, float* b, u32* sel, float* gs, u32* gsel,
-                             u32* out_ids, float* out_w) {
+                             u32* out_ids, float* out_w, u32* s_ids) {
     const u32 lane = threadIdx.x & 31;
     if (kind == 0) {
         // Softmax, then top-k of the probabilities.
@@ -124,6 +126,7 @@ __device__ void mr_route_row(const float* __restrict__ lr, u32 E, u32 k, u32 kin
         for (u32 i = lane; i < E; i += 32) mx = fmaxf(mx, lr[i]);
         mx = warp_max(mx);
         float s = 0.0f;
+#pragma unroll 4
         for (u32 i = lane; i < E; i += 32) {
             const float e = exp_portable(__fsub_rn(lr[i], mx));
             a[i] = e;
@@ -141,6 +144,7 @@ __device__ void mr_route_row(const float* __restrict__ lr, u32 E, u32 k, u32 kin
             for (u32 r = 0; r < k; ++r) {
                 const float w = a[sel[r]];
                 out_ids[r] = sel[r];
+                s_ids[r] = sel[r];
                 out_w[r] = norm ? __fdiv_rn(w, sum) : w;
             }
         }
@@ -181,6 +185,7 @@ __device__ void mr_route_row(const float* __restrict__ lr, u32 E, u32 k, u32 kin
                 float w = a[sel[r]];
                 if (norm) w = __fdiv_rn(w, sum);
                 out_ids[r] = sel[r];
+                s_ids[r] = sel[r];
                 out_w[r] = __fmul_rn(w, scaling);
             }
         }
@@ -205,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     __shared__ u32 ssel[MR_WARPS][MR_MAX_K];
     __shared__ float sgs[MR_WARPS][32];
     __shared__ u32 sgsel[MR_WARPS][32];
+    __shared__ u32 ids[MR_MAX_PAIRS];
     __shared__ u32 cnt[MR_MAX_E];
     __shared__ u32 launch_of[MR_MAX_E];
     __shared__ u32 off_of[MR_MAX_E];
@@ -214,13 +220,13 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     for (u32 row = warp; row < rows; row += MR_WARPS)
         mr_route_row(logits + (u64)row * E, E, k, kind, norm, bias, n_group, topk_group, scaling,
                      sa[warp], sb[warp], ssel[warp], sgs[warp], sgsel[warp], out_ids + (u64)row * k,
-                     out_w + (u64)row * k);
+                     out_w + (u64)row * k, ids + row * k);
     __syncthreads();
 
     const u32 nk = rows * k;
     for (u32 e = threadIdx.x; e < E; e += MR_THREADS) {
         u32 c = 0;
-        for (u32 j = 0; j < nk; ++j) c += out_ids[j] == e ? 1u : 0u;
+        for (u32 j = 0; j < nk; ++j) c += ids[j] == e ? 1u : 0u;
         cnt[e] = c;
     }
     __syncthreads();
@@ -258,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
         for (int t = 0; t < 6; ++t) ptrs[(u64)t * ptr_stride + i] = expert_ptrs[(u64)e * 6 + t];
         u32 p = off;
         for (u32 j = 0; j < nk; ++j) {
-            if (out_ids[j] == e) {
+            if (ids[j] == e) {
                 pairs[p] = j / k;
                 pair_of[j] = p;
                 ++p;

@@ -126,7 +126,14 @@ pub const MODULES: &[ModuleSource] = &[
     ModuleSource {
         name: "elementwise",
         source: include_str!("../kernels/elementwise.cu"),
-        kernels: &["rms_norm", "rope", "swiglu", "moe_combine"],
+        kernels: &[
+            "rms_norm",
+            "add_rms_norm",
+            "gqa_prep",
+            "rope",
+            "swiglu",
+            "moe_combine",
+        ],
     },
     ModuleSource {
         name: "attention",

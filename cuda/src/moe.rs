@@ -10,7 +10,9 @@ use crate::ops::{Args, grid, need, nonzero, span, u32_arg};
 
 const MR_THREADS: u32 = 256;
 /// Experts per layer the routing kernel handles (its shared scratch).
-pub const MOE_ROUTE_MAX_EXPERTS: usize = 512;
+pub const MOE_ROUTE_MAX_EXPERTS: usize = 256;
+/// Rows × choices the routing kernel plans at once (its shared scratch).
+pub const MOE_ROUTE_MAX_PAIRS: usize = 2048;
 /// Choices per row the routing kernel handles.
 pub const MOE_ROUTE_MAX_K: usize = 64;
 const KA_THREADS: u32 = 256;
@@ -86,6 +88,12 @@ impl KernelSet {
             ));
         }
         let nk = span(K, &[(p.rows, p.k)], 0)?;
+        if nk > MOE_ROUTE_MAX_PAIRS {
+            return Err(CudaError::invalid(
+                K,
+                format!("{} rows × top-{} exceed {MOE_ROUTE_MAX_PAIRS}", p.rows, p.k),
+            ));
+        }
         need(
             K,
             "logits",

@@ -1003,16 +1003,13 @@ impl State {
             )?;
         }
         self.attention(model, l, n, parts, starts, &lr.attn)?;
-        self.k.add_inplace(
-            &self.dev,
-            self.s.x.view_mut(0..n * hd)?,
-            self.s.a.view(0..n * hd)?,
-        )?;
         {
+            // The residual add and the FFN norm in one pass.
             let base = self.dense.view(l)?;
-            self.k.rms_norm(
+            self.k.add_rms_norm(
                 &self.dev,
-                self.s.x.view(0..n * hd)?,
+                self.s.x.view_mut(0..n * hd)?,
+                self.s.a.view(0..n * hd)?,
                 lr.ffn_norm.view(base)?,
                 self.s.h.view_mut(0..n * hd)?,
                 n,
@@ -1035,18 +1032,19 @@ impl State {
                     &mut self.s.fg,
                     &mut self.s.fu,
                 )?;
+                self.k.add_inplace(
+                    &self.dev,
+                    self.s.x.view_mut(0..n * hd)?,
+                    self.s.a.view(0..n * hd)?,
+                )?;
             }
+            // The combine adds the MoE output into the residual stream.
             FfnRef::Moe {
                 router,
                 shared,
                 shared_gate,
             } => self.moe(model, experts, l, n, &router, shared, shared_gate)?,
         }
-        self.k.add_inplace(
-            &self.dev,
-            self.s.x.view_mut(0..n * hd)?,
-            self.s.a.view(0..n * hd)?,
-        )?;
         self.mark(Phase::Combine)?;
         Ok(())
     }
@@ -1159,7 +1157,7 @@ impl State {
                 self.s.gl.view_mut(0..n)?,
             )?;
         }
-        self.k.moe_combine(
+        self.k.moe_combine_into(
             &self.dev,
             self.moe.so.view(0..n * k * hd)?,
             self.moe.comb_ids(n * k)?,
@@ -1174,10 +1172,11 @@ impl State {
             } else {
                 None
             },
-            self.s.a.view_mut(0..n * hd)?,
+            self.s.x.view_mut(0..n * hd)?,
             n,
             k,
             hd,
+            true,
         )?;
         Ok(())
     }
@@ -1304,97 +1303,132 @@ impl State {
             r.ok_or_else(|| GpuError::Internal("q/k norm weights missing".into()))?
                 .view(base)
         };
-        match qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.q.view_mut(0..n * qd)?,
-                    norm_w(q_norm)?,
-                    n * nh,
-                    hd,
-                    eps,
-                )?;
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.k.view_mut(0..n * kvd)?,
-                    norm_w(k_norm)?,
-                    n * nkv,
-                    hd,
-                    eps,
-                )?;
-            }
-            QkNorm::Full => {
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.q.view_mut(0..n * qd)?,
-                    norm_w(q_norm)?,
-                    n,
-                    qd,
-                    eps,
-                )?;
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.k.view_mut(0..n * kvd)?,
-                    norm_w(k_norm)?,
-                    n,
-                    kvd,
-                    eps,
-                )?;
-            }
-        }
-        if let Some(c) = clip {
-            self.k
-                .clamp_inplace(&self.dev, self.s.q.view_mut(0..n * qd)?, c)?;
-            self.k
-                .clamp_inplace(&self.dev, self.s.k.view_mut(0..n * kvd)?, c)?;
-            self.k
-                .clamp_inplace(&self.dev, self.s.v.view_mut(0..n * kvd)?, c)?;
-        }
-        let table = self.rope.table();
-        let pos = self.s.pos.view(0..n)?;
-        self.k.rope(
-            &self.dev,
-            self.s.q.view_mut(0..n * qd)?,
-            n,
-            nh,
-            qd,
-            hd,
-            0,
-            &table,
-            pos,
-        )?;
-        self.k.rope(
-            &self.dev,
-            self.s.k.view_mut(0..n * kvd)?,
-            n,
-            nkv,
-            kvd,
-            hd,
-            0,
-            &table,
-            pos,
-        )?;
         let window = model.spec.layers[l].sliding_window;
+        let table = self.rope.table();
+        // Per-head norms, rotary embedding and the KV append in one launch
+        // per sequence (the same operations as the separate kernels below).
+        let fused = clip.is_none() && matches!(qk_norm, QkNorm::None | QkNorm::PerHead);
+        if fused {
+            let (qn, kn) = match qk_norm {
+                QkNorm::PerHead => (Some(norm_w(q_norm)?), Some(norm_w(k_norm)?)),
+                _ => (None, None),
+            };
+            for (p, &r0) in parts.iter_mut().zip(starts) {
+                let m = p.tokens.len();
+                let kv = kv::attached(p.cache)?;
+                let cap = kv.capacity();
+                let (kc, vc) = kv.parts_mut(l)?;
+                self.k.gqa_prep(
+                    &self.dev,
+                    self.s.q.view_mut(r0 * qd..(r0 + m) * qd)?,
+                    self.s.k.view_mut(r0 * kvd..(r0 + m) * kvd)?,
+                    self.s.v.view(r0 * kvd..(r0 + m) * kvd)?,
+                    m,
+                    (nh, nkv, hd),
+                    qn,
+                    kn,
+                    eps,
+                    &table,
+                    self.s.pos.view(r0..r0 + m)?,
+                    self.s.slot0.view(0..m)?,
+                    kc,
+                    vc,
+                    cap,
+                )?;
+            }
+        } else {
+            match qk_norm {
+                QkNorm::None => {}
+                QkNorm::PerHead => {
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.q.view_mut(0..n * qd)?,
+                        norm_w(q_norm)?,
+                        n * nh,
+                        hd,
+                        eps,
+                    )?;
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.k.view_mut(0..n * kvd)?,
+                        norm_w(k_norm)?,
+                        n * nkv,
+                        hd,
+                        eps,
+                    )?;
+                }
+                QkNorm::Full => {
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.q.view_mut(0..n * qd)?,
+                        norm_w(q_norm)?,
+                        n,
+                        qd,
+                        eps,
+                    )?;
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.k.view_mut(0..n * kvd)?,
+                        norm_w(k_norm)?,
+                        n,
+                        kvd,
+                        eps,
+                    )?;
+                }
+            }
+            if let Some(c) = clip {
+                self.k
+                    .clamp_inplace(&self.dev, self.s.q.view_mut(0..n * qd)?, c)?;
+                self.k
+                    .clamp_inplace(&self.dev, self.s.k.view_mut(0..n * kvd)?, c)?;
+                self.k
+                    .clamp_inplace(&self.dev, self.s.v.view_mut(0..n * kvd)?, c)?;
+            }
+            let pos = self.s.pos.view(0..n)?;
+            self.k.rope(
+                &self.dev,
+                self.s.q.view_mut(0..n * qd)?,
+                n,
+                nh,
+                qd,
+                hd,
+                0,
+                &table,
+                pos,
+            )?;
+            self.k.rope(
+                &self.dev,
+                self.s.k.view_mut(0..n * kvd)?,
+                n,
+                nkv,
+                kvd,
+                hd,
+                0,
+                &table,
+                pos,
+            )?;
+        }
         for (p, &r0) in parts.iter_mut().zip(starts) {
             let m = p.tokens.len();
             let kv = kv::attached(p.cache)?;
             let cap = kv.capacity();
             // Appended at the rows' device-side positions (len + i), so a
             // captured step appends at the right place on every replay.
-            for (part, src) in [(0, &self.s.k), (1, &self.s.v)] {
-                self.k.kv_append(
-                    &self.dev,
-                    src.view(r0 * kvd..(r0 + m) * kvd)?,
-                    kvd,
-                    kv.part_mut(l, part)?,
-                    kvd,
-                    cap,
-                    m,
-                    kvd,
-                    self.s.pos.view(r0..r0 + m)?,
-                    self.s.slot0.view(0..m)?,
-                )?;
+            if !fused {
+                for (part, src) in [(0, &self.s.k), (1, &self.s.v)] {
+                    self.k.kv_append(
+                        &self.dev,
+                        src.view(r0 * kvd..(r0 + m) * kvd)?,
+                        kvd,
+                        kv.part_mut(l, part)?,
+                        kvd,
+                        cap,
+                        m,
+                        kvd,
+                        self.s.pos.view(r0..r0 + m)?,
+                        self.s.slot0.view(0..m)?,
+                    )?;
+                }
             }
             let at = Attention {
                 q: self.s.q.view(r0 * qd..(r0 + m) * qd)?,

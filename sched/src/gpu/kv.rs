@@ -156,6 +156,16 @@ impl DeviceKv {
         Ok(self.all().slice(r)?)
     }
 
+    /// Both parts of `layer` (keys, values), exclusive.
+    pub fn parts_mut(
+        &mut self,
+        layer: usize,
+    ) -> Result<(BufMut<'_, f32>, BufMut<'_, f32>), GpuError> {
+        let (a, b) = (self.range(layer, 0), self.range(layer, 1));
+        let both = self.all_mut().slice_mut(a.start..b.end)?;
+        Ok(both.split_at(a.len())?)
+    }
+
     pub fn part_mut(&mut self, layer: usize, part: usize) -> Result<BufMut<'_, f32>, GpuError> {
         let r = self.range(layer, part);
         Ok(self.all_mut().slice_mut(r)?)
