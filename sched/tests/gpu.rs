@@ -677,8 +677,8 @@ fn device_routing_equals_the_host_routing_bit_for_bit() {
                 }
             }
             assert_eq!(p, nk);
-            for i in users.len()..tl {
-                assert_eq!(cnt[i], 0, "unused launch index {i} has tokens");
+            for (i, c) in cnt.iter().enumerate().take(tl).skip(users.len()) {
+                assert_eq!(*c, 0, "unused launch index {i} has tokens");
             }
         }
     }

@@ -329,18 +329,16 @@ fn device_router(model: &Model) -> Option<DeviceRouter> {
             topk_group,
             norm_topk_prob,
             routed_scaling_factor,
-        } => (n_group >= 1
-            && n_group <= 32
+        } => ((1..=32).contains(&n_group)
             && m.num_experts.is_multiple_of(n_group)
             && m.num_experts / n_group >= 2
-            && topk_group >= 1
-            && topk_group <= n_group)
-            .then_some(DeviceRouter::SigmoidGrouped {
-                n_group,
-                topk_group,
-                norm: norm_topk_prob,
-                scaling: routed_scaling_factor,
-            }),
+            && (1..=n_group).contains(&topk_group))
+        .then_some(DeviceRouter::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm: norm_topk_prob,
+            scaling: routed_scaling_factor,
+        }),
     }
 }
 
