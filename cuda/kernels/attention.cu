@@ -16,8 +16,8 @@
 // cache contents, never by the batch or the launch.
 //
 // Launch: block = AT_THREADS (4 warps), grid = (heads, rows). Warps take the
-// keys of a chunk round-robin (one warp per key, lanes over dims); thread i
-// owns output dims i, i + 128, ...
+// keys of a chunk round-robin, AT_KEYS at a time (lanes over dims); thread
+// i owns output dims i, i + 128, ...
 //
 // Not yet done (later work): splitting long contexts across blocks
 // (flash-decoding) and sharing K/V loads between the heads of a group.
@@ -29,6 +29,8 @@
 #define AT_MAX_DQ 640
 #define AT_MAX_DV 512
 #define AT_DV_PER_THREAD (AT_MAX_DV / AT_THREADS)
+#define AT_KEYS 4
+#define AT_VUNROLL 8
 
 extern "C" __global__ void __launch_bounds__(AT_THREADS)
     attention(const float* __restrict__ q, u32 nh, u32 dA, u32 dB,
@@ -68,18 +70,39 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
     for (u32 cb = first / AT_CHUNK * AT_CHUNK; cb <= p; cb += AT_CHUNK) {
         const u32 cstart = max(first, cb), cend = min(p + 1, cb + AT_CHUNK);
         const u32 len = cend - cstart;
-        for (u32 t = cstart + warp; t < cend; t += AT_WARPS) {
-            const float* ka = kA + (s0 + t) * kA_tstride + (u64)kvh * kA_hstride;
-            float a = 0.0f;
-            for (u32 i = lane; i < dA; i += 32) a = fmaf(qs[i], ka[i], a);
-            a = warp_sum(a);
-            if (dB != 0) {
-                const float* kb = kB + (s0 + t) * kB_tstride + (u64)kvh * kB_hstride;
-                float b = 0.0f;
-                for (u32 i = lane; i < dB; i += 32) b = fmaf(qs[dA + i], kb[i], b);
-                a = __fadd_rn(a, warp_sum(b));
+        // Each warp scores AT_KEYS keys at a time (their loads in flight
+        // together); every key's dot product is formed exactly as alone.
+        for (u32 t0 = cstart + warp * AT_KEYS; t0 < cend; t0 += AT_WARPS * AT_KEYS) {
+            float a[AT_KEYS], b[AT_KEYS];
+#pragma unroll
+            for (int j = 0; j < AT_KEYS; ++j) {
+                a[j] = 0.0f;
+                b[j] = 0.0f;
             }
-            if (lane == 0) sc[t - cstart] = __fmul_rn(a, scale);
+            const float* ka = kA + (s0 + t0) * kA_tstride + (u64)kvh * kA_hstride;
+            for (u32 i = lane; i < dA; i += 32) {
+                const float qv = qs[i];
+#pragma unroll
+                for (int j = 0; j < AT_KEYS; ++j)
+                    if (t0 + j < cend) a[j] = fmaf(qv, ka[(u64)j * kA_tstride + i], a[j]);
+            }
+            if (dB != 0) {
+                const float* kb = kB + (s0 + t0) * kB_tstride + (u64)kvh * kB_hstride;
+                for (u32 i = lane; i < dB; i += 32) {
+                    const float qv = qs[dA + i];
+#pragma unroll
+                    for (int j = 0; j < AT_KEYS; ++j)
+                        if (t0 + j < cend) b[j] = fmaf(qv, kb[(u64)j * kB_tstride + i], b[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < AT_KEYS; ++j) {
+                if (t0 + j < cend) {
+                    float s = warp_sum(a[j]);
+                    if (dB != 0) s = __fadd_rn(s, warp_sum(b[j]));
+                    if (lane == 0) sc[t0 + j - cstart] = __fmul_rn(s, scale);
+                }
+            }
         }
         __syncthreads();
         float mx = -f32_inf();
@@ -100,8 +123,17 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
         for (int k = 0; k < AT_DV_PER_THREAD; ++k) {
             const u32 d = threadIdx.x + k * AT_THREADS;
             if (d < dv) {
+                // In position order, AT_VUNROLL values loaded ahead of use.
                 float oc = 0.0f;
-                for (u32 t = 0; t < len; ++t) oc = fmaf(sc[t], vb[(u64)t * v_tstride + d], oc);
+                u32 t = 0;
+                for (; t + AT_VUNROLL <= len; t += AT_VUNROLL) {
+                    float vv[AT_VUNROLL];
+#pragma unroll
+                    for (int u = 0; u < AT_VUNROLL; ++u) vv[u] = vb[(u64)(t + u) * v_tstride + d];
+#pragma unroll
+                    for (int u = 0; u < AT_VUNROLL; ++u) oc = fmaf(sc[t + u], vv[u], oc);
+                }
+                for (; t < len; ++t) oc = fmaf(sc[t], vb[(u64)t * v_tstride + d], oc);
                 o[k] = __fadd_rn(__fmul_rn(o[k], a_old), __fmul_rn(oc, a_new));
             }
         }

@@ -8,27 +8,90 @@
 #define RN_THREADS 256
 #define RN_WARPS (RN_THREADS / 32)
 
-// y[row] = w * (x[row] * rsqrt(mean(x[row]²) + eps)) for `rows` rows of `n`
-// values (one block per row; x and y may be the same buffer). The sum of
+#define RN_PER 8
+
+// One row of RMSNorm by one block: y = w * (x * rsqrt(mean(x²) + eps)),
+// with ADD first x = x + a (the residual add, stored back to x). The sum of
 // squares is taken in f64 as the CPU tier does (each square is exact in
 // f64), in a fixed order: thread i sums elements i, i + 256, ... and the
-// partial sums meet in a fixed tree.
+// partial sums meet in a fixed tree. Rows of up to RN_PER · 256 values are
+// held in registers with their weights, which are loaded before the
+// reduction (same values, same operations, one pass over memory).
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_row(float* xr, const float* ar, const float* __restrict__ w,
+                                             float* yr, u32 n, float eps, double* scratch) {
+    double ss = 0.0;
+    float xv[RN_PER], wv[RN_PER];
+    const bool held = n <= RN_PER * RN_THREADS;
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < RN_PER; ++k) {
+            const u32 i = threadIdx.x + k * RN_THREADS;
+            xv[k] = 0.0f;
+            wv[k] = 0.0f;
+            if (i < n) {
+                float v = xr[i];
+                if (ADD) {
+                    v = __fadd_rn(v, ar[i]);
+                    xr[i] = v;
+                }
+                xv[k] = v;
+                wv[k] = w[i];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < RN_PER; ++k) {
+            const u32 i = threadIdx.x + k * RN_THREADS;
+            if (i < n) {
+                const double v = (double)xv[k];
+                ss += v * v;
+            }
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < n; i += RN_THREADS) {
+            float f = xr[i];
+            if (ADD) {
+                f = __fadd_rn(f, ar[i]);
+                xr[i] = f;
+            }
+            const double v = (double)f;
+            ss += v * v;
+        }
+    }
+    const double total = block_sum_f64<RN_WARPS>(ss, scratch);
+    const float var = (float)(total / (double)n);
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < RN_PER; ++k) {
+            const u32 i = threadIdx.x + k * RN_THREADS;
+            if (i < n) yr[i] = __fmul_rn(wv[k], __fmul_rn(xv[k], r));
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < n; i += RN_THREADS) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], r));
+    }
+}
+
+// y[row] = w * (x[row] * rsqrt(mean(x[row]²) + eps)) for `rows` rows of `n`
+// values (one block per row; x and y may be the same buffer).
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
     rms_norm(const float* x, u32 x_stride, const float* __restrict__ w, float* y, u32 y_stride,
              u32 n, float eps) {
     __shared__ double scratch[RN_WARPS];
     const u64 row = blockIdx.x;
-    const float* xr = x + row * x_stride;
-    float* yr = y + row * y_stride;
-    double ss = 0.0;
-    for (u32 i = threadIdx.x; i < n; i += RN_THREADS) {
-        const double v = (double)xr[i];
-        ss += v * v;
-    }
-    const double total = block_sum_f64<RN_WARPS>(ss, scratch);
-    const float var = (float)(total / (double)n);
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
-    for (u32 i = threadIdx.x; i < n; i += RN_THREADS) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], r));
+    rms_norm_row<false>((float*)(x + row * x_stride), nullptr, w, y + row * y_stride, n, eps,
+                        scratch);
+}
+
+// The residual add and the next RMSNorm in one pass: x[row] += a[row], then
+// y[row] = RMSNorm(x[row]) as `rms_norm` computes it (one block per row;
+// x, a and y distinct).
+extern "C" __global__ void __launch_bounds__(RN_THREADS)
+    add_rms_norm(float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ w,
+                 float* __restrict__ y, u32 n, float eps) {
+    __shared__ double scratch[RN_WARPS];
+    const u64 row = blockIdx.x;
+    rms_norm_row<true>(x + row * n, a + row * n, w, y + row * n, n, eps, scratch);
 }
 
 #define RP_THREADS 64
@@ -68,6 +131,64 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS)
     }
 }
 
+// GQA's per-head work between the q/k/v projections and attention, in one
+// launch: q heads get their RMSNorm (q_w, if given) and rotary embedding;
+// k heads their RMSNorm (k_w), rotary embedding, and are appended to the key
+// cache; v heads are appended to the value cache. Each step is exactly the
+// one rms_norm / rope / kv_append does (the same helper for the norm, the
+// same block size, the same rounded operations), in the same order, so the
+// bits are theirs. grid = (nh + 2·nkv, rows): block b < nh is q head b,
+// then the nkv k heads, then the nkv v heads; row r's position is pos[r]
+// and its cache slot slot0[r] + pos[r] (not written past `capacity`).
+extern "C" __global__ void __launch_bounds__(RN_THREADS)
+    gqa_prep(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v, u32 nh,
+             u32 nkv, u32 hd, const float* __restrict__ q_w, const float* __restrict__ k_w,
+             float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+             u32 table_rows, u32 rot_dim, u32 interleaved, const u32* __restrict__ pos,
+             const u32* __restrict__ slot0, float* __restrict__ kc, float* __restrict__ vc,
+             u32 capacity) {
+    __shared__ double scratch[RN_WARPS];
+    __shared__ float tmp[RP_MAX_DIM];
+    const u32 b = blockIdx.x, tok = blockIdx.y;
+    const u32 p = pos[tok];
+    const u64 slot = (u64)slot0[tok] + p;
+    const u32 kvd = nkv * hd;
+    if (b >= nh + nkv) {
+        const u32 vh = b - nh - nkv;
+        if (slot >= capacity) return;
+        const float* src = v + (u64)tok * kvd + (u64)vh * hd;
+        float* dst = vc + slot * kvd + (u64)vh * hd;
+        for (u32 i = threadIdx.x; i < hd; i += RN_THREADS) dst[i] = src[i];
+        return;
+    }
+    const bool is_q = b < nh;
+    float* h = is_q ? q + ((u64)tok * nh + b) * hd : k + (u64)tok * kvd + (u64)(b - nh) * hd;
+    const float* w = is_q ? q_w : k_w;
+    if (w != nullptr) {
+        rms_norm_row<false>(h, nullptr, w, h, hd, eps, scratch);
+        __syncthreads();
+    }
+    const u32 half = rot_dim / 2;
+    if (p >= table_rows) {
+        for (u32 i = threadIdx.x; i < rot_dim; i += RN_THREADS) h[i] = __int_as_float(0x7fc00000);
+    } else {
+        for (u32 i = threadIdx.x; i < rot_dim; i += RN_THREADS) tmp[i] = h[i];
+        __syncthreads();
+        const float* c = cos_t + (u64)p * half;
+        const float* sn = sin_t + (u64)p * half;
+        for (u32 j = threadIdx.x; j < half; j += RN_THREADS) {
+            const float a = interleaved ? tmp[2 * j] : tmp[j];
+            const float bb = interleaved ? tmp[2 * j + 1] : tmp[j + half];
+            h[j] = __fsub_rn(__fmul_rn(a, c[j]), __fmul_rn(bb, sn[j]));
+            h[j + half] = __fadd_rn(__fmul_rn(bb, c[j]), __fmul_rn(a, sn[j]));
+        }
+    }
+    if (is_q || slot >= capacity) return;
+    __syncthreads();
+    float* dst = kc + slot * kvd + (u64)(b - nh) * hd;
+    for (u32 i = threadIdx.x; i < hd; i += RN_THREADS) dst[i] = h[i];
+}
+
 #define EW_THREADS 256
 
 // out[t][i] = silu(gate[t][i]) * up[t][i]; grid = (ceil(cols / 256), rows).
@@ -86,13 +207,14 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
 // The MoE block's output for `rows` rows: the k expert outputs of each row
 // (slot_out[row][slot][hidden]) weighted and summed in ascending expert id
 // (ties by slot), then the shared expert added, gated by sigmoid of its
-// logit when `shared_gate` is given: the CPU tier's order, step for step.
+// logit when `shared_gate` is given: the CPU tier's order, step for step;
+// with `accumulate`, added to out (out += result, the residual add).
 // grid = (ceil(hidden / 256), rows). `shared` and `shared_gate` may be null.
 extern "C" __global__ void __launch_bounds__(EW_THREADS)
     moe_combine(const float* __restrict__ slot_out, const u32* __restrict__ experts,
                 const float* __restrict__ weights, const float* __restrict__ shared,
                 const float* __restrict__ shared_gate, float* __restrict__ out, u32 k,
-                u32 hidden) {
+                u32 hidden, u32 accumulate) {
     __shared__ u32 order[CB_MAX_K];
     const u64 row = blockIdx.y;
     if (threadIdx.x == 0) {
@@ -119,5 +241,6 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
         const float sv = shared[row * hidden + i];
         acc = __fadd_rn(acc, shared_gate != nullptr ? __fmul_rn(sigmoid_f32(shared_gate[row]), sv) : sv);
     }
-    out[row * hidden + i] = acc;
+    // accumulate: the residual add folded in (out is the residual stream).
+    out[row * hidden + i] = accumulate ? __fadd_rn(out[row * hidden + i], acc) : acc;
 }

@@ -19,11 +19,11 @@
 // (alignment only picks wider loads, never another order), nor on how many
 // matrices are in the group.
 //
-// Launch: block = MV_THREADS (8 warps), each warp owns MV_ROWS_PER_WARP
-// consecutive rows; grid = (ceil(rows / MV_ROWS_PER_BLOCK),
+// Launch: block = MV_THREADS (8 warps), each warp owns R consecutive rows
+// (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP); grid = (ceil(rows / 8R),
 // ceil(ntok / NT), matrices). The tokens of a pass are staged in shared
-// memory a tile of MV_TILE columns at a time, padded by 4 floats every 32 so
-// the lanes' float4 reads hit distinct banks.
+// memory a tile of MV_TILE_FOR(FMT, NT) columns at a time, padded by 4 floats
+// every 32 so the lanes' float4 reads hit distinct banks.
 //
 // Memory contract: a weight buffer must be readable up to the next 4-byte
 // boundary past its last row (colibri-cuda pads every allocation to 16
@@ -32,10 +32,14 @@
 
 #define MV_WARPS 8
 #define MV_THREADS (MV_WARPS * 32)
-#define MV_ROWS_PER_WARP 4
-#define MV_ROWS_PER_BLOCK (MV_WARPS * MV_ROWS_PER_WARP)
-#define MV_TILE 1024
-#define MV_XS_STRIDE (MV_TILE + MV_TILE / 8)
+// Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
+// token of a format whose groups are loaded whole into registers (q8_0,
+// q4_0, fp8): its lanes then own two groups of a tile and load both before
+// using either (twice the loads in flight, half the barriers). Either way
+// lane l meets its groups in increasing order. (The f32/f16/bf16 groups
+// load as they are used; two of them per lane made ptxas spill.)
+#define MV_TILE_FOR(FMT, NT) \
+    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
 
 template <int FMT> struct Group;
 
@@ -250,20 +254,23 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
     }
 }
 
-// One block's share of one matrix: rows blockIdx.x·MV_ROWS_PER_BLOCK.. of
+// One block's share of one matrix: rows blockIdx.x·8R.. of
 // the matrix at `wm` (FP8 scales at `sm`) for the `nt` ≤ NT tokens at `xm`,
 // written to `ym`. Both launch shapes below resolve their matrix and tokens
 // and then run exactly this, so they share every bit of arithmetic.
 //
 // R, the rows each warp owns, only decides which rows a warp computes, never
 // how: a row's sum is formed by its lanes over its groups whatever R is.
-template <int FMT, int NT, int R = MV_ROWS_PER_WARP>
+template <int FMT, int NT, int R>
 __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
                                             const float* __restrict__ sm, u32 s_block, u32 s_cols,
                                             const float* __restrict__ xm, u32 x_tstride,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt) {
-    __shared__ __align__(16) float xs[NT][MV_XS_STRIDE];
+    constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
+    constexpr int J = TILE / 1024;
+    constexpr u32 XS = TILE + TILE / 8;
+    __shared__ __align__(16) float xs[NT][XS];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 row0 = blockIdx.x * (MV_WARPS * R) + warp * R;
     const u64 rb = row_bytes<FMT>(cols);
@@ -275,45 +282,56 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
 
-    for (u32 c0 = 0; c0 < cols; c0 += MV_TILE) {
+    for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
-        for (u32 i = threadIdx.x; i < NT * MV_TILE; i += MV_THREADS) {
-            const u32 t = i / MV_TILE, j = i % MV_TILE, col = c0 + j;
+        for (u32 i = threadIdx.x; i < NT * TILE; i += MV_THREADS) {
+            const u32 t = i / TILE, j = i % TILE, col = c0 + j;
             xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[(u64)t * x_tstride + col] : 0.0f;
         }
         __syncthreads();
-        const u32 g = c0 / 32 + lane;
-        if (g < ngroups) {
-            const u32 valid = min(32u, cols - g * 32);
-            Group<FMT> grp[R];
+        // Every group of the tile that this lane owns is loaded first, then
+        // used in increasing order.
+        Group<FMT> grp[J][R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const u32 row = row0 + r;
-                if (row < rows) {
-                    float scale = 0.0f;
-                    if (FMT == FMT_F8E4M3) scale = sm[(u64)(row / s_block) * s_cols + (g * 32) / s_block];
-                    grp[r].load(wm + (u64)row * rb, g, valid, scale);
-                } else {
-                    grp[r].zero();
-                }
-            }
-            const float* xl = &xs[0][lane * 36];
-#pragma unroll
-            for (int sub = 0; sub < 8; ++sub) {
-                float4 xv[NT];
-#pragma unroll
-                for (int t = 0; t < NT; ++t) xv[t] = *(const float4*)(xl + t * MV_XS_STRIDE + sub * 4);
+        for (int jj = 0; jj < J; ++jj) {
+            const u32 g = c0 / 32 + jj * 32 + lane;
+            if (g < ngroups) {
+                const u32 valid = min(32u, cols - g * 32);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const float4 wv = grp[r].get4(sub);
+                    const u32 row = row0 + r;
+                    if (row < rows) {
+                        float scale = 0.0f;
+                        if (FMT == FMT_F8E4M3) scale = sm[(u64)(row / s_block) * s_cols + (g * 32) / s_block];
+                        grp[jj][r].load(wm + (u64)row * rb, g, valid, scale);
+                    } else {
+                        grp[jj][r].zero();
+                    }
+                }
+            }
+        }
 #pragma unroll
-                    for (int t = 0; t < NT; ++t) {
-                        float a = acc[r][t];
-                        a = fmaf(wv.x, xv[t].x, a);
-                        a = fmaf(wv.y, xv[t].y, a);
-                        a = fmaf(wv.z, xv[t].z, a);
-                        a = fmaf(wv.w, xv[t].w, a);
-                        acc[r][t] = a;
+        for (int jj = 0; jj < J; ++jj) {
+            const u32 g = c0 / 32 + jj * 32 + lane;
+            if (g < ngroups) {
+                const float* xl = &xs[0][(jj * 32 + lane) * 36];
+#pragma unroll
+                for (int sub = 0; sub < 8; ++sub) {
+                    float4 xv[NT];
+#pragma unroll
+                    for (int t = 0; t < NT; ++t) xv[t] = *(const float4*)(xl + t * XS + sub * 4);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const float4 wv = grp[jj][r].get4(sub);
+#pragma unroll
+                        for (int t = 0; t < NT; ++t) {
+                            float a = acc[r][t];
+                            a = fmaf(wv.x, xv[t].x, a);
+                            a = fmaf(wv.y, xv[t].y, a);
+                            a = fmaf(wv.z, xv[t].z, a);
+                            a = fmaf(wv.w, xv[t].w, a);
+                            acc[r][t] = a;
+                        }
                     }
                 }
             }
@@ -332,6 +350,12 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
     }
 }
 
+// Rows per warp of the strided-group launch: 2 for one token (decode's
+// matrices are small: twice the blocks of 4 rows per warp, more of the
+// chip streaming weights at once), 4 for several. The host sizes the grid
+// to match (cuda/src/ops.rs).
+#define MV_PLAIN_ROWS_PER_WARP(NT) ((NT) == 1 ? 2 : 4)
+
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
 // at x + z·x_mstride, writing y + z·y_mstride.
 template <int FMT, int NT>
@@ -344,7 +368,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
     const u64 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     const u32 nt = min((u32)NT, ntok - t0);
-    matvec_core<FMT, NT>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
+    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(NT)>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
                          s_block, s_cols, x + z * x_mstride + (u64)t0 * x_tstride, x_tstride,
                          y + z * y_mstride + (u64)t0 * y_tstride, y_tstride, rows, cols, nt);
 }
@@ -352,8 +376,9 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
 // The table launch keeps three more 64-bit values live (its matrix, scale
 // and token addresses come from memory, not from parameters the compiler
 // can recompute), which made ptxas spill at 4 rows per warp for several
-// tokens; 2 rows per warp there (the same arithmetic, see matvec_core).
-#define MV_TABLE_ROWS_PER_WARP(NT) ((NT) == 1 ? 4 : 2)
+// tokens; 2 rows per warp there, and for one token too (twice the blocks
+// for a layer's few experts; the same arithmetic, see matvec_core).
+#define MV_TABLE_ROWS_PER_WARP(NT) 2
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to

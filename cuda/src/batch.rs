@@ -14,10 +14,10 @@ use crate::error::{CudaError, Result};
 use crate::kernels::KernelSet;
 use crate::ops::{Args, WeightFormat, grid, need, nonzero, span, u32_arg};
 
-/// Rows a block of the table kernel owns: 8 warps of 4 rows for one token,
-/// of 2 rows for more (MV_TABLE_ROWS_PER_WARP in kernels/matvec.cu).
-fn table_rows_per_block(nt: usize) -> usize {
-    8 * if nt == 1 { 4 } else { 2 }
+/// Rows a block of the table kernel owns: 8 warps of 2 rows
+/// (MV_TABLE_ROWS_PER_WARP in kernels/matvec.cu).
+fn table_rows_per_block(_nt: usize) -> usize {
+    16
 }
 const MV_THREADS: u32 = 256;
 const RW_THREADS: u32 = 256;

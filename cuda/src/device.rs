@@ -20,9 +20,10 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, result, sys,
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, result, sys,
 };
 
 use crate::error::{CudaError, DriverResultExt, Result};
@@ -59,12 +60,59 @@ pub struct DeviceInfo {
     pub driver_version: (i32, i32),
 }
 
+/// What the host asked of a device so far: the engine reports these per
+/// decode step (launches and host waits are what a step's latency is made
+/// of once the kernels are fast).
+#[derive(Debug, Default)]
+pub struct DeviceCounters {
+    launches: AtomicU64,
+    host_waits: AtomicU64,
+    copies: AtomicU64,
+    graph_launches: AtomicU64,
+}
+
+/// A snapshot of [`DeviceCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// Kernel launches issued by the host (kernels replayed inside a graph
+    /// are not counted again).
+    pub launches: u64,
+    /// Times the host blocked on the device (stream or event synchronize).
+    pub host_waits: u64,
+    /// Host↔device copies issued (uploads, downloads, expert copies).
+    pub copies: u64,
+    /// Graph replays issued.
+    pub graph_launches: u64,
+}
+
+impl DeviceCounters {
+    pub(crate) fn launch(&self) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+    fn wait(&self) {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+    }
+    fn copy(&self) {
+        self.copies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> CounterSnapshot {
+        CounterSnapshot {
+            launches: self.launches.load(Ordering::Relaxed),
+            host_waits: self.host_waits.load(Ordering::Relaxed),
+            copies: self.copies.load(Ordering::Relaxed),
+            graph_launches: self.graph_launches.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// A GPU with its streams.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     info: DeviceInfo,
+    counters: Arc<DeviceCounters>,
 }
 
 fn unavailable(reason: impl Into<String>) -> CudaError {
@@ -152,11 +200,28 @@ impl CudaDevice {
             compute,
             copy,
             info,
+            counters: Arc::new(DeviceCounters::default()),
         })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// What the host has asked of this device so far.
+    pub fn counters(&self) -> CounterSnapshot {
+        self.counters.snapshot()
+    }
+
+    pub(crate) fn count_launch(&self) {
+        self.counters.launch();
+    }
+
+    fn event(&self, e: CudaEvent) -> Event {
+        Event {
+            ev: e,
+            counters: Arc::clone(&self.counters),
+        }
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -214,6 +279,8 @@ impl CudaDevice {
         // are bounds-checked); `src` outlives the synchronize below.
         unsafe { result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream()) }
             .op("cuMemcpyHtoDAsync")?;
+        self.counters.copy();
+        self.counters.wait();
         self.compute.synchronize().op("cuStreamSynchronize")
     }
 
@@ -225,6 +292,8 @@ impl CudaDevice {
         // outlives the synchronize below.
         unsafe { result::memcpy_dtoh_async(&mut out[..], src.ptr, self.compute.cu_stream()) }
             .op("cuMemcpyDtoHAsync")?;
+        self.counters.copy();
+        self.counters.wait();
         self.compute.synchronize().op("cuStreamSynchronize")?;
         Ok(out)
     }
@@ -270,6 +339,7 @@ impl CudaDevice {
     /// Waits for both streams and reports any error a kernel or an earlier
     /// asynchronous call left behind.
     pub fn synchronize(&self) -> Result<()> {
+        self.counters.wait();
         self.compute.synchronize().op("cuStreamSynchronize")?;
         self.copy.synchronize().op("cuStreamSynchronize")?;
         self.ctx.check_err().op("an earlier asynchronous call")
@@ -277,26 +347,24 @@ impl CudaDevice {
 
     /// An event marking all compute work issued so far.
     pub fn record_compute(&self) -> Result<Event> {
-        Ok(Event(self.compute.record_event(None).op("cuEventRecord")?))
+        Ok(self.event(self.compute.record_event(None).op("cuEventRecord")?))
     }
 
     /// Like [`Self::record_compute`], with timing enabled (for benchmarks).
     pub fn record_compute_timed(&self) -> Result<Event> {
         let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
-        Ok(Event(
-            self.compute.record_event(Some(flags)).op("cuEventRecord")?,
-        ))
+        Ok(self.event(self.compute.record_event(Some(flags)).op("cuEventRecord")?))
     }
 
     /// Makes later compute work wait for `event` (no host wait).
     pub fn compute_wait(&self, event: &Event) -> Result<()> {
-        self.compute.wait(&event.0).op("cuStreamWaitEvent")
+        self.compute.wait(&event.ev).op("cuStreamWaitEvent")
     }
 
     /// Makes later copies wait for `event` (e.g. until the kernels reading
     /// a staging slot are done before it is refilled).
     pub fn copy_wait(&self, event: &Event) -> Result<()> {
-        self.copy.wait(&event.0).op("cuStreamWaitEvent")
+        self.copy.wait(&event.ev).op("cuStreamWaitEvent")
     }
 
     /// Page-locks and registers `len` bytes at `ptr` with the driver, so
@@ -364,11 +432,59 @@ impl CudaDevice {
         }
         .result()
         .op("cuMemcpyHtoDAsync")?;
-        Ok(Event(self.copy.record_event(None).op("cuEventRecord")?))
+        self.counters.copy();
+        Ok(self.event(self.copy.record_event(None).op("cuEventRecord")?))
     }
 }
 
+/// Compute-stream work captured once and replayed as one launch (see
+/// [`CudaDevice::begin_capture`]).
+pub struct Graph(CudaGraph);
+
+// SAFETY: a graph and its executable are driver objects that any thread
+// may use as long as no two use them at once (CUDA's graph thread-safety
+// rules); `replay` takes `&Graph` but the engine keeps its graphs inside
+// the GPU tier's mutex, and `Graph` is deliberately not `Sync`.
+unsafe impl Send for Graph {}
+
 impl CudaDevice {
+    /// Starts recording the compute stream's work into a graph instead of
+    /// running it: every launch, device copy and host↔device copy issued on
+    /// the compute stream until [`Self::end_capture`] becomes a node. Host
+    /// copies must be from page-locked memory ([`HostBuffer`]), which the
+    /// replay reads at the time it runs. Nothing may wait for the stream
+    /// (synchronize, event waits on the host) or use the copy stream while
+    /// capturing.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.compute
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .op("cuStreamBeginCapture")
+    }
+
+    /// Ends the capture begun by [`Self::begin_capture`] and instantiates
+    /// the graph (`None` if nothing was captured). Must be called after a
+    /// failed capture too, to give the stream back.
+    pub fn end_capture(&self) -> Result<Option<Graph>> {
+        let g = self
+            .compute
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .op("cuStreamEndCapture")?;
+        Ok(g.map(Graph))
+    }
+
+    /// Runs a captured graph on the compute stream (asynchronously, in
+    /// order with the stream's other work).
+    ///
+    /// # Safety
+    /// Every buffer the graph's nodes read or write must still be allocated
+    /// and hold what the captured work expects (the captured launches keep
+    /// raw device addresses).
+    pub unsafe fn replay(&self, g: &Graph) -> Result<()> {
+        g.0.launch().op("cuGraphLaunch")?;
+        self.counters.graph_launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// (free, total) bytes of device memory now.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
@@ -377,15 +493,13 @@ impl CudaDevice {
 
     /// An event marking all copies issued so far.
     pub fn record_copy(&self) -> Result<Event> {
-        Ok(Event(self.copy.record_event(None).op("cuEventRecord")?))
+        Ok(self.event(self.copy.record_event(None).op("cuEventRecord")?))
     }
 
     /// Like [`Self::record_copy`], with timing enabled (for benchmarks).
     pub fn record_copy_timed(&self) -> Result<Event> {
         let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
-        Ok(Event(
-            self.copy.record_event(Some(flags)).op("cuEventRecord")?,
-        ))
+        Ok(self.event(self.copy.record_event(Some(flags)).op("cuEventRecord")?))
     }
 
     /// `len` bytes of page-locked host memory, registered with this
@@ -473,6 +587,7 @@ impl CudaDevice {
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.cast(), dst.len, self.copy.cu_stream()) }
             .result()
             .op("cuMemcpyHtoDAsync")?;
+        self.counters.copy();
         self.record_copy()
     }
 
@@ -498,7 +613,9 @@ impl CudaDevice {
         // SAFETY: dst covers src.len() elements of a live allocation; the
         // caller keeps `src` unchanged until the stream has passed.
         unsafe { result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream()) }
-            .op("cuMemcpyHtoDAsync")
+            .op("cuMemcpyHtoDAsync")?;
+        self.counters.copy();
+        Ok(())
     }
 
     /// Copies `src` into `dst` (equal lengths) on the compute stream after
@@ -525,7 +642,9 @@ impl CudaDevice {
         // SAFETY: src covers dst.len() elements of a live allocation; the
         // caller keeps `dst` alive and unread until the stream has passed.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr, self.compute.cu_stream()) }
-            .op("cuMemcpyDtoHAsync")
+            .op("cuMemcpyDtoHAsync")?;
+        self.counters.copy();
+        Ok(())
     }
 }
 
@@ -636,23 +755,27 @@ impl Drop for HostBuffer {
 }
 
 /// A point in a stream's work.
-pub struct Event(CudaEvent);
+pub struct Event {
+    ev: CudaEvent,
+    counters: Arc<DeviceCounters>,
+}
 
 impl Event {
     /// Blocks the host until the event's work is done.
     pub fn synchronize(&self) -> Result<()> {
-        self.0.synchronize().op("cuEventSynchronize")
+        self.counters.wait();
+        self.ev.synchronize().op("cuEventSynchronize")
     }
 
     /// Whether the event's work is done (errors of earlier work surface
     /// here).
     pub fn is_complete(&self) -> Result<bool> {
-        self.0.try_is_complete().op("cuEventQuery")
+        self.ev.try_is_complete().op("cuEventQuery")
     }
 
     /// Milliseconds from `self` to `end` (both timed events; waits for both).
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
-        self.0.elapsed_ms(&end.0).op("cuEventElapsedTime")
+        self.ev.elapsed_ms(&end.ev).op("cuEventElapsedTime")
     }
 }
 
@@ -822,6 +945,30 @@ impl<'a, T> BufMut<'a, T> {
             len,
             _p: PhantomData,
         })
+    }
+
+    /// Elements `..mid` and `mid..` as two exclusive views (consumes the
+    /// view).
+    pub fn split_at(self, mid: usize) -> Result<(BufMut<'a, T>, BufMut<'a, T>)> {
+        if mid > self.len {
+            return Err(CudaError::invalid(
+                "view",
+                format!("split at {mid} of a view of {}", self.len),
+            ));
+        }
+        let size = std::mem::size_of::<T>() as u64;
+        Ok((
+            BufMut {
+                ptr: self.ptr,
+                len: mid,
+                _p: PhantomData,
+            },
+            BufMut {
+                ptr: self.ptr + mid as u64 * size,
+                len: self.len - mid,
+                _p: PhantomData,
+            },
+        ))
     }
 
     /// The same elements, shared (consumes the view).

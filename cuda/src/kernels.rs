@@ -126,7 +126,14 @@ pub const MODULES: &[ModuleSource] = &[
     ModuleSource {
         name: "elementwise",
         source: include_str!("../kernels/elementwise.cu"),
-        kernels: &["rms_norm", "rope", "swiglu", "moe_combine"],
+        kernels: &[
+            "rms_norm",
+            "add_rms_norm",
+            "gqa_prep",
+            "rope",
+            "swiglu",
+            "moe_combine",
+        ],
     },
     ModuleSource {
         name: "attention",
@@ -148,6 +155,11 @@ pub const MODULES: &[ModuleSource] = &[
         name: "router",
         source: include_str!("../kernels/router.cu"),
         kernels: &["router_softmax_topk", "router_sigmoid_grouped_topk"],
+    },
+    ModuleSource {
+        name: "moe",
+        source: include_str!("../kernels/moe.cu"),
+        kernels: &["moe_route_plan", "kv_append"],
     },
 ];
 

@@ -47,15 +47,17 @@ pub mod cache;
 pub mod device;
 pub mod error;
 pub mod kernels;
+pub mod moe;
 pub mod nvrtc;
 pub mod ops;
 
 pub use batch::MatvecTable;
 pub use cache::KernelCache;
 pub use device::{
-    BufMut, BufView, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event, HOST_PAGE,
-    HostBuffer, HostRegistration,
+    BufMut, BufView, CounterSnapshot, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event,
+    Graph, HOST_PAGE, HostBuffer, HostRegistration,
 };
 pub use error::{CudaError, Result};
 pub use kernels::{Arch, CI_ARCHS, CompiledModule, KernelSet, MODULES, compile_all};
+pub use moe::{DeviceRouter, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MoeRoutePlan};
 pub use ops::{Attention, Fp8Scales, KvView, MatvecGroup, RopeTable, WeightFormat, WeightView};

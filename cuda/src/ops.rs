@@ -198,7 +198,11 @@ pub struct Attention<'a> {
 }
 
 /// The kernels' block sizes (see the .cu files).
-const MV_ROWS_PER_BLOCK: usize = 32;
+/// Rows a block of the strided-group matvec owns: 8 warps of 2 rows for
+/// one token, of 4 for more (MV_PLAIN_ROWS_PER_WARP in kernels/matvec.cu).
+fn mv_rows_per_block(nt: usize) -> usize {
+    8 * if nt == 1 { 2 } else { 4 }
+}
 const MV_THREADS: u32 = 256;
 const RN_THREADS: u32 = 256;
 const RP_THREADS: u32 = 64;
@@ -306,6 +310,7 @@ impl KernelSet {
     ) -> Result<()> {
         let f = self.function(name)?;
         dev.context().bind_to_thread().op("cuCtxSetCurrent")?;
+        dev.count_launch();
         let mut params: Vec<*mut c_void> = args.slots[..args.n]
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
@@ -457,7 +462,7 @@ impl KernelSet {
         };
         let grid = grid(
             K,
-            w.rows.div_ceil(MV_ROWS_PER_BLOCK),
+            w.rows.div_ceil(mv_rows_per_block(nt)),
             g.ntok.div_ceil(nt),
             g.matrices,
         )?;
@@ -607,6 +612,42 @@ impl KernelSet {
         unsafe { self.launch(dev, "rms_norm", grid(K, rows, 1, 1)?, RN_THREADS, &mut a) }
     }
 
+    /// `x += a`, then `y = RMSNorm(x)` with weight `w`, for `rows`
+    /// contiguous rows of `n` (the residual add and the next norm in one
+    /// pass; the same bits as [`Self::add_inplace`] then [`Self::rms_norm`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        dev: &CudaDevice,
+        x: BufMut<'_, f32>,
+        a: BufView<'_, f32>,
+        w: BufView<'_, f32>,
+        y: BufMut<'_, f32>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "add_rms_norm";
+        nonzero(K, "n", n)?;
+        nonzero(K, "rows", rows)?;
+        let total = span(K, &[(rows, n)], 0)?;
+        need(K, "x", total, x.len())?;
+        need(K, "a", total, a.len())?;
+        need(K, "y", total, y.len())?;
+        need(K, "weight", n, w.len())?;
+        let mut args = Args::new();
+        args.ptr(x.device_ptr())
+            .ptr(a.device_ptr())
+            .ptr(w.device_ptr())
+            .ptr(y.device_ptr())
+            .u32(u32_arg(K, "n", n)?)
+            .f32(eps);
+        // SAFETY: 6 arguments as add_rms_norm in kernels/elementwise.cu (4
+        // pointers, u32, f32); rows × n elements of x, a, y and n weights
+        // checked; x and y are exclusive views, so distinct from a and w.
+        unsafe { self.launch(dev, K, grid(K, rows, 1, 1)?, RN_THREADS, &mut args) }
+    }
+
     /// Rotates dims `offset .. offset + rot_dim` of each of `heads` heads of
     /// `ntok` tokens in place: element (t, h, d) is at `t·tok_stride +
     /// h·head_stride + d`. `pos[t]` picks the table row; a position past
@@ -670,6 +711,99 @@ impl KernelSet {
         // the tables and ntok positions were checked; the kernel never reads
         // a table row ≥ table rows.
         unsafe { self.launch(dev, "rope", grid(K, heads, ntok, 1)?, RP_THREADS, &mut a) }
+    }
+
+    /// GQA's per-head work in one launch (kernels/elementwise.cu
+    /// `gqa_prep`): for `rows` tokens of `q` (`[rows][nh][hd]`), `k` and `v`
+    /// (`[rows][nkv][hd]`), RMSNorm of each q and k head (when the weights
+    /// are given), rotary embedding of dims `0..rot_dim` of each, then k and
+    /// v appended to the caches (`capacity` slots of `nkv·hd`) at slot
+    /// `slot0[r] + pos[r]`. The same bits as `rms_norm_inplace`, `rope` and
+    /// `kv_append` one after the other.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gqa_prep(
+        &self,
+        dev: &CudaDevice,
+        q: BufMut<'_, f32>,
+        k: BufMut<'_, f32>,
+        v: BufView<'_, f32>,
+        rows: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+        q_norm: Option<BufView<'_, f32>>,
+        k_norm: Option<BufView<'_, f32>>,
+        eps: f32,
+        table: &RopeTable<'_>,
+        pos: BufView<'_, u32>,
+        slot0: BufView<'_, u32>,
+        k_cache: BufMut<'_, f32>,
+        v_cache: BufMut<'_, f32>,
+        capacity: usize,
+    ) -> Result<()> {
+        const K: &str = "gqa_prep";
+        nonzero(K, "rows", rows)?;
+        nonzero(K, "heads", nh)?;
+        nonzero(K, "kv heads", nkv)?;
+        nonzero(K, "head dim", hd)?;
+        let rd = table.rot_dim;
+        if rd == 0 || !rd.is_multiple_of(2) || rd > RP_MAX_DIM || rd > hd {
+            return Err(CudaError::invalid(
+                K,
+                format!("rotary dim {rd} must be even, 2..={}", RP_MAX_DIM.min(hd)),
+            ));
+        }
+        need(
+            K,
+            "q",
+            span(K, &[(rows, nh), (0, 0)], 0).and_then(|r| span(K, &[(r, hd)], 0))?,
+            q.len(),
+        )?;
+        let kvd = span(K, &[(nkv, hd)], 0)?;
+        need(K, "k", span(K, &[(rows, kvd)], 0)?, k.len())?;
+        need(K, "v", span(K, &[(rows, kvd)], 0)?, v.len())?;
+        let (qw, kw) = match (&q_norm, &k_norm) {
+            (Some(a), Some(b)) => {
+                need(K, "q norm", hd, a.len())?;
+                need(K, "k norm", hd, b.len())?;
+                (a.device_ptr(), b.device_ptr())
+            }
+            (None, None) => (0, 0),
+            _ => return Err(CudaError::invalid(K, "q and k norms go together")),
+        };
+        let table_len = span(K, &[(table.positions, rd / 2)], 0)?;
+        need(K, "cos table", table_len, table.cos.len())?;
+        need(K, "sin table", table_len, table.sin.len())?;
+        need(K, "positions", rows, pos.len())?;
+        need(K, "slot0", rows, slot0.len())?;
+        let cache = span(K, &[(capacity, kvd)], 0)?;
+        need(K, "key cache", cache, k_cache.len())?;
+        need(K, "value cache", cache, v_cache.len())?;
+        let blocks = span(K, &[(nkv, 2)], nh)?;
+        let mut a = Args::new();
+        a.ptr(q.device_ptr())
+            .ptr(k.device_ptr())
+            .ptr(v.device_ptr())
+            .u32(u32_arg(K, "heads", nh)?)
+            .u32(u32_arg(K, "kv heads", nkv)?)
+            .u32(u32_arg(K, "head dim", hd)?)
+            .ptr(qw)
+            .ptr(kw)
+            .f32(eps)
+            .ptr(table.cos.device_ptr())
+            .ptr(table.sin.device_ptr())
+            .u32(u32_arg(K, "table rows", table.positions)?)
+            .u32(rd as u32)
+            .u32(table.interleaved as u32)
+            .ptr(pos.device_ptr())
+            .ptr(slot0.device_ptr())
+            .ptr(k_cache.device_ptr())
+            .ptr(v_cache.device_ptr())
+            .u32(u32_arg(K, "capacity", capacity)?);
+        // SAFETY: 19 arguments as gqa_prep in kernels/elementwise.cu; q, k,
+        // v hold rows × heads × hd, the norms hd, the tables their
+        // positions (the kernel reads no row ≥ table rows), pos and slot0
+        // `rows` entries, the caches `capacity` slots (the kernel writes no
+        // slot ≥ capacity); q, k and the caches are exclusive views.
+        unsafe { self.launch(dev, K, grid(K, blocks, rows, 1)?, RN_THREADS, &mut a) }
     }
 
     /// `out = silu(gate) · up` over `rows × cols` contiguous elements.
@@ -775,6 +909,39 @@ impl KernelSet {
         k: usize,
         hidden: usize,
     ) -> Result<()> {
+        self.moe_combine_into(
+            dev,
+            slot_out,
+            experts,
+            weights,
+            shared,
+            shared_gate,
+            out,
+            rows,
+            k,
+            hidden,
+            false,
+        )
+    }
+
+    /// [`Self::moe_combine`], adding the result to `out` when `accumulate`
+    /// (`out += combined`: the residual add in the same pass, the same
+    /// rounded addition as a separate `add_inplace`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_into(
+        &self,
+        dev: &CudaDevice,
+        slot_out: BufView<'_, f32>,
+        experts: BufView<'_, u32>,
+        weights: BufView<'_, f32>,
+        shared: Option<BufView<'_, f32>>,
+        shared_gate: Option<BufView<'_, f32>>,
+        out: BufMut<'_, f32>,
+        rows: usize,
+        k: usize,
+        hidden: usize,
+        accumulate: bool,
+    ) -> Result<()> {
         const K: &str = "moe_combine";
         nonzero(K, "rows", rows)?;
         nonzero(K, "k", k)?;
@@ -812,10 +979,12 @@ impl KernelSet {
             .ptr(shared_gate.map_or(0, |s| s.device_ptr()))
             .ptr(out.device_ptr())
             .u32(k as u32)
-            .u32(u32_arg(K, "hidden", hidden)?);
-        // SAFETY: 8 arguments as moe_combine in kernels/elementwise.cu (6
-        // pointers, u32, u32); every range checked above; null pointers only
-        // for the optional shared inputs, which the kernel tests.
+            .u32(u32_arg(K, "hidden", hidden)?)
+            .u32(accumulate as u32);
+        // SAFETY: 9 arguments as moe_combine in kernels/elementwise.cu (6
+        // pointers, u32 ×3); every range checked above; null pointers only
+        // for the optional shared inputs, which the kernel tests; `out` is
+        // exclusive, so no input aliases it.
         unsafe {
             self.launch(
                 dev,

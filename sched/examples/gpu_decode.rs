@@ -76,6 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ram_budget = size_arg(&args, "--ram-budget");
     let tokens: usize = arg(&args, "--tokens").unwrap_or(64);
     let warmup: usize = arg(&args, "--warmup").unwrap_or(16);
+    let no_warm = args.iter().any(|a| a == "--no-warm-ram");
 
     let (d2d, h2d) = bandwidths()?;
     eprintln!("device copy {d2d:.0} GB/s (read + write), host-to-device {h2d:.1} GB/s");
@@ -95,6 +96,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..EngineOptions::default()
         },
     )?;
+    // Every routed expert into RAM first (when the RAM tier can hold them
+    // all), so the decode measures the GPU and the bus, not the disk.
+    if !no_warm && let Some(tier) = &engine.tier {
+        let plan = tier.plan();
+        let layout = tier.layout();
+        if plan.cache_slots() + plan.pinned.len() >= layout.len() {
+            let t = Instant::now();
+            let ids: Vec<usize> = (0..layout.experts_per_layer).collect();
+            for (layer, base) in layout.base.iter().enumerate() {
+                if base.is_none() {
+                    continue;
+                }
+                for chunk in ids.chunks(32) {
+                    tier.fetch_with_prefetch(layer, chunk, &[], &mut |_, _| Ok(()))?;
+                }
+            }
+            eprintln!(
+                "{} experts read into RAM in {:.1}s",
+                layout.len(),
+                t.elapsed().as_secs_f64()
+            );
+        } else {
+            eprintln!("the RAM tier cannot hold every expert: not warmed");
+        }
+    }
     let summary = match attach(
         &mut engine,
         &GpuOptions {
@@ -154,6 +180,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     engine.generate(&mut seq, |_| {
         count += 1;
         if count == warmup + 1 {
+            gpu.reset_profile();
             start = Some((Instant::now(), gpu.stats()));
         }
         if count == warmup + tokens + 1 {
@@ -167,6 +194,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let h2d_bytes =
         (s_b.expert_h2d_bytes - s_a.expert_h2d_bytes) + (s_b.dense_h2d_bytes - s_a.dense_h2d_bytes);
     let h2d_rate = h2d_bytes as f64 / secs / 1e9;
+    let per_tok = |a: u64, b: u64| (b - a) as f64 / tokens as f64;
+    let launches = per_tok(s_a.launches, s_b.launches);
+    let graphs = per_tok(s_a.graph_launches, s_b.graph_launches);
+    let waits = per_tok(s_a.host_waits, s_b.host_waits);
+    let copies = per_tok(s_a.copies, s_b.copies);
     let hits = s_b.cache.hits - s_a.cache.hits;
     let misses = s_b.cache.misses - s_a.cache.misses;
     let roofline = d2d * 1e9 / active.max(1) as f64;
@@ -197,8 +229,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         100.0 * h2d_rate / h2d
     );
     println!(
+        "per token             {launches:.1} kernel launches, {graphs:.2} graph replays, \
+         {waits:.1} host waits, {copies:.1} host-device copies ({} layers)",
+        spec.num_layers()
+    );
+    let profile = gpu.profile();
+    if let Some(p) = &profile {
+        let per_layer = 1e3 / p.layers.max(1) as f64;
+        let per_pass = 1.0 / p.passes.max(1) as f64;
+        println!(
+            "profile               {} passes, {} layers (COLIBRI_GPU_PROFILE=1: no graphs, a timed \
+             event between phases; the measured tokens only)",
+            p.passes, p.layers
+        );
+        println!("  phase       GPU ms/pass  GPU us/layer  host ms/pass  host us/layer");
+        for (name, g, h) in &p.phases {
+            println!(
+                "  {name:<10} {:>12.3} {:>13.1} {:>13.3} {:>14.1}",
+                g * per_pass,
+                g * per_layer,
+                h * per_pass,
+                h * per_layer
+            );
+        }
+    }
+    println!(
         "{}",
         serde_json::json!({
+            "launches_per_token": launches,
+            "graph_launches_per_token": graphs,
+            "host_waits_per_token": waits,
+            "copies_per_token": copies,
+            "profile": profile,
             "model": dir.display().to_string(),
             "vram_budget": vram_budget,
             "ram_budget": ram_budget,

@@ -363,7 +363,16 @@ fn gpu_is_bit_identical_across_vram_and_ram_budgets() {
         };
         let want = run(&full);
         let s = full.gpu.as_ref().unwrap().stats();
-        assert!(s.cache.hits > 0, "{name}: the all-in-VRAM run never hit");
+        // Everything fits: every expert is preloaded, decode steps route on
+        // the device and run as graphs; the budgets below route on the host.
+        assert!(
+            s.device_routed_layers > 0 && s.graphs_captured > 0 && s.graph_launches > 0,
+            "{name}: the all-in-VRAM run did not take the device-routed, captured path ({s:?})"
+        );
+        assert!(
+            s.cache.hits > 0 || s.device_routed_layers > 0,
+            "{name}: the all-in-VRAM run never used a VRAM expert"
+        );
         for (vram, ram, rows) in budgets {
             let e = engine(&model, DeviceChoice::Cuda, vram, ram, rows);
             let got = run(&e);
@@ -490,4 +499,187 @@ fn a_gpu_cache_refuses_the_cpu_tier_and_vice_versa() {
         }])
         .unwrap_err();
     assert!(err.to_string().contains("CPU tier"), "{err}");
+}
+
+/// The device's routing and launch plan (cuda/kernels/moe.cu) against the
+/// host's (sched::gpu::route), bit for bit, on random logits and on rows
+/// made of ties and of large values.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn device_routing_equals_the_host_routing_bit_for_bit() {
+    use colibri_cuda::{DeviceRouter, MoeRoutePlan};
+    use colibri_model::config::{MoeSpec, RouterKind};
+    use colibri_sched::gpu::route::route_portable;
+    use rand::{Rng, SeedableRng};
+
+    let (dev, k) = colibri_sched::gpu::open_device(0).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let cases = [
+        (
+            RouterKind::Softmax {
+                norm_topk_prob: true,
+            },
+            128,
+            8,
+        ),
+        (
+            RouterKind::Softmax {
+                norm_topk_prob: false,
+            },
+            60,
+            4,
+        ),
+        (
+            RouterKind::SigmoidGrouped {
+                n_group: 8,
+                topk_group: 4,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+            },
+            256,
+            8,
+        ),
+        (
+            RouterKind::SigmoidGrouped {
+                n_group: 4,
+                topk_group: 2,
+                norm_topk_prob: false,
+                routed_scaling_factor: 1.0,
+            },
+            64,
+            6,
+        ),
+    ];
+    for (router, e, topk) in cases {
+        let spec = MoeSpec {
+            num_experts: e,
+            top_k: topk,
+            intermediate_size: 16,
+            router: router.clone(),
+            shared: None,
+        };
+        let sigmoid = matches!(router, RouterKind::SigmoidGrouped { .. });
+        let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.05..0.05)).collect();
+        for rows in [1usize, 3, 19] {
+            let mut logits: Vec<f32> = (0..rows * e)
+                .map(|_| rng.random_range(-10.0f32..10.0))
+                .collect();
+            if rows > 1 {
+                logits[e..2 * e].fill(0.25); // all tied
+            }
+            if rows > 2 {
+                for v in &mut logits[2 * e..3 * e] {
+                    *v *= 9.0; // exp far from 1, sigmoid saturating
+                }
+            }
+            let want: Vec<_> = logits
+                .chunks_exact(e)
+                .map(|l| route_portable(&spec, l, sigmoid.then_some(&bias[..])))
+                .collect();
+            let d_logits = dev.upload(&logits).unwrap();
+            let d_bias = dev.upload(&bias).unwrap();
+            let ptrs: Vec<u64> = (0..e as u64 * 6).map(|i| 0x1000 + i).collect();
+            let d_eptrs = dev.upload(&ptrs).unwrap();
+            let nk = rows * topk;
+            let tl = e.min(nk);
+            let mut ids = dev.alloc::<u32>(nk).unwrap();
+            let mut w = dev.alloc::<f32>(nk).unwrap();
+            let mut tptrs = dev.alloc::<u64>(6 * tl).unwrap();
+            let mut off = dev.alloc::<u32>(tl).unwrap();
+            let mut cnt = dev.alloc::<u32>(tl).unwrap();
+            let mut pairs = dev.alloc::<u32>(nk).unwrap();
+            let mut pair_of = dev.alloc::<u32>(nk).unwrap();
+            dev.fill_bytes(ids.as_mut(), 0xa5).unwrap();
+            dev.fill_bytes(w.as_mut(), 0xa5).unwrap();
+            dev.fill_bytes(cnt.as_mut(), 0xa5).unwrap();
+            dev.fill_bytes(pairs.as_mut(), 0xa5).unwrap();
+            dev.fill_bytes(pair_of.as_mut(), 0xa5).unwrap();
+            let dr = match &router {
+                RouterKind::Softmax { norm_topk_prob } => DeviceRouter::Softmax {
+                    norm: *norm_topk_prob,
+                },
+                RouterKind::SigmoidGrouped {
+                    n_group,
+                    topk_group,
+                    norm_topk_prob,
+                    routed_scaling_factor,
+                } => DeviceRouter::SigmoidGrouped {
+                    n_group: *n_group,
+                    topk_group: *topk_group,
+                    norm: *norm_topk_prob,
+                    scaling: *routed_scaling_factor,
+                },
+            };
+            // SAFETY: the expert pointers are only copied into the tables
+            // here; nothing launches from them.
+            unsafe {
+                k.moe_route_plan(
+                    &dev,
+                    MoeRoutePlan {
+                        logits: d_logits.as_view(),
+                        rows,
+                        experts: e,
+                        k: topk,
+                        router: dr,
+                        bias: sigmoid.then(|| d_bias.as_view()),
+                        expert_ptrs: d_eptrs.as_view(),
+                        ids: ids.as_mut(),
+                        weights: w.as_mut(),
+                        ptrs: tptrs.as_mut(),
+                        ptr_stride: tl,
+                        tok_off: off.as_mut(),
+                        tok_cnt: cnt.as_mut(),
+                        table_len: tl,
+                        pairs: pairs.as_mut(),
+                        pair_of: pair_of.as_mut(),
+                    },
+                )
+                .unwrap();
+            }
+            let got_ids = dev.download(ids.as_view()).unwrap();
+            let got_w = dev.download(w.as_view()).unwrap();
+            for (r, h) in want.iter().enumerate() {
+                let ids_r: Vec<usize> = got_ids[r * topk..(r + 1) * topk]
+                    .iter()
+                    .map(|&i| i as usize)
+                    .collect();
+                assert_eq!(ids_r, h.experts, "{router:?} {rows} rows: row {r} experts");
+                assert_eq!(
+                    bits(&got_w[r * topk..(r + 1) * topk]),
+                    bits(&h.weights),
+                    "{router:?} {rows} rows: row {r} weights"
+                );
+            }
+            // The plan: used experts ascending, their users in row order.
+            let mut users: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+            for (j, &id) in got_ids.iter().enumerate() {
+                users.entry(id as usize).or_default().push(j);
+            }
+            let (off, cnt) = (
+                dev.download(off.as_view()).unwrap(),
+                dev.download(cnt.as_view()).unwrap(),
+            );
+            let (pairs, pair_of) = (
+                dev.download(pairs.as_view()).unwrap(),
+                dev.download(pair_of.as_view()).unwrap(),
+            );
+            let tptrs = dev.download(tptrs.as_view()).unwrap();
+            let mut p = 0usize;
+            for (i, (ex, js)) in users.iter().enumerate() {
+                assert_eq!((off[i] as usize, cnt[i] as usize), (p, js.len()));
+                for t in 0..6 {
+                    assert_eq!(tptrs[t * tl + i], ptrs[ex * 6 + t]);
+                }
+                for &j in js {
+                    assert_eq!(pairs[p] as usize, j / topk);
+                    assert_eq!(pair_of[j] as usize, p);
+                    p += 1;
+                }
+            }
+            assert_eq!(p, nk);
+            for (i, c) in cnt.iter().enumerate().take(tl).skip(users.len()) {
+                assert_eq!(*c, 0, "unused launch index {i} has tokens");
+            }
+        }
+    }
 }

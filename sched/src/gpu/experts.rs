@@ -33,8 +33,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use colibri_cuda::{
-    BufView, CudaDevice, DeviceBuffer, Event, HostBuffer, KernelSet, MatvecTable,
-    WeightFormat as DevFormat,
+    BufView, CudaDevice, DeviceBuffer, DeviceRouter, Event, HostBuffer, KernelSet, MatvecTable,
+    MoeRoutePlan, WeightFormat as DevFormat,
 };
 use colibri_model::experts::{ExpertSource, ExpertWeights};
 use colibri_model::moe::Routing;
@@ -292,6 +292,60 @@ struct Ring {
     next: usize,
 }
 
+/// Where one chunk's launch tables lie in the packed metadata (bytes): the
+/// chunk of launch indices `i0..i1` and pair rows `p0..p1` starts at
+/// `56·i0 + 8·p0` and holds six pointer tables of `m = i1 − i0` u64s
+/// (gate, up, down, their FP8 scales), then `m` token offsets and `m`
+/// counts (u32), then the chunk's `p1 − p0` pair rows (u32). Chunks of a
+/// layer never overlap (each ends before `56·i1 + 8·p1`), so the host
+/// fills and uploads each with one copy.
+#[derive(Clone, Copy, Debug)]
+struct MetaLayout {
+    base: usize,
+    m: usize,
+    pairs: usize,
+}
+
+impl MetaLayout {
+    fn new(i0: usize, i1: usize, p0: usize, p1: usize) -> MetaLayout {
+        MetaLayout {
+            base: 56 * i0 + 8 * p0,
+            m: i1 - i0,
+            pairs: p1 - p0,
+        }
+    }
+
+    fn ptrs(&self, t: usize) -> std::ops::Range<usize> {
+        let a = self.base + 8 * self.m * t;
+        a..a + 8 * self.m
+    }
+
+    fn off(&self) -> std::ops::Range<usize> {
+        let a = self.base + 48 * self.m;
+        a..a + 4 * self.m
+    }
+
+    fn cnt(&self) -> std::ops::Range<usize> {
+        let a = self.base + 52 * self.m;
+        a..a + 4 * self.m
+    }
+
+    fn pair_rows(&self) -> std::ops::Range<usize> {
+        let a = self.base + 56 * self.m;
+        a..a + 4 * self.pairs
+    }
+
+    fn all(&self) -> std::ops::Range<usize> {
+        self.base..self.pair_rows().end
+    }
+
+    /// Bytes of packed metadata for `experts` launch indices and `pairs`
+    /// pair rows.
+    fn bytes(experts: usize, pairs: usize) -> usize {
+        56 * experts + 8 * pairs
+    }
+}
+
 /// Device and pinned-host buffers of the MoE step, sized for the largest
 /// pass.
 pub(crate) struct MoeBufs {
@@ -301,36 +355,32 @@ pub(crate) struct MoeBufs {
     pub ea: DeviceBuffer<f32>,
     pub eo: DeviceBuffer<f32>,
     pub so: DeviceBuffer<f32>,
-    /// Six tables of `experts` pointers: gate, up, down, then their scales.
-    d_ptrs: DeviceBuffer<u64>,
-    d_off: DeviceBuffer<u32>,
-    d_cnt: DeviceBuffer<u32>,
-    d_pairs: DeviceBuffer<u32>,
-    pub d_comb_idx: DeviceBuffer<u32>,
-    pub d_comb_ids: DeviceBuffer<u32>,
-    pub d_comb_w: DeviceBuffer<f32>,
-    h_ptrs: HostBuffer,
-    h_off: HostBuffer,
-    h_cnt: HostBuffer,
-    h_pairs: HostBuffer,
-    h_comb_idx: HostBuffer,
-    h_comb_ids: HostBuffer,
-    h_comb_w: HostBuffer,
+    /// The launch tables, packed per chunk ([`MetaLayout`]).
+    d_meta: DeviceBuffer<u8>,
+    h_meta: HostBuffer,
+    /// The combine's inputs, three arrays of `nk` words for a pass of `nk`
+    /// (row, slot) pairs: pair row, expert id, weight.
+    d_comb: DeviceBuffer<u8>,
+    h_comb: HostBuffer,
+    /// The host's tables, by launch index (six pointer tables of `experts`
+    /// entries, offsets, counts) and pair row.
+    t_ptrs: Vec<u64>,
+    t_off: Vec<u32>,
+    t_cnt: Vec<u32>,
+    t_pairs: Vec<u32>,
 }
 
 impl MoeBufs {
     /// Device bytes (for the planner) and allocation share one list.
-    fn sizes(d: &Dims) -> [(usize, usize); 7] {
+    fn sizes(d: &Dims) -> [(usize, usize); 5] {
         let e = d.experts.max(1);
         let pairs = d.max_rows * d.top_k.max(1);
         [
-            (pairs * d.hidden, 4),               // xin
-            (pairs * d.moe_inter.max(1), 4 * 3), // eg, eu, ea
-            (pairs * d.hidden, 4 * 2),           // eo, so
-            (6 * e, 8),                          // pointer tables
-            (2 * e, 4),                          // offsets, counts
-            (pairs, 4 * 3),                      // pairs, combine idx and ids
-            (pairs, 4),                          // combine weights
+            (pairs * d.hidden, 4),                 // xin
+            (pairs * d.moe_inter.max(1), 4 * 3),   // eg, eu, ea
+            (pairs * d.hidden, 4 * 2),             // eo, so
+            (MetaLayout::bytes(e, pairs) + 16, 1), // launch tables
+            (pairs, 4 * 3),                        // combine idx, ids, weights
         ]
     }
 
@@ -346,6 +396,7 @@ impl MoeBufs {
         let pairs = d.max_rows * d.top_k.max(1);
         let inter = d.moe_inter.max(1);
         let z = |n: usize| super::zeros::<f32>(dev, n);
+        let meta = MetaLayout::bytes(e, pairs) + 16;
         Ok(MoeBufs {
             xin: z(pairs * d.hidden)?,
             eg: z(pairs * inter)?,
@@ -353,21 +404,32 @@ impl MoeBufs {
             ea: z(pairs * inter)?,
             eo: z(pairs * d.hidden)?,
             so: z(pairs * d.hidden)?,
-            d_ptrs: super::zeros::<u64>(dev, 6 * e)?,
-            d_off: super::zeros::<u32>(dev, e)?,
-            d_cnt: super::zeros::<u32>(dev, e)?,
-            d_pairs: super::zeros::<u32>(dev, pairs)?,
-            d_comb_idx: super::zeros::<u32>(dev, pairs)?,
-            d_comb_ids: super::zeros::<u32>(dev, pairs)?,
-            d_comb_w: super::zeros::<f32>(dev, pairs)?,
-            h_ptrs: dev.alloc_host(6 * e * 8)?,
-            h_off: dev.alloc_host(e * 4)?,
-            h_cnt: dev.alloc_host(e * 4)?,
-            h_pairs: dev.alloc_host(pairs * 4)?,
-            h_comb_idx: dev.alloc_host(pairs * 4)?,
-            h_comb_ids: dev.alloc_host(pairs * 4)?,
-            h_comb_w: dev.alloc_host(pairs * 4)?,
+            d_meta: super::zeros::<u8>(dev, meta)?,
+            h_meta: dev.alloc_host(meta)?,
+            d_comb: super::zeros::<u8>(dev, 12 * pairs)?,
+            h_comb: dev.alloc_host(12 * pairs)?,
+            t_ptrs: vec![0; 6 * e],
+            t_off: vec![0; e],
+            t_cnt: vec![0; e],
+            t_pairs: vec![0; pairs],
         })
+    }
+
+    /// Bytes of array `which` of the combine's inputs for `nk` pairs (the
+    /// three arrays lie back to back, so they go up in one copy).
+    fn comb_range(&self, which: usize, nk: usize) -> std::ops::Range<usize> {
+        let a = 4 * nk * which;
+        a..a + 4 * nk
+    }
+
+    /// The combine's expert ids of `nk` (row, slot) pairs.
+    pub fn comb_ids(&self, nk: usize) -> Result<BufView<'_, u32>, GpuError> {
+        Ok(self.d_comb.view(self.comb_range(1, nk))?.cast::<u32>()?)
+    }
+
+    /// The combine's weights of `nk` (row, slot) pairs.
+    pub fn comb_w(&self, nk: usize) -> Result<BufView<'_, f32>, GpuError> {
+        Ok(self.d_comb.view(self.comb_range(2, nk))?.cast::<f32>()?)
     }
 }
 
@@ -390,6 +452,8 @@ pub(crate) struct ExpertCounters {
     pub copied: u64,
     pub h2d_bytes: u64,
     pub promotions: u64,
+    /// MoE layers routed and planned on the device (every expert resident).
+    pub device_routed: u64,
 }
 
 /// The VRAM expert cache and staging rings of every size class.
@@ -405,6 +469,10 @@ pub(crate) struct ExpertTier {
     max_held: usize,
     held: VecDeque<(usize, usize)>,
     pub counters: ExpertCounters,
+    /// Set once every routed expert of the model sits pinned in a cache
+    /// slot: `[layer][expert][6]` device addresses of gate, up, down and
+    /// their FP8 scales (0 where none), for routing on the device.
+    resident: Option<DeviceBuffer<u64>>,
 }
 
 impl ExpertTier {
@@ -460,11 +528,150 @@ impl ExpertTier {
             max_held: max_held.clamp(1, ring_min),
             held: VecDeque::new(),
             counters: ExpertCounters::default(),
+            resident: None,
         })
     }
 
     pub fn cache_stats(&self) -> super::VramCacheStats {
         self.cache.stats()
+    }
+
+    /// Whether every routed expert is pinned in VRAM (layers can then be
+    /// routed and planned on the device, see [`Self::moe_layer_resident`]).
+    pub fn all_resident(&self) -> bool {
+        self.resident.is_some()
+    }
+
+    /// When the cache has a slot for every routed expert of the model,
+    /// loads them all (pinned: nothing is ever evicted) and records their
+    /// addresses for device-side routing. Returns how many were loaded
+    /// (0 when they do not all fit; the cache then fills on demand).
+    pub fn preload_all(
+        &mut self,
+        dev: &CudaDevice,
+        source: &dyn ExpertSource,
+    ) -> Result<usize, GpuError> {
+        let per = self.per_layer;
+        let layers = self.shapes.len();
+        for (c, &need) in self.classes.experts.iter().enumerate() {
+            if self.cache.slots(c) < need {
+                return Ok(0);
+            }
+        }
+        if per == 0 || self.shapes.iter().all(|s| s.is_none()) {
+            return Ok(0);
+        }
+        let mut loaded = 0;
+        let ids: Vec<usize> = (0..per).collect();
+        for layer in 0..layers {
+            let Some(shape) = self.shapes[layer] else {
+                continue;
+            };
+            let Some(class) = self.classes.layer_class[layer] else {
+                continue;
+            };
+            let sb = self.classes.slot_bytes[class];
+            for chunk in ids.chunks(16) {
+                let mut failure = None;
+                let res = source.fetch(layer, chunk, &mut |e, w| {
+                    let entry = (layer * per + e) as u32;
+                    let got = ExpertShape::of_weights(&w);
+                    if got.mats != shape.mats {
+                        let err = GpuError::Unsupported(format!(
+                            "layer {layer} expert {e}: stored as {:?}, the layer's other experts \
+                             as {:?}",
+                            got.mats, shape.mats
+                        ));
+                        let msg = err.to_string();
+                        failure = Some(err);
+                        return Err(ModelError::Invalid(msg));
+                    }
+                    let Reserve::Slot { slot, .. } = self.cache.reserve(entry) else {
+                        return Ok(());
+                    };
+                    let r = (|| -> Result<(), GpuError> {
+                        let buf = self.cache_bufs[slot.class]
+                            .as_mut()
+                            .ok_or_else(|| GpuError::Internal("preload without cache".into()))?;
+                        let mut last = None;
+                        for (i, m) in [&w.gate, &w.up, &w.down].iter().enumerate() {
+                            let at = slot.slot * sb + shape.off[i];
+                            let src = m.data().as_slice();
+                            // SAFETY: `w` stays alive until the event below
+                            // has been waited for; the slot is reserved and
+                            // read by no kernel yet.
+                            last = Some(unsafe {
+                                dev.copy_host_ptr_async(
+                                    src.as_ptr(),
+                                    buf.view_mut(at..at + src.len())?,
+                                )?
+                            });
+                            if let Some(s) = m.scales() {
+                                let sbytes = bytemuck_f32(&s.scales);
+                                let at = slot.slot * sb + shape.scale_off[i];
+                                // SAFETY: as above.
+                                last = Some(unsafe {
+                                    dev.copy_host_ptr_async(
+                                        sbytes.as_ptr(),
+                                        buf.view_mut(at..at + sbytes.len())?,
+                                    )?
+                                });
+                            }
+                        }
+                        // Copies on one stream complete in order: the last
+                        // one's event covers the expert.
+                        if let Some(ev) = last {
+                            ev.synchronize()?;
+                        }
+                        Ok(())
+                    })();
+                    match r {
+                        Ok(()) => {
+                            self.cache.complete(entry, 0, true);
+                            loaded += 1;
+                            Ok(())
+                        }
+                        Err(err) => {
+                            self.cache.abort(entry);
+                            let msg = err.to_string();
+                            failure = Some(err);
+                            Err(ModelError::Invalid(msg))
+                        }
+                    }
+                });
+                if let Err(e) = res {
+                    return Err(failure.take().unwrap_or(GpuError::Model(e)));
+                }
+            }
+        }
+        dev.synchronize()?;
+        // Every expert must now be resident; record where.
+        let mut table = vec![0u64; layers * per * 6];
+        for layer in 0..layers {
+            let Some(shape) = self.shapes[layer] else {
+                continue;
+            };
+            for e in 0..per {
+                let entry = (layer * per + e) as u32;
+                let (VramResidency::Resident { .. }, Some(s)) =
+                    (self.cache.residency(entry), self.cache.slot_of(entry))
+                else {
+                    return Err(GpuError::Internal(format!(
+                        "layer {layer} expert {e} is not resident after the preload"
+                    )));
+                };
+                let base = self.cache_slot_ptr(s)?;
+                let t = &mut table[(layer * per + e) * 6..(layer * per + e + 1) * 6];
+                for m in 0..3 {
+                    t[m] = base + shape.off[m] as u64;
+                    if shape.mats[m].scales.is_some() {
+                        t[3 + m] = base + shape.scale_off[m] as u64;
+                    }
+                }
+            }
+        }
+        self.resident = Some(dev.upload(&table)?);
+        Ok(loaded)
     }
 
     pub fn residency(&self, layer: usize, expert: usize) -> Option<VramResidency> {
@@ -491,6 +698,86 @@ impl ExpertTier {
             }
         }
         self.held.clear();
+    }
+
+    /// MoE layer `layer` for `n` rows when every expert is resident: the
+    /// router `logits` are routed and the launches planned on the device
+    /// (kernels/moe.cu), then the same expert launches and gathers as
+    /// [`Self::moe_layer`] run, so the host issues the layer without
+    /// waiting for anything. Slot outputs go to `bufs.so`, the combine's
+    /// ids and weights to `bufs` as there.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_layer_resident(
+        &mut self,
+        dev: &CudaDevice,
+        kern: &KernelSet,
+        dims: &Dims,
+        layer: usize,
+        n: usize,
+        logits: BufView<'_, f32>,
+        router: DeviceRouter,
+        bias: Option<BufView<'_, f32>>,
+        h: BufView<'_, f32>,
+        bufs: &mut MoeBufs,
+    ) -> Result<(), GpuError> {
+        let table = self
+            .resident
+            .as_ref()
+            .ok_or_else(|| GpuError::Internal("device routing without resident experts".into()))?;
+        let shape = self
+            .shapes
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or_else(|| GpuError::Internal(format!("layer {layer} has no expert shape")))?;
+        let fp8 = shape.mats.iter().any(|m| m.scales.is_some());
+        let per = self.per_layer;
+        let k = dims.top_k;
+        let nk = n * k;
+        let tl = per.min(nk);
+        let lay = MetaLayout::new(0, tl, 0, nk);
+        {
+            let meta = bufs.d_meta.view_mut(lay.all())?;
+            let (ptrs, rest) = meta.split_at(48 * tl)?;
+            let (off, rest) = rest.split_at(4 * tl)?;
+            let (cnt, pairs) = rest.split_at(4 * tl)?;
+            let comb = bufs.d_comb.view_mut(0..12 * nk)?;
+            let (pair_of, rest) = comb.split_at(4 * nk)?;
+            let (ids, weights) = rest.split_at(4 * nk)?;
+            // SAFETY: the table holds the addresses of this layer's experts
+            // in their pinned cache slots (preload_all), which no eviction
+            // can take while the tier lives.
+            unsafe {
+                kern.moe_route_plan(
+                    dev,
+                    MoeRoutePlan {
+                        logits,
+                        rows: n,
+                        experts: per,
+                        k,
+                        router,
+                        bias,
+                        expert_ptrs: table.view(layer * per * 6..(layer + 1) * per * 6)?,
+                        ids: ids.cast::<u32>()?,
+                        weights: weights.cast::<f32>()?,
+                        ptrs: ptrs.cast::<u64>()?,
+                        ptr_stride: tl,
+                        tok_off: off.cast::<u32>()?,
+                        tok_cnt: cnt.cast::<u32>()?,
+                        table_len: tl,
+                        pairs: pairs.cast::<u32>()?,
+                        pair_of: pair_of.cast::<u32>()?,
+                    },
+                )?;
+            }
+        }
+        // SAFETY: moe_route_plan wrote the tables (stream order) with the
+        // resident slots' addresses and pair rows < n; launch indices past
+        // the used experts have no tokens.
+        unsafe { run_chunk(dev, kern, dims, &shape, fp8, h, n, bufs, &lay, 0, n)? };
+        gather_slots(dev, kern, dims.hidden, nk, bufs)?;
+        self.counters.device_routed += 1;
+        Ok(())
     }
 
     /// Copies expert `w` into ring slot `r` of `class`; returns the slot's
@@ -587,8 +874,10 @@ impl ExpertTier {
         let class = self.classes.layer_class[layer]
             .ok_or_else(|| GpuError::Internal(format!("layer {layer} has no slot class")))?;
         let mut users: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+        let ids_at = bufs.comb_range(1, n * k);
+        let w_at = bufs.comb_range(2, n * k);
         {
-            let ids_h = bufs.h_comb_ids.typed_mut::<u32>();
+            let comb = bufs.h_comb.as_mut_slice();
             for (row, r) in routing.iter().enumerate() {
                 if r.experts.len() != k {
                     return Err(GpuError::Internal(format!(
@@ -606,12 +895,19 @@ impl ExpertTier {
                         .into());
                     }
                     users.entry(e).or_default().push((row, slot));
-                    ids_h[row * k + slot] = e as u32;
+                    let at = ids_at.start + 4 * (row * k + slot);
+                    comb[at..at + 4].copy_from_slice(&(e as u32).to_ne_bytes());
                 }
-            }
-            let w_h = bufs.h_comb_w.typed_mut::<f32>();
-            for (row, r) in routing.iter().enumerate() {
-                w_h[row * k..(row + 1) * k].copy_from_slice(&r.weights);
+                if r.weights.len() != k {
+                    return Err(GpuError::Internal(format!(
+                        "row {row} has {} routing weights, not {k}",
+                        r.weights.len()
+                    )));
+                }
+                for (slot, w) in r.weights.iter().enumerate() {
+                    let at = w_at.start + 4 * (row * k + slot);
+                    comb[at..at + 4].copy_from_slice(&w.to_ne_bytes());
+                }
             }
         }
         let mut pair_of = vec![u32::MAX; n * k];
@@ -752,39 +1048,28 @@ impl ExpertTier {
             )));
         }
 
-        // Back to (row, slot) order for the combine.
+        // Back to (row, slot) order for the combine: the pair rows, ids and
+        // weights go up in one copy (the three arrays lie back to back).
         let nk = n * k;
-        bufs.h_comb_idx.typed_mut::<u32>()[..nk].copy_from_slice(&pair_of);
+        let idx_at = bufs.comb_range(0, nk);
+        {
+            let comb = bufs.h_comb.as_mut_slice();
+            for (j, p) in pair_of.iter().enumerate() {
+                let at = idx_at.start + 4 * j;
+                comb[at..at + 4].copy_from_slice(&p.to_ne_bytes());
+            }
+        }
+        let all = 0..bufs.comb_range(2, nk).end;
         // SAFETY: the host metadata is written only between the router
-        // read-back of a layer (a full compute-stream sync) and these
-        // uploads, which the next layer's read-back waits for.
+        // read-back of a layer (a full compute-stream sync) and this
+        // upload, which the next layer's read-back waits for.
         unsafe {
             dev.upload_async(
-                &bufs.h_comb_idx.typed::<u32>()[..nk],
-                bufs.d_comb_idx.view_mut(0..nk)?,
-            )?;
-            dev.upload_async(
-                &bufs.h_comb_ids.typed::<u32>()[..nk],
-                bufs.d_comb_ids.view_mut(0..nk)?,
-            )?;
-            dev.upload_async(
-                &bufs.h_comb_w.typed::<f32>()[..nk],
-                bufs.d_comb_w.view_mut(0..nk)?,
-            )?;
-            // SAFETY (of the gather): every index is a pair row < nk
-            // (pair_of has no u32::MAX left, checked above).
-            kern.gather_rows(
-                dev,
-                bufs.eo.view(0..nk * hidden)?,
-                hidden,
-                nk,
-                bufs.d_comb_idx.view(0..nk)?,
-                bufs.so.view_mut(0..nk * hidden)?,
-                hidden,
-                hidden,
+                &bufs.h_comb.as_slice()[all.clone()],
+                bufs.d_comb.view_mut(all)?,
             )?;
         }
-        Ok(())
+        gather_slots(dev, kern, hidden, nk, bufs)
     }
 
     /// Launches the current chunk: gather its rows, gate/up/SwiGLU/down,
@@ -809,117 +1094,48 @@ impl ExpertTier {
             return Ok(());
         }
         let e = dims.experts.max(1);
-        let hidden = dims.hidden;
-        let inter = shape.mats[0].rows;
         for &(r, _) in &launch.ring {
             if let Some(f) = &self.rings[class].slots[r].filled {
                 dev.compute_wait(f)?;
             }
         }
-        // SAFETY (uploads): the host tables' entries i0..i1 and pairs
-        // p0..p1 were written for this chunk and are not written again
-        // until the next layer's read-back has synchronized the stream.
-        unsafe {
+        // The chunk's tables, packed into its own stretch of the pinned
+        // metadata and uploaded with one copy.
+        let lay = MetaLayout::new(i0, i1, p0, p1);
+        {
+            let h = bufs.h_meta.as_mut_slice();
+            let mut put = |at: usize, bytes: &[u8]| h[at..at + bytes.len()].copy_from_slice(bytes);
             for t in 0..6 {
-                dev.upload_async(
-                    &bufs.h_ptrs.typed::<u64>()[t * e + i0..t * e + i1],
-                    bufs.d_ptrs.view_mut(t * e + i0..t * e + i1)?,
-                )?;
+                for (j, v) in bufs.t_ptrs[t * e + i0..t * e + i1].iter().enumerate() {
+                    put(lay.ptrs(t).start + 8 * j, &v.to_ne_bytes());
+                }
             }
+            for (j, v) in bufs.t_off[i0..i1].iter().enumerate() {
+                put(lay.off().start + 4 * j, &v.to_ne_bytes());
+            }
+            for (j, v) in bufs.t_cnt[i0..i1].iter().enumerate() {
+                put(lay.cnt().start + 4 * j, &v.to_ne_bytes());
+            }
+            for (j, v) in bufs.t_pairs[p0..p1].iter().enumerate() {
+                put(lay.pair_rows().start + 4 * j, &v.to_ne_bytes());
+            }
+        }
+        // SAFETY: the chunk's stretch of the pinned metadata is written only
+        // here, and chunks of one layer never share bytes (MetaLayout); the
+        // next layer writes it again only after its router read-back, a
+        // full compute-stream sync that this upload precedes.
+        unsafe {
             dev.upload_async(
-                &bufs.h_off.typed::<u32>()[i0..i1],
-                bufs.d_off.view_mut(i0..i1)?,
-            )?;
-            dev.upload_async(
-                &bufs.h_cnt.typed::<u32>()[i0..i1],
-                bufs.d_cnt.view_mut(i0..i1)?,
-            )?;
-            dev.upload_async(
-                &bufs.h_pairs.typed::<u32>()[p0..p1],
-                bufs.d_pairs.view_mut(p0..p1)?,
-            )?;
-            // SAFETY (of the gather): pair rows are rows < n of h.
-            kern.gather_rows(
-                dev,
-                h,
-                hidden,
-                n,
-                bufs.d_pairs.view(p0..p1)?,
-                bufs.xin.view_mut(p0 * hidden..p1 * hidden)?,
-                hidden,
-                hidden,
+                &bufs.h_meta.as_slice()[lay.all()],
+                bufs.d_meta.view_mut(lay.all())?,
             )?;
         }
-        let max_tok = bufs.h_cnt.typed::<u32>()[i0..i1]
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(0) as usize;
-        let m = i1 - i0;
-        let table = |t: usize| bufs.d_ptrs.view(t * e + i0..t * e + i1);
-        let run = |mat: usize,
-                   x: BufView<'_, f32>,
-                   x_stride: usize,
-                   y: colibri_cuda::BufMut<'_, f32>,
-                   y_stride: usize|
-         -> Result<(), GpuError> {
-            let ms = &shape.mats[mat];
-            let t = MatvecTable {
-                format: ms.format,
-                rows: ms.rows,
-                cols: ms.cols,
-                matrices: m,
-                w_ptrs: table(mat)?,
-                scale_ptrs: if fp8 {
-                    Some((table(3 + mat)?, ms.scales.map_or(0, |s| s.0)))
-                } else {
-                    None
-                },
-                x,
-                x_tok_stride: x_stride,
-                tok_off: bufs.d_off.view(i0..i1)?,
-                tok_cnt: bufs.d_cnt.view(i0..i1)?,
-                max_tok,
-                y_tok_stride: y_stride,
-            };
-            // SAFETY: every pointer of the chunk's tables is a slot (cache
-            // or ring) holding this layer's shape of expert, copied or
-            // resident before the launch in stream order (the compute
-            // stream waited for the ring copies above); each expert's
-            // tokens are its own pair rows inside x and y.
-            unsafe { kern.matvec_table(dev, &t, y)? };
-            Ok(())
-        };
-        let pairs = n * dims.top_k;
-        run(
-            0,
-            bufs.xin.as_view(),
-            hidden,
-            bufs.eg.view_mut(0..pairs * inter)?,
-            inter,
-        )?;
-        run(
-            1,
-            bufs.xin.as_view(),
-            hidden,
-            bufs.eu.view_mut(0..pairs * inter)?,
-            inter,
-        )?;
-        kern.swiglu(
-            dev,
-            bufs.eg.view(p0 * inter..p1 * inter)?,
-            bufs.eu.view(p0 * inter..p1 * inter)?,
-            bufs.ea.view_mut(p0 * inter..p1 * inter)?,
-            p1 - p0,
-            inter,
-        )?;
-        run(
-            2,
-            bufs.ea.as_view(),
-            inter,
-            bufs.eo.view_mut(0..pairs * hidden)?,
-            hidden,
-        )?;
+        let max_tok = bufs.t_cnt[i0..i1].iter().copied().max().unwrap_or(0) as usize;
+        // SAFETY: every pointer of the chunk's tables is a slot (cache or
+        // ring) holding this layer's shape of expert, copied or resident
+        // before the launch in stream order (the compute stream waited for
+        // the ring copies above); pair rows are rows < n of h.
+        unsafe { run_chunk(dev, kern, dims, shape, fp8, h, n, bufs, &lay, p0, max_tok)? };
 
         // Promote the chunk's staged experts into the cache where there is
         // room (device-to-device, compute stream: after the launches above
@@ -1076,22 +1292,154 @@ fn assign(
 ) {
     let e = per_layer.max(1);
     let i = launch.i;
-    let ptrs = bufs.h_ptrs.typed_mut::<u64>();
     for m in 0..3 {
-        ptrs[m * e + i] = base + shape.off[m] as u64;
-        ptrs[(3 + m) * e + i] = if shape.mats[m].scales.is_some() {
+        bufs.t_ptrs[m * e + i] = base + shape.off[m] as u64;
+        bufs.t_ptrs[(3 + m) * e + i] = if shape.mats[m].scales.is_some() {
             base + shape.scale_off[m] as u64
         } else {
             0
         };
     }
-    bufs.h_off.typed_mut::<u32>()[i] = launch.p as u32;
-    bufs.h_cnt.typed_mut::<u32>()[i] = users.len() as u32;
-    let pairs = bufs.h_pairs.typed_mut::<u32>();
+    bufs.t_off[i] = launch.p as u32;
+    bufs.t_cnt[i] = users.len() as u32;
     for (j, &(row, slot)) in users.iter().enumerate() {
-        pairs[launch.p + j] = row as u32;
+        bufs.t_pairs[launch.p + j] = row as u32;
         pair_of[row * k + slot] = (launch.p + j) as u32;
     }
     launch.i += 1;
     launch.p += users.len();
+}
+
+/// One chunk's expert FFN: gather its pair rows of `h` into `xin`, then
+/// gate and up (pointer-table matvecs), SwiGLU, down into `eo`.
+///
+/// # Safety
+/// The chunk's tables in `bufs.d_meta` (at `lay`) must be written (in
+/// stream order) before these launches, their pointers must be slots
+/// holding this layer's shape of expert, and their pair rows rows < n of
+/// `h` in `p0 .. p0 + lay.pairs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_chunk(
+    dev: &CudaDevice,
+    kern: &KernelSet,
+    dims: &Dims,
+    shape: &ExpertShape,
+    fp8: bool,
+    h: BufView<'_, f32>,
+    n: usize,
+    bufs: &mut MoeBufs,
+    lay: &MetaLayout,
+    p0: usize,
+    max_tok: usize,
+) -> Result<(), GpuError> {
+    let hidden = dims.hidden;
+    let inter = shape.mats[0].rows;
+    let p1 = p0 + lay.pairs;
+    let meta = &bufs.d_meta;
+    // SAFETY (of the gather): pair rows are rows < n of h (the caller's
+    // contract).
+    unsafe {
+        kern.gather_rows(
+            dev,
+            h,
+            hidden,
+            n,
+            meta.view(lay.pair_rows())?.cast::<u32>()?,
+            bufs.xin.view_mut(p0 * hidden..p1 * hidden)?,
+            hidden,
+            hidden,
+        )?;
+    }
+    let table = |t: usize| -> Result<BufView<'_, u64>, GpuError> {
+        Ok(meta.view(lay.ptrs(t))?.cast::<u64>()?)
+    };
+    let run = |mat: usize,
+               x: BufView<'_, f32>,
+               x_stride: usize,
+               y: colibri_cuda::BufMut<'_, f32>,
+               y_stride: usize|
+     -> Result<(), GpuError> {
+        let ms = &shape.mats[mat];
+        let t = MatvecTable {
+            format: ms.format,
+            rows: ms.rows,
+            cols: ms.cols,
+            matrices: lay.m,
+            w_ptrs: table(mat)?,
+            scale_ptrs: if fp8 {
+                Some((table(3 + mat)?, ms.scales.map_or(0, |s| s.0)))
+            } else {
+                None
+            },
+            x,
+            x_tok_stride: x_stride,
+            tok_off: meta.view(lay.off())?.cast::<u32>()?,
+            tok_cnt: meta.view(lay.cnt())?.cast::<u32>()?,
+            max_tok,
+            y_tok_stride: y_stride,
+        };
+        // SAFETY: the tables' pointers and pair rows are the caller's
+        // contract; each expert's tokens are its own pair rows inside x
+        // and y.
+        unsafe { kern.matvec_table(dev, &t, y)? };
+        Ok(())
+    };
+    let pairs = n * dims.top_k;
+    run(
+        0,
+        bufs.xin.as_view(),
+        hidden,
+        bufs.eg.view_mut(0..pairs * inter)?,
+        inter,
+    )?;
+    run(
+        1,
+        bufs.xin.as_view(),
+        hidden,
+        bufs.eu.view_mut(0..pairs * inter)?,
+        inter,
+    )?;
+    kern.swiglu(
+        dev,
+        bufs.eg.view(p0 * inter..p1 * inter)?,
+        bufs.eu.view(p0 * inter..p1 * inter)?,
+        bufs.ea.view_mut(p0 * inter..p1 * inter)?,
+        p1 - p0,
+        inter,
+    )?;
+    run(
+        2,
+        bufs.ea.as_view(),
+        inter,
+        bufs.eo.view_mut(0..pairs * hidden)?,
+        hidden,
+    )
+}
+
+/// The expert outputs back in (row, slot) order for the combine:
+/// `so[j] = eo[pair_of[j]]` for the `nk` pairs.
+fn gather_slots(
+    dev: &CudaDevice,
+    kern: &KernelSet,
+    hidden: usize,
+    nk: usize,
+    bufs: &mut MoeBufs,
+) -> Result<(), GpuError> {
+    let idx = bufs.d_comb.view(bufs.comb_range(0, nk))?.cast::<u32>()?;
+    // SAFETY: every index is a pair row < nk: the host checked pair_of
+    // (no unassigned entry) before uploading it, and the device plan
+    // (moe_route_plan) assigns each of the nk pairs one of the nk rows.
+    unsafe {
+        kern.gather_rows(
+            dev,
+            bufs.eo.view(0..nk * hidden)?,
+            hidden,
+            nk,
+            idx,
+            bufs.so.view_mut(0..nk * hidden)?,
+            hidden,
+            hidden,
+        )?;
+    }
+    Ok(())
 }

@@ -18,13 +18,14 @@
 use std::sync::Arc;
 
 use colibri_cuda::{
-    Attention, BufMut, BufView, CudaDevice, DeviceBuffer, HostBuffer, HostRegistration, KernelSet,
-    KvView, MatvecGroup, RopeTable, WeightView,
+    Attention, BufMut, BufView, CudaDevice, DeviceBuffer, DeviceRouter, Event, Graph, HostBuffer,
+    HostRegistration, KernelSet, KvView, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MatvecGroup,
+    RopeTable, WeightView,
 };
 use colibri_io::PinnedArena;
-use colibri_model::config::QkNorm;
+use colibri_model::config::{QkNorm, RouterKind};
 use colibri_model::experts::ExpertSource;
-use colibri_model::moe::{Routing, route};
+use colibri_model::moe::Routing;
 use colibri_model::rope::Rope;
 use colibri_model::weights::FfnWeights;
 use colibri_model::{KvCache, Logits, Model, ModelError, SeqInput};
@@ -32,11 +33,17 @@ use colibri_model::{KvCache, Logits, Model, ModelError, SeqInput};
 use super::experts::{Classes, ExpertShape, ExpertTier, MoeBufs};
 use super::kv::{self, KvGrant, KvShape};
 use super::plan::VramPlan;
+use super::route::route_portable;
 use super::weights::{AttnRef, DenseBlocks, FfnRef, LinRef, MatRef, MlaQRef, MlpRef, VecRef};
 use super::{AttnDims, Dims, GpuError, GpuStats, LM_ROWS, zeros};
 
 /// The eps of DeepSeek's q_a/kv_a layernorms (as the CPU tier).
 const MLA_LORA_NORM_EPS: f32 = 1e-6;
+
+/// Passes of at most this many rows route on the device when every expert
+/// is resident (larger ones, prefill, route on the host: the same bits
+/// either way, and the host's plan launches only the experts in use).
+pub(crate) const DEVICE_ROUTE_MAX_ROWS: usize = 32;
 
 /// Element counts of the scratch buffers for a pass of `max_rows` rows.
 struct ScratchSizes {
@@ -197,8 +204,62 @@ pub(crate) struct State {
     dims: Dims,
     passes: u64,
     rows: u64,
+    /// The model's router as the device runs it (None: the host routes).
+    device_router: Option<DeviceRouter>,
+    /// Per layer: the sigmoid router's selection bias on the device.
+    bias: Vec<Option<DeviceBuffer<f32>>>,
+    /// The last captured step and what it was captured for.
+    graph: Option<(GraphKey, Graph)>,
+    graphs_captured: u64,
+    /// Set by COLIBRI_GPU_NO_GRAPH=1 or after a step that failed as a
+    /// graph: every pass then runs eagerly.
+    graphs_off: bool,
+    /// Per-phase timing (COLIBRI_GPU_PROFILE=1): passes then run without
+    /// graphs, with timed events between phases.
+    profile: Option<Profile>,
+    // Dropped before the device (graph first: it holds buffer addresses).
     k: KernelSet,
     dev: CudaDevice,
+}
+
+/// What a captured step depends on besides the tier's own buffers: the
+/// rows of each sequence, its KV cache's place and size, the rows whose
+/// logits are read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GraphKey {
+    parts: Vec<(usize, u64, usize)>,
+    wanted: Vec<usize>,
+}
+
+/// Phases of a decode step for the profile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Embedding upload, KV growth.
+    Input = 0,
+    /// Norms, projections, rotary, KV append, attention, residual.
+    Attention = 1,
+    /// Router matvec, and on the host path the read-back, wait and routing.
+    Router = 2,
+    /// Routed experts (device routing and plan included), fetches, copies.
+    Experts = 3,
+    /// Shared expert, combine, residual.
+    Combine = 4,
+    /// Final norm, LM head, logits read-back.
+    Head = 5,
+}
+
+pub(crate) const PHASES: [&str; 6] = ["input", "attention", "router", "experts", "combine", "head"];
+
+/// Accumulated per-phase times: GPU (between timed events) and host (time
+/// the host spent issuing the phase, waits included).
+#[derive(Default)]
+pub(crate) struct Profile {
+    marks: Vec<(Phase, Event)>,
+    last_host: Option<std::time::Instant>,
+    pub gpu_ms: [f64; 6],
+    pub host_ms: [f64; 6],
+    pub passes: u64,
+    pub layers: u64,
 }
 
 /// `y = W x (+ b)` for `n` rows.
@@ -245,6 +306,40 @@ fn mlp(
     )?;
     k.matvec(dev, &dn, fg.view(0..n * inter)?, n, y)?;
     Ok(())
+}
+
+/// The model's router as the device can run it (kernels/moe.cu), or None
+/// when the host must route (too many experts or choices, group shapes
+/// the kernel does not take).
+fn device_router(model: &Model) -> Option<DeviceRouter> {
+    let m = model.spec.moe.as_ref()?;
+    if m.num_experts > MOE_ROUTE_MAX_EXPERTS
+        || m.top_k == 0
+        || m.top_k > MOE_ROUTE_MAX_K
+        || m.top_k > m.num_experts
+    {
+        return None;
+    }
+    match m.router {
+        RouterKind::Softmax { norm_topk_prob } => Some(DeviceRouter::Softmax {
+            norm: norm_topk_prob,
+        }),
+        RouterKind::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        } => ((1..=32).contains(&n_group)
+            && m.num_experts.is_multiple_of(n_group)
+            && m.num_experts / n_group >= 2
+            && (1..=n_group).contains(&topk_group))
+        .then_some(DeviceRouter::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm: norm_topk_prob,
+            scaling: routed_scaling_factor,
+        }),
+    }
 }
 
 /// The rotary tables on the device.
@@ -342,6 +437,25 @@ impl State {
         let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held)?;
         let moe = MoeBufs::new(&dev, &dims)?;
         let (a, b) = dims.kv_parts();
+        // COLIBRI_GPU_HOST_ROUTE=1 routes every layer on the host (for
+        // comparing the two paths; the results are the same bits).
+        let device_router = device_router(model)
+            .filter(|_| std::env::var_os("COLIBRI_GPU_HOST_ROUTE").is_none_or(|v| v != "1"));
+        let bias = model
+            .weights
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                FfnWeights::Moe(m) => match (&m.selection_bias, device_router) {
+                    (Some(b), Some(DeviceRouter::SigmoidGrouped { .. })) => dev.upload(b).map(Some),
+                    _ => Ok(None),
+                },
+                FfnWeights::Dense(_) => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let profile = std::env::var_os("COLIBRI_GPU_PROFILE")
+            .is_some_and(|v| v == "1")
+            .then(Profile::default);
         let state = State {
             registrations,
             arenas,
@@ -368,6 +482,12 @@ impl State {
             dims,
             passes: 0,
             rows: 0,
+            device_router,
+            bias,
+            graph: None,
+            graphs_captured: 0,
+            graphs_off: std::env::var_os("COLIBRI_GPU_NO_GRAPH").is_some_and(|v| v == "1"),
+            profile,
             k,
             dev,
         };
@@ -375,8 +495,15 @@ impl State {
         Ok(state)
     }
 
+    /// Loads every routed expert into VRAM when the cache has room for
+    /// all (see `ExpertTier::preload_all`).
+    pub fn preload_all(&mut self, source: &dyn ExpertSource) -> Result<usize, GpuError> {
+        self.experts.preload_all(&self.dev, source)
+    }
+
     pub fn stats(&self) -> GpuStats {
         let c = self.experts.counters;
+        let dc = self.dev.counters();
         GpuStats {
             passes: self.passes,
             rows: self.rows,
@@ -395,6 +522,12 @@ impl State {
                 .load(std::sync::atomic::Ordering::Relaxed),
             arenas_registered: self.registrations.len().min(self.arenas.len()),
             dense_resident_blocks: self.dense.resident_count(),
+            device_routed_layers: c.device_routed,
+            graphs_captured: self.graphs_captured,
+            launches: dc.launches,
+            graph_launches: dc.graph_launches,
+            host_waits: dc.host_waits,
+            copies: dc.copies,
         }
     }
 
@@ -493,6 +626,7 @@ impl State {
         let d = self.dims;
         let hd = d.hidden;
         let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        self.mark(Phase::Input)?;
         let mut starts = Vec::with_capacity(parts.len());
         {
             let x_h = self.io.x.typed_mut::<f32>();
@@ -527,24 +661,6 @@ impl State {
                 &self.kv_grant,
             )?;
         }
-        // SAFETY: the pinned inputs are written only between passes, and
-        // every pass ends with the compute stream drained.
-        unsafe {
-            self.dev.upload_async(
-                &self.io.x.typed::<f32>()[..n * hd],
-                self.s.x.view_mut(0..n * hd)?,
-            )?;
-            self.dev
-                .upload_async(&self.io.pos.typed::<u32>()[..n], self.s.pos.view_mut(0..n)?)?;
-        }
-
-        for l in 0..d.layers {
-            self.dense.prepare(&self.dev, l)?;
-            let r = self.layer(model, experts, l, n, parts, &starts);
-            self.dense.finish(&self.dev)?;
-            r?;
-        }
-
         // The head, for the rows that want logits.
         let mut wanted = Vec::new();
         for (pi, p) in parts.iter().enumerate() {
@@ -553,12 +669,46 @@ impl State {
             }
         }
         let mut logits: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
-        if !wanted.is_empty() {
-            let head = self.dense.head_block();
-            self.dense.prepare(&self.dev, head)?;
-            let r = self.head(n, &wanted, &mut logits);
-            self.dense.finish(&self.dev)?;
-            r?;
+        let mut replayed = false;
+        if self.graphable(n, &wanted) {
+            match self.replay_step(model, experts, n, parts, &starts, &wanted) {
+                Ok(()) => {
+                    replayed = true;
+                    let vocab = d.vocab;
+                    let lg = self.io.lg.typed::<f32>();
+                    for (j, &(pi, _)) in wanted.iter().enumerate() {
+                        logits[pi].extend_from_slice(&lg[j * vocab..(j + 1) * vocab]);
+                    }
+                }
+                Err(e) => {
+                    // The step is recomputed from its inputs below (the
+                    // KV rows it may have appended are rewritten with the
+                    // same values); graphs stay off from now on.
+                    tracing::warn!("GPU tier: a captured decode step failed ({e}); graphs are off");
+                    self.graphs_off = true;
+                    self.graph = None;
+                    self.dev.synchronize()?;
+                }
+            }
+        }
+        if !replayed {
+            self.upload_inputs(n)?;
+            self.mark(Phase::Input)?;
+            for l in 0..d.layers {
+                self.dense.prepare(&self.dev, l)?;
+                let r = self.layer(model, experts, l, n, parts, &starts);
+                self.dense.finish(&self.dev)?;
+                r?;
+            }
+            if !wanted.is_empty() {
+                let head = self.dense.head_block();
+                self.dense.prepare(&self.dev, head)?;
+                let r = self.head(n, &wanted, &mut logits);
+                self.dense.finish(&self.dev)?;
+                r?;
+            }
+            self.mark(Phase::Head)?;
+            self.profile_pass(d.layers)?;
         }
         for p in parts.iter_mut() {
             p.cache.append_external(p.tokens.len())?;
@@ -566,6 +716,197 @@ impl State {
         self.passes += 1;
         self.rows += n as u64;
         Ok(logits)
+    }
+
+    fn upload_inputs(&mut self, n: usize) -> Result<(), GpuError> {
+        let hd = self.dims.hidden;
+        // SAFETY: the pinned inputs are written only between passes, and
+        // every pass ends with the compute stream drained (a captured step
+        // reads them when it is replayed, after the host wrote them).
+        unsafe {
+            self.dev.upload_async(
+                &self.io.x.typed::<f32>()[..n * hd],
+                self.s.x.view_mut(0..n * hd)?,
+            )?;
+            self.dev
+                .upload_async(&self.io.pos.typed::<u32>()[..n], self.s.pos.view_mut(0..n)?)?;
+        }
+        Ok(())
+    }
+
+    /// Whether this pass can run as a captured graph: every MoE layer
+    /// routes on the device (all experts resident, few rows), nothing
+    /// streams, the logits fit one head chunk, and no profile is taken.
+    fn graphable(&self, n: usize, wanted: &[(usize, usize)]) -> bool {
+        self.profile.is_none()
+            && !self.graphs_off
+            && (self.dims.experts == 0
+                || (self.device_router.is_some() && self.experts.all_resident()))
+            && n <= DEVICE_ROUTE_MAX_ROWS
+            && self.dense.all_resident()
+            && !wanted.is_empty()
+            && wanted.len() <= LM_ROWS
+    }
+
+    /// Runs the pass as one graph replay, capturing it first when its
+    /// shape (rows, KV caches, wanted rows) differs from the last one's.
+    /// The inputs were written to pinned memory; the logits of the wanted
+    /// rows are in `io.lg` when this returns.
+    fn replay_step(
+        &mut self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+        wanted: &[(usize, usize)],
+    ) -> Result<(), GpuError> {
+        let mut key = GraphKey {
+            parts: Vec::with_capacity(parts.len()),
+            wanted: wanted.iter().map(|&(_, r)| r).collect(),
+        };
+        for p in parts.iter_mut() {
+            let m = p.tokens.len();
+            let kv = kv::attached(p.cache)?;
+            key.parts.push((m, kv.device_ptr(), kv.capacity()));
+        }
+        for (j, &(_, row)) in wanted.iter().enumerate() {
+            self.io.want.typed_mut::<u32>()[j] = row as u32;
+        }
+        if self.graph.as_ref().is_none_or(|(k, _)| *k != key) {
+            self.graph = None;
+            self.dev.begin_capture()?;
+            let r = self.enqueue_step(model, experts, n, parts, starts, wanted.len());
+            // The capture ends whatever happened, so the stream is usable.
+            let g = self.dev.end_capture();
+            r?;
+            let g = g?.ok_or_else(|| GpuError::Internal("an empty graph was captured".into()))?;
+            self.graph = Some((key, g));
+            self.graphs_captured += 1;
+        }
+        let (_, g) = self
+            .graph
+            .as_ref()
+            .ok_or_else(|| GpuError::Internal("no graph".into()))?;
+        // SAFETY: the graph was captured for exactly these rows and KV
+        // caches (the key: their device addresses and capacities), and
+        // every other buffer it touches is the tier's own, alive and of
+        // the same size as at capture. Its pinned inputs were written
+        // above and before.
+        unsafe { self.dev.replay(g)? };
+        self.sync_compute()
+    }
+
+    /// The work of a pass whose every MoE layer routes on the device, up to
+    /// the logits' read-back into `io.lg`, without waiting for anything.
+    fn enqueue_step(
+        &mut self,
+        model: &Model,
+        experts: &dyn ExpertSource,
+        n: usize,
+        parts: &mut [Part<'_>],
+        starts: &[usize],
+        wanted: usize,
+    ) -> Result<(), GpuError> {
+        let d = self.dims;
+        let (hd, vocab) = (d.hidden, d.vocab);
+        self.upload_inputs(n)?;
+        for l in 0..d.layers {
+            self.dense.prepare(&self.dev, l)?;
+            let r = self.layer(model, experts, l, n, parts, starts);
+            self.dense.finish(&self.dev)?;
+            r?;
+        }
+        let head = self.dense.head_block();
+        self.dense.prepare(&self.dev, head)?;
+        let base = self.dense.view(head)?;
+        let href = self.dense.head;
+        let norm = href.norm.view(base)?;
+        let lm = href.lm_head.view(base)?;
+        // SAFETY: `want` was written by the host before the capture and
+        // before each replay (the same rows: they are part of the key);
+        // every row is < n.
+        unsafe {
+            self.dev.upload_async(
+                &self.io.want.typed::<u32>()[..wanted],
+                self.s.want.view_mut(0..wanted)?,
+            )?;
+            self.k.gather_rows(
+                &self.dev,
+                self.s.x.view(0..n * hd)?,
+                hd,
+                n,
+                self.s.want.view(0..wanted)?,
+                self.s.hn.view_mut(0..wanted * hd)?,
+                hd,
+                hd,
+            )?;
+        }
+        self.k.rms_norm_inplace(
+            &self.dev,
+            self.s.hn.view_mut(0..wanted * hd)?,
+            norm,
+            wanted,
+            hd,
+            d.eps,
+        )?;
+        self.k.matvec(
+            &self.dev,
+            &lm,
+            self.s.hn.view(0..wanted * hd)?,
+            wanted,
+            self.s.lg.view_mut(0..wanted * vocab)?,
+        )?;
+        // SAFETY: the pinned logits are read only after the replay's sync.
+        unsafe {
+            self.dev.download_async(
+                self.s.lg.view(0..wanted * vocab)?,
+                &mut self.io.lg.typed_mut::<f32>()[..wanted * vocab],
+            )?;
+        }
+        self.dense.finish(&self.dev)
+    }
+
+    /// Profile: the phase that just ended.
+    fn mark(&mut self, phase: Phase) -> Result<(), GpuError> {
+        let Some(p) = self.profile.as_mut() else {
+            return Ok(());
+        };
+        let now = std::time::Instant::now();
+        if let Some(t) = p.last_host {
+            p.host_ms[phase as usize] += now.duration_since(t).as_secs_f64() * 1e3;
+        }
+        p.last_host = Some(now);
+        p.marks.push((phase, self.dev.record_compute_timed()?));
+        Ok(())
+    }
+
+    /// Profile: the GPU time between the pass's marks, once it has drained.
+    fn profile_pass(&mut self, layers: usize) -> Result<(), GpuError> {
+        let Some(p) = self.profile.as_mut() else {
+            return Ok(());
+        };
+        let marks = std::mem::take(&mut p.marks);
+        if let Some((_, last)) = marks.last() {
+            last.synchronize()?;
+        }
+        for w in marks.windows(2) {
+            p.gpu_ms[w[1].0 as usize] += w[0].1.elapsed_ms(&w[1].1)? as f64;
+        }
+        p.passes += 1;
+        p.layers += layers as u64;
+        p.last_host = None;
+        Ok(())
+    }
+
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = self.profile.as_mut() {
+            *p = Profile::default();
+        }
+    }
+
+    pub fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
     }
 
     fn head(
@@ -660,16 +1001,13 @@ impl State {
             )?;
         }
         self.attention(model, l, n, parts, starts, &lr.attn)?;
-        self.k.add_inplace(
-            &self.dev,
-            self.s.x.view_mut(0..n * hd)?,
-            self.s.a.view(0..n * hd)?,
-        )?;
         {
+            // The residual add and the FFN norm in one pass.
             let base = self.dense.view(l)?;
-            self.k.rms_norm(
+            self.k.add_rms_norm(
                 &self.dev,
-                self.s.x.view(0..n * hd)?,
+                self.s.x.view_mut(0..n * hd)?,
+                self.s.a.view(0..n * hd)?,
                 lr.ffn_norm.view(base)?,
                 self.s.h.view_mut(0..n * hd)?,
                 n,
@@ -677,6 +1015,7 @@ impl State {
                 d.eps,
             )?;
         }
+        self.mark(Phase::Attention)?;
         match lr.ffn {
             FfnRef::Dense(m) => {
                 let base = self.dense.view(l)?;
@@ -691,18 +1030,20 @@ impl State {
                     &mut self.s.fg,
                     &mut self.s.fu,
                 )?;
+                self.k.add_inplace(
+                    &self.dev,
+                    self.s.x.view_mut(0..n * hd)?,
+                    self.s.a.view(0..n * hd)?,
+                )?;
             }
+            // The combine adds the MoE output into the residual stream.
             FfnRef::Moe {
                 router,
                 shared,
                 shared_gate,
             } => self.moe(model, experts, l, n, &router, shared, shared_gate)?,
         }
-        self.k.add_inplace(
-            &self.dev,
-            self.s.x.view_mut(0..n * hd)?,
-            self.s.a.view(0..n * hd)?,
-        )?;
+        self.mark(Phase::Combine)?;
         Ok(())
     }
 
@@ -739,28 +1080,55 @@ impl State {
                 self.s.rl.view_mut(0..n * ne)?,
             )?;
         }
-        // SAFETY: the pinned router logits are read after the sync below.
-        unsafe {
-            self.dev.download_async(
-                self.s.rl.view(0..n * ne)?,
-                &mut self.io.rl.typed_mut::<f32>()[..n * ne],
-            )?;
+        match self.device_router {
+            Some(router) if self.experts.all_resident() && n <= DEVICE_ROUTE_MAX_ROWS => {
+                // Every expert is in VRAM: route and plan on the device,
+                // no read-back, no wait.
+                self.mark(Phase::Router)?;
+                let bias = self.bias[l].as_ref().map(|b| b.as_view());
+                self.experts.moe_layer_resident(
+                    &self.dev,
+                    &self.k,
+                    &d,
+                    l,
+                    n,
+                    self.s.rl.view(0..n * ne)?,
+                    router,
+                    bias,
+                    self.s.h.view(0..n * hd)?,
+                    &mut self.moe,
+                )?;
+                self.mark(Phase::Experts)?;
+            }
+            _ => {
+                // The host must know the routing to fetch what is missing.
+                // SAFETY: the pinned router logits are read after the sync
+                // below.
+                unsafe {
+                    self.dev.download_async(
+                        self.s.rl.view(0..n * ne)?,
+                        &mut self.io.rl.typed_mut::<f32>()[..n * ne],
+                    )?;
+                }
+                self.sync_compute()?;
+                let routing: Vec<Routing> = self.io.rl.typed::<f32>()[..n * ne]
+                    .chunks_exact(ne)
+                    .map(|row| route_portable(spec, row, selection_bias))
+                    .collect();
+                self.mark(Phase::Router)?;
+                self.experts.moe_layer(
+                    &self.dev,
+                    &self.k,
+                    &d,
+                    l,
+                    &routing,
+                    self.s.h.view(0..n * hd)?,
+                    &mut self.moe,
+                    source,
+                )?;
+                self.mark(Phase::Experts)?;
+            }
         }
-        self.sync_compute()?;
-        let routing: Vec<Routing> = self.io.rl.typed::<f32>()[..n * ne]
-            .chunks_exact(ne)
-            .map(|row| route(spec, row, selection_bias))
-            .collect();
-        self.experts.moe_layer(
-            &self.dev,
-            &self.k,
-            &d,
-            l,
-            &routing,
-            self.s.h.view(0..n * hd)?,
-            &mut self.moe,
-            source,
-        )?;
         let base = self.dense.view(l)?;
         let has_shared = shared.is_some();
         if let Some(m) = shared {
@@ -787,11 +1155,11 @@ impl State {
                 self.s.gl.view_mut(0..n)?,
             )?;
         }
-        self.k.moe_combine(
+        self.k.moe_combine_into(
             &self.dev,
             self.moe.so.view(0..n * k * hd)?,
-            self.moe.d_comb_ids.view(0..n * k)?,
-            self.moe.d_comb_w.view(0..n * k)?,
+            self.moe.comb_ids(n * k)?,
+            self.moe.comb_w(n * k)?,
             if has_shared {
                 Some(self.s.sh.view(0..n * hd)?)
             } else {
@@ -802,10 +1170,11 @@ impl State {
             } else {
                 None
             },
-            self.s.a.view_mut(0..n * hd)?,
+            self.s.x.view_mut(0..n * hd)?,
             n,
             k,
             hd,
+            true,
         )?;
         Ok(())
     }
@@ -932,95 +1301,132 @@ impl State {
             r.ok_or_else(|| GpuError::Internal("q/k norm weights missing".into()))?
                 .view(base)
         };
-        match qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.q.view_mut(0..n * qd)?,
-                    norm_w(q_norm)?,
-                    n * nh,
-                    hd,
-                    eps,
-                )?;
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.k.view_mut(0..n * kvd)?,
-                    norm_w(k_norm)?,
-                    n * nkv,
-                    hd,
-                    eps,
-                )?;
-            }
-            QkNorm::Full => {
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.q.view_mut(0..n * qd)?,
-                    norm_w(q_norm)?,
-                    n,
-                    qd,
-                    eps,
-                )?;
-                self.k.rms_norm_inplace(
-                    &self.dev,
-                    self.s.k.view_mut(0..n * kvd)?,
-                    norm_w(k_norm)?,
-                    n,
-                    kvd,
-                    eps,
-                )?;
-            }
-        }
-        if let Some(c) = clip {
-            self.k
-                .clamp_inplace(&self.dev, self.s.q.view_mut(0..n * qd)?, c)?;
-            self.k
-                .clamp_inplace(&self.dev, self.s.k.view_mut(0..n * kvd)?, c)?;
-            self.k
-                .clamp_inplace(&self.dev, self.s.v.view_mut(0..n * kvd)?, c)?;
-        }
-        let table = self.rope.table();
-        let pos = self.s.pos.view(0..n)?;
-        self.k.rope(
-            &self.dev,
-            self.s.q.view_mut(0..n * qd)?,
-            n,
-            nh,
-            qd,
-            hd,
-            0,
-            &table,
-            pos,
-        )?;
-        self.k.rope(
-            &self.dev,
-            self.s.k.view_mut(0..n * kvd)?,
-            n,
-            nkv,
-            kvd,
-            hd,
-            0,
-            &table,
-            pos,
-        )?;
         let window = model.spec.layers[l].sliding_window;
+        let table = self.rope.table();
+        // Per-head norms, rotary embedding and the KV append in one launch
+        // per sequence (the same operations as the separate kernels below).
+        let fused = clip.is_none() && matches!(qk_norm, QkNorm::None | QkNorm::PerHead);
+        if fused {
+            let (qn, kn) = match qk_norm {
+                QkNorm::PerHead => (Some(norm_w(q_norm)?), Some(norm_w(k_norm)?)),
+                _ => (None, None),
+            };
+            for (p, &r0) in parts.iter_mut().zip(starts) {
+                let m = p.tokens.len();
+                let kv = kv::attached(p.cache)?;
+                let cap = kv.capacity();
+                let (kc, vc) = kv.parts_mut(l)?;
+                self.k.gqa_prep(
+                    &self.dev,
+                    self.s.q.view_mut(r0 * qd..(r0 + m) * qd)?,
+                    self.s.k.view_mut(r0 * kvd..(r0 + m) * kvd)?,
+                    self.s.v.view(r0 * kvd..(r0 + m) * kvd)?,
+                    m,
+                    (nh, nkv, hd),
+                    qn,
+                    kn,
+                    eps,
+                    &table,
+                    self.s.pos.view(r0..r0 + m)?,
+                    self.s.slot0.view(0..m)?,
+                    kc,
+                    vc,
+                    cap,
+                )?;
+            }
+        } else {
+            match qk_norm {
+                QkNorm::None => {}
+                QkNorm::PerHead => {
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.q.view_mut(0..n * qd)?,
+                        norm_w(q_norm)?,
+                        n * nh,
+                        hd,
+                        eps,
+                    )?;
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.k.view_mut(0..n * kvd)?,
+                        norm_w(k_norm)?,
+                        n * nkv,
+                        hd,
+                        eps,
+                    )?;
+                }
+                QkNorm::Full => {
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.q.view_mut(0..n * qd)?,
+                        norm_w(q_norm)?,
+                        n,
+                        qd,
+                        eps,
+                    )?;
+                    self.k.rms_norm_inplace(
+                        &self.dev,
+                        self.s.k.view_mut(0..n * kvd)?,
+                        norm_w(k_norm)?,
+                        n,
+                        kvd,
+                        eps,
+                    )?;
+                }
+            }
+            if let Some(c) = clip {
+                self.k
+                    .clamp_inplace(&self.dev, self.s.q.view_mut(0..n * qd)?, c)?;
+                self.k
+                    .clamp_inplace(&self.dev, self.s.k.view_mut(0..n * kvd)?, c)?;
+                self.k
+                    .clamp_inplace(&self.dev, self.s.v.view_mut(0..n * kvd)?, c)?;
+            }
+            let pos = self.s.pos.view(0..n)?;
+            self.k.rope(
+                &self.dev,
+                self.s.q.view_mut(0..n * qd)?,
+                n,
+                nh,
+                qd,
+                hd,
+                0,
+                &table,
+                pos,
+            )?;
+            self.k.rope(
+                &self.dev,
+                self.s.k.view_mut(0..n * kvd)?,
+                n,
+                nkv,
+                kvd,
+                hd,
+                0,
+                &table,
+                pos,
+            )?;
+        }
         for (p, &r0) in parts.iter_mut().zip(starts) {
             let m = p.tokens.len();
-            let len = p.cache.len();
             let kv = kv::attached(p.cache)?;
-            for (part, src) in [(0, &self.s.k), (1, &self.s.v)] {
-                let dst = kv
-                    .part_mut(l, part)?
-                    .slice_mut(len * kvd..(len + m) * kvd)?;
-                self.k.copy_2d(
-                    &self.dev,
-                    src.view(r0 * kvd..(r0 + m) * kvd)?,
-                    m * kvd,
-                    dst,
-                    m * kvd,
-                    1,
-                    m * kvd,
-                )?;
+            let cap = kv.capacity();
+            // Appended at the rows' device-side positions (len + i), so a
+            // captured step appends at the right place on every replay.
+            if !fused {
+                for (part, src) in [(0, &self.s.k), (1, &self.s.v)] {
+                    self.k.kv_append(
+                        &self.dev,
+                        src.view(r0 * kvd..(r0 + m) * kvd)?,
+                        kvd,
+                        kv.part_mut(l, part)?,
+                        kvd,
+                        cap,
+                        m,
+                        kvd,
+                        self.s.pos.view(r0..r0 + m)?,
+                        self.s.slot0.view(0..m)?,
+                    )?;
+                }
             }
             let at = Attention {
                 q: self.s.q.view(r0 * qd..(r0 + m) * qd)?,
@@ -1193,25 +1599,31 @@ impl State {
         let ctxw = nh * r;
         for (p, &r0) in parts.iter_mut().zip(starts) {
             let m = p.tokens.len();
-            let len = p.cache.len();
             let kv = kv::attached(p.cache)?;
-            self.k.copy_2d(
+            let cap = kv.capacity();
+            self.k.kv_append(
                 &self.dev,
                 self.s.ckv.view(r0 * cw..(r0 + m) * cw)?,
                 cw,
-                kv.part_mut(l, 0)?.slice_mut(len * r..(len + m) * r)?,
+                kv.part_mut(l, 0)?,
                 r,
+                cap,
                 m,
                 r,
+                self.s.pos.view(r0..r0 + m)?,
+                self.s.slot0.view(0..m)?,
             )?;
-            self.k.copy_2d(
+            self.k.kv_append(
                 &self.dev,
                 self.s.ckv.view(r0 * cw + r..(r0 + m) * cw)?,
                 cw,
-                kv.part_mut(l, 1)?.slice_mut(len * dr..(len + m) * dr)?,
+                kv.part_mut(l, 1)?,
                 dr,
+                cap,
                 m,
                 dr,
+                self.s.pos.view(r0..r0 + m)?,
+                self.s.slot0.view(0..m)?,
             )?;
             let at = Attention {
                 q: self.s.qa.view(r0 * aw..(r0 + m) * aw)?,

@@ -124,6 +124,11 @@ impl DeviceKv {
         self.cap
     }
 
+    /// The device address of the cache's memory (it moves when it grows).
+    pub fn device_ptr(&self) -> u64 {
+        self.all().device_ptr()
+    }
+
     fn all(&self) -> BufView<'_, f32> {
         match &self.mem {
             Mem::Vram(b, ..) => b.as_view(),
@@ -149,6 +154,16 @@ impl DeviceKv {
     pub fn part(&self, layer: usize, part: usize) -> Result<BufView<'_, f32>, GpuError> {
         let r = self.range(layer, part);
         Ok(self.all().slice(r)?)
+    }
+
+    /// Both parts of `layer` (keys, values), exclusive.
+    pub fn parts_mut(
+        &mut self,
+        layer: usize,
+    ) -> Result<(BufMut<'_, f32>, BufMut<'_, f32>), GpuError> {
+        let (a, b) = (self.range(layer, 0), self.range(layer, 1));
+        let both = self.all_mut().slice_mut(a.start..b.end)?;
+        Ok(both.split_at(a.len())?)
     }
 
     pub fn part_mut(&mut self, layer: usize, part: usize) -> Result<BufMut<'_, f32>, GpuError> {

@@ -40,6 +40,7 @@ pub mod slots;
 mod experts;
 mod forward;
 mod kv;
+pub mod route;
 mod weights;
 
 use std::sync::{Arc, Mutex};
@@ -332,6 +333,28 @@ pub struct GpuStats {
     /// RAM-tier arenas registered with CUDA (copies from them are DMA).
     pub arenas_registered: usize,
     pub dense_resident_blocks: usize,
+    /// MoE layers routed and planned on the device (every expert resident;
+    /// counted when issued: a replayed graph repeats them uncounted).
+    pub device_routed_layers: u64,
+    /// Decode steps captured as graphs.
+    pub graphs_captured: u64,
+    /// What the host asked of the device: kernel launches, graph replays,
+    /// host waits, host↔device copies.
+    pub launches: u64,
+    pub graph_launches: u64,
+    pub host_waits: u64,
+    pub copies: u64,
+}
+
+/// Per-phase time of the passes run with `COLIBRI_GPU_PROFILE=1` (no
+/// graphs then): GPU time between timed events, and host time spent
+/// issuing each phase (its waits included).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GpuProfile {
+    pub passes: u64,
+    pub layers: u64,
+    /// (phase, GPU ms, host ms), summed over the passes.
+    pub phases: Vec<(String, f64, f64)>,
 }
 
 /// The GPU tier of an engine.
@@ -362,6 +385,27 @@ impl GpuTier {
 
     pub fn stats(&self) -> GpuStats {
         self.lock().stats()
+    }
+
+    /// Starts the per-phase profile afresh (e.g. after a warm-up).
+    pub fn reset_profile(&self) {
+        self.lock().reset_profile();
+    }
+
+    /// The per-phase profile, when `COLIBRI_GPU_PROFILE=1` was set at
+    /// attach.
+    pub fn profile(&self) -> Option<GpuProfile> {
+        let st = self.lock();
+        let p = st.profile()?;
+        Some(GpuProfile {
+            passes: p.passes,
+            layers: p.layers,
+            phases: forward::PHASES
+                .iter()
+                .enumerate()
+                .map(|(i, name)| (name.to_string(), p.gpu_ms[i], p.host_ms[i]))
+                .collect(),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, forward::State> {
@@ -630,6 +674,17 @@ fn open(engine: &Engine, opts: &GpuOptions, ordinal: usize) -> Result<GpuTier, G
     let mut state = state;
     if !pinned.is_empty() {
         state.preload_pinned(&pinned, engine.experts.as_ref(), &plan)?;
+    }
+    // When the cache holds every routed expert, they are all loaded now
+    // (the first tokens would load them anyway) and pinned, and layers
+    // route on the device with no host round trip.
+    let t0 = std::time::Instant::now();
+    let all = state.preload_all(engine.experts.as_ref())?;
+    if all > 0 {
+        tracing::info!(
+            "GPU tier: {all} routed experts loaded into VRAM in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
     }
     let summary = format!(
         "GPU tier on {device}: VRAM budget {}, {} of {} dense blocks resident, {} expert cache \

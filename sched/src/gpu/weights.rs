@@ -454,6 +454,11 @@ impl DenseBlocks {
         Ok(())
     }
 
+    /// Whether every block lives in VRAM (nothing streams).
+    pub fn all_resident(&self) -> bool {
+        self.homes.iter().all(|h| matches!(h, Home::Vram(_)))
+    }
+
     /// Blocks in VRAM, of all.
     pub fn resident_count(&self) -> usize {
         self.homes

@@ -94,6 +94,11 @@ const USAGE_SAVE_INTERVAL: Duration = Duration::from_secs(600);
 struct SlotStorage {
     slot: Slot,
     matrices: [std::ops::Range<usize>; 3],
+    /// Set once the bytes have passed the record's checksum: they are not
+    /// written again while this storage lives (a refill makes a new one),
+    /// so later leases skip the hash (2.5 MB of xxh3 per lease was the
+    /// largest cost of a RAM hit on the GPU tier's copy path).
+    verified: std::sync::atomic::AtomicBool,
 }
 
 /// One lease of a resident expert; the owner of the byte views handed out.
@@ -559,7 +564,11 @@ impl Shared {
             match ranges {
                 Ok(matrices) => {
                     st.entries[e as usize] = Entry::Resident(Resident {
-                        storage: Arc::new(SlotStorage { slot, matrices }),
+                        storage: Arc::new(SlotStorage {
+                            slot,
+                            matrices,
+                            verified: std::sync::atomic::AtomicBool::new(false),
+                        }),
                         leases: 0,
                         pinned: loading.pin,
                         reused: false,
@@ -843,8 +852,8 @@ impl TierCache {
     fn assemble(&self, lease: Lease) -> Result<ExpertWeights, ModelError> {
         let e = lease.entry as usize;
         let record = &self.shared.layout.records[e];
-        let matrices = match &lease.storage {
-            Some(storage) => storage.matrices.clone(),
+        let (matrices, storage) = match &lease.storage {
+            Some(storage) => (storage.matrices.clone(), Arc::clone(storage)),
             None => return Err(ModelError::Invalid("empty lease".into())),
         };
         let owner: Arc<dyn ByteStorage> = Arc::new(lease);
@@ -854,7 +863,13 @@ impl TierCache {
             part(&matrices[1])?,
             part(&matrices[2])?,
         ];
-        record.location.assemble(parts)
+        use std::sync::atomic::Ordering;
+        if storage.verified.load(Ordering::Acquire) {
+            return record.location.assemble_unverified(parts);
+        }
+        let w = record.location.assemble(parts)?;
+        storage.verified.store(true, Ordering::Release);
+        Ok(w)
     }
 
     /// The placement in effect.
