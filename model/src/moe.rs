@@ -37,12 +37,40 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
+/// The elementwise functions a router applies to its logits. The CPU tier
+/// uses [`RouterMath::CPU`]; the GPU tier has a device-reproducible set
+/// (`colibri_sched::gpu::route`), so that a layer routed on the device
+/// gives the host's bits.
+#[derive(Clone, Copy)]
+pub struct RouterMath {
+    /// Softmax in place.
+    pub softmax: fn(&mut [f32]),
+    pub sigmoid: fn(f32) -> f32,
+}
+
+impl RouterMath {
+    pub const CPU: RouterMath = RouterMath {
+        softmax: softmax_inplace,
+        sigmoid,
+    };
+}
+
 /// Routes one row from its router logits.
 pub fn route(moe: &MoeSpec, logits: &[f32], selection_bias: Option<&[f32]>) -> Routing {
+    route_with(&RouterMath::CPU, moe, logits, selection_bias)
+}
+
+/// [`route`] with the given elementwise functions.
+pub fn route_with(
+    math: &RouterMath,
+    moe: &MoeSpec,
+    logits: &[f32],
+    selection_bias: Option<&[f32]>,
+) -> Routing {
     match &moe.router {
         RouterKind::Softmax { norm_topk_prob } => {
             let mut p = logits.to_vec();
-            softmax_inplace(&mut p);
+            (math.softmax)(&mut p);
             let experts = top_k(&p, moe.top_k);
             let mut weights: Vec<f32> = experts.iter().map(|&e| p[e]).collect();
             if *norm_topk_prob {
@@ -57,7 +85,7 @@ pub fn route(moe: &MoeSpec, logits: &[f32], selection_bias: Option<&[f32]>) -> R
             norm_topk_prob,
             routed_scaling_factor,
         } => {
-            let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+            let scores: Vec<f32> = logits.iter().map(|&l| (math.sigmoid)(l)).collect();
             let choice: Vec<f32> = match selection_bias {
                 Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
                 None => scores.clone(),

@@ -17,9 +17,8 @@
 //! host gives for a layer whose experts must be fetched, so a GPU run stays
 //! bit-identical across VRAM budgets.
 
-use colibri_model::config::{MoeSpec, RouterKind};
-use colibri_model::moe::Routing;
-use colibri_model::ops::top_k;
+use colibri_model::config::MoeSpec;
+use colibri_model::moe::{RouterMath, Routing, route_with};
 
 /// 1/n! for n = 0..=11 as f64 bit patterns (kernels/moe.cu `mr_coef`).
 const COEF_BITS: [u64; 12] = [
@@ -89,69 +88,31 @@ pub fn warp_shaped_sum(v: &[f32]) -> f32 {
     lanes[0]
 }
 
-/// Routes one row of router logits: the GPU tier's counterpart of
-/// `colibri_model::moe::route` (see the module docs).
+/// Softmax in place with [`exp_portable`] and [`warp_shaped_sum`]
+/// (max-subtracted, then multiplied by the inverse of the sum).
+pub fn softmax_portable(p: &mut [f32]) {
+    let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    p.iter_mut().for_each(|v| *v = exp_portable(*v - max));
+    let inv = 1.0 / warp_shaped_sum(p);
+    p.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The GPU tier's router functions (see the module docs).
+pub const PORTABLE: RouterMath = RouterMath {
+    softmax: softmax_portable,
+    sigmoid: sigmoid_portable,
+};
+
+/// Routes one row of router logits: `colibri_model::moe::route` with the
+/// [`PORTABLE`] functions.
 pub fn route_portable(moe: &MoeSpec, logits: &[f32], selection_bias: Option<&[f32]>) -> Routing {
-    match &moe.router {
-        RouterKind::Softmax { norm_topk_prob } => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut p: Vec<f32> = logits.iter().map(|&v| exp_portable(v - max)).collect();
-            let inv = 1.0 / warp_shaped_sum(&p);
-            p.iter_mut().for_each(|v| *v *= inv);
-            let experts = top_k(&p, moe.top_k);
-            let mut weights: Vec<f32> = experts.iter().map(|&e| p[e]).collect();
-            if *norm_topk_prob {
-                let s = weights.iter().fold(0.0f32, |a, &w| a + w);
-                weights.iter_mut().for_each(|w| *w /= s);
-            }
-            Routing { experts, weights }
-        }
-        RouterKind::SigmoidGrouped {
-            n_group,
-            topk_group,
-            norm_topk_prob,
-            routed_scaling_factor,
-        } => {
-            let scores: Vec<f32> = logits.iter().map(|&l| sigmoid_portable(l)).collect();
-            let choice: Vec<f32> = match selection_bias {
-                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-                None => scores.clone(),
-            };
-            let per = moe.num_experts / n_group;
-            let group_scores: Vec<f32> = choice
-                .chunks_exact(per)
-                .map(|g| {
-                    let t = top_k(g, 2);
-                    g[t[0]] + g[t[1]]
-                })
-                .collect();
-            let groups = top_k(&group_scores, *topk_group);
-            let masked: Vec<f32> = choice
-                .iter()
-                .enumerate()
-                .map(|(e, &c)| {
-                    if groups.contains(&(e / per)) {
-                        c
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-                .collect();
-            let experts = top_k(&masked, moe.top_k);
-            let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
-            if *norm_topk_prob {
-                let s = weights.iter().fold(0.0f32, |a, &w| a + w) + 1e-20;
-                weights.iter_mut().for_each(|w| *w /= s);
-            }
-            weights.iter_mut().for_each(|w| *w *= routed_scaling_factor);
-            Routing { experts, weights }
-        }
-    }
+    route_with(&PORTABLE, moe, logits, selection_bias)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use colibri_model::config::RouterKind;
     use colibri_model::moe::route;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
