@@ -126,26 +126,33 @@ def test_errors(server, tiny_server):
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
 
-    # 429: the only batch place is taken by a long stream.
+    # 429: the only batch place is taken by a long stream, which stays
+    # open until the check is done (a fast machine would otherwise finish
+    # it first and free the place).
     c = client(tiny_server)
+    name = model_id(tiny_server)
     started = threading.Event()
+    checked = threading.Event()
 
     def long():
-        s = c.completions.create(model=model_id(tiny_server), prompt="x", max_tokens=3000, temperature=0, stream=True,
+        s = c.completions.create(model=name, prompt="x", max_tokens=4000, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})
         for i, _ in enumerate(s):
             if i == 2:
                 started.set()
-            if i == 200:
+                checked.wait(30)
                 break
         s.close()
 
     t = threading.Thread(target=long)
     t.start()
-    assert started.wait(30)
-    with pytest.raises(openai.RateLimitError):
-        c.completions.create(model=model_id(tiny_server), prompt="y", max_tokens=2)
-    t.join()
+    try:
+        assert started.wait(30)
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model=name, prompt="y", max_tokens=2)
+    finally:
+        checked.set()
+        t.join()
 
 
 def test_disconnect_mid_stream_then_a_normal_request(server):
