@@ -1,12 +1,15 @@
 //! Matrix–vector kernels against the memory-bandwidth roofline, measured in
 //! the same run on the same machine.
 //!
-//! `cargo bench --bench kernels [-- --threads N --mib M]`
+//! `cargo bench --bench kernels [-- --threads N --mib M --format q4_0]`
 //!
 //! For each weight format: a matrix of about `M` MiB (so it does not sit in
 //! the caches) is multiplied by a vector repeatedly; we report the weight
 //! bytes streamed per second and their ratio to the bandwidth of a plain
-//! parallel read of a buffer of the same size.
+//! parallel read of a buffer of the same size. Batches of 4 and 32 vectors
+//! (batched decode, prefill) also report the weight bytes per second times
+//! the batch: what a token-at-a-time product would have to stream to keep
+//! up.
 
 use std::time::Instant;
 
@@ -55,13 +58,18 @@ fn main() {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     let mib = arg("--mib", 256);
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--format")
+        .and_then(|i| args.get(i + 1).cloned());
     let pool = Pool::new(threads).expect("pool");
     let bw = read_bandwidth(&pool, mib << 20);
     println!("kernels: {}, threads: {threads}", kernels().name);
     println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
     println!(
-        "{:<6} {:>12} {:>6} {:>10} {:>10} {:>9}",
-        "format", "shape", "batch", "ms/iter", "GB/s", "of read"
+        "{:<6} {:>12} {:>6} {:>10} {:>10} {:>9} {:>14}",
+        "format", "shape", "batch", "ms/iter", "GB/s", "of read", "GB/s × batch"
     );
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let cols = 2048;
@@ -72,10 +80,13 @@ fn main() {
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
     ] {
+        if only.as_deref().is_some_and(|f| f != format.name()) {
+            continue;
+        }
         let row_bytes = format.row_bytes(cols).expect("row bytes");
         let rows = ((mib << 20) / row_bytes).max(64);
         let w = matrix(format, rows, cols, &mut rng);
-        for batch in [1usize, 4] {
+        for batch in [1usize, 4, 8, 16, 32] {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
@@ -96,13 +107,14 @@ fn main() {
             let secs = t.elapsed().as_secs_f64() / iters as f64;
             let gbs = w.stored_bytes() as f64 / secs / 1e9;
             println!(
-                "{:<6} {:>12} {:>6} {:>10.2} {:>10.2} {:>8.0}%",
+                "{:<6} {:>12} {:>6} {:>10.2} {:>10.2} {:>8.0}% {:>14.1}",
                 format.name(),
                 format!("{rows}x{cols}"),
                 batch,
                 secs * 1e3,
                 gbs,
-                100.0 * gbs / bw
+                100.0 * gbs / bw,
+                gbs * batch as f64
             );
             std::hint::black_box(&y);
         }

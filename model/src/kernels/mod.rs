@@ -10,12 +10,14 @@
 //! kernel.
 
 pub mod pool;
+pub mod q4_0;
 pub mod q8act;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
 pub use pool::Pool;
+pub use q4_0::{Q8Tiles, RowScratch};
 pub use q8act::Q8Activation;
 
 use std::sync::OnceLock;
@@ -36,9 +38,12 @@ pub struct KernelSet {
     pub dot_q4_0: fn(&[u8], &[f32]) -> f32,
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
-    /// One Q4_0 (`true`) or Q8_0 row against up to [`q8act::MULTI`]
-    /// activations, each result identical to the single-token kernel's.
-    pub dot_q_q8_multi: fn(&[u8], bool, &[&Q8Activation], &mut [f32]),
+    /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
+    /// result identical to the single-token kernel's.
+    pub dot_q8_0_q8_multi: fn(&[u8], &[&Q8Activation], &mut [f32]),
+    /// Q4_0 rows against many tokens (prefill, batched decode), each result
+    /// identical to `dot_q4_0_q8`'s; `None` computes token by token.
+    pub gemm_q4_0_q8: Option<GemmQ4>,
     /// Matrix products over Q8_0/Q4_0 weights quantize their input to
     /// 8-bit blocks and use the integer kernels (the default); false keeps
     /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
@@ -46,6 +51,16 @@ pub struct KernelSet {
     /// Activations are quantized with the AVX2 quantizer (same results as
     /// the scalar one).
     pub vector_quantize: bool,
+}
+
+/// A matrix–matrix Q4_0 kernel and the token-group width its
+/// [`Q8Tiles`] are built with: `run(rows, tiles, scratch, out)` multiplies
+/// whole rows into every token, row `r`'s results at `out[r ·
+/// tiles.row_stride()..]`.
+#[derive(Clone, Copy)]
+pub struct GemmQ4 {
+    pub width: usize,
+    pub run: fn(&[u8], &Q8Tiles, &mut RowScratch, &mut [f32]),
 }
 
 pub const SCALAR: KernelSet = KernelSet {
@@ -57,15 +72,16 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q8_0: scalar::dot_q8_0,
     dot_q4_0: scalar::dot_q4_0,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
-    dot_q4_0_q8: q8act::dot_q4_0_q8,
-    dot_q_q8_multi: q8act::dot_q_q8_multi,
+    dot_q4_0_q8: q4_0::dot_q4_0_q8,
+    dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
+    gemm_q4_0_q8: None,
     int_activations: true,
     vector_quantize: false,
 };
 
 #[cfg(target_arch = "x86_64")]
 mod avx2_wrappers {
-    // SAFETY (all six): these wrappers are only installed by `select` after
+    // SAFETY (all of them): these wrappers are only installed by `select` after
     // `is_x86_feature_detected!` confirmed avx2, fma and f16c.
     pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         unsafe { super::x86::dot_f32(w, x) }
@@ -92,10 +108,23 @@ mod avx2_wrappers {
         unsafe { super::q8act::avx2::dot_q8_0_q8(w, x) }
     }
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
-        unsafe { super::q8act::avx2::dot_q4_0_q8(w, x) }
+        unsafe { super::q4_0::avx2::dot_q4_0_q8(w, x) }
     }
-    pub fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&super::Q8Activation], out: &mut [f32]) {
-        unsafe { super::q8act::avx2::dot_q_q8_multi(w, q4, xs, out) }
+    pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&super::Q8Activation], out: &mut [f32]) {
+        unsafe { super::q8act::avx2::dot_q8_0_q8_multi(w, xs, out) }
+    }
+    /// Also checks the tiles' width and the output's length, which the
+    /// kernel's safety contract asks for.
+    pub fn gemm_q4_0_q8(
+        w: &[u8],
+        t: &super::Q8Tiles,
+        row: &mut super::RowScratch,
+        out: &mut [f32],
+    ) {
+        let rb = t.blocks * super::Q4_0_BLOCK_BYTES;
+        assert!(rb > 0 && w.len().is_multiple_of(rb), "whole Q4_0 rows");
+        assert!(t.width == super::q4_0::avx2::WIDTH && out.len() >= w.len() / rb * t.row_stride());
+        unsafe { super::q4_0::avx2::gemm_q4_0_q8(w, t, row, out) }
     }
 }
 
@@ -110,25 +139,37 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0: avx2_wrappers::dot_q4_0,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
-    dot_q_q8_multi: avx2_wrappers::dot_q_q8_multi,
+    dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
+    gemm_q4_0_q8: Some(GemmQ4 {
+        width: q4_0::avx2::WIDTH,
+        run: avx2_wrappers::gemm_q4_0_q8,
+    }),
     int_activations: true,
     vector_quantize: true,
 };
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_wrappers {
-    // SAFETY (both): installed by `select` only after
+    // SAFETY (all of them): installed by `select` only after
     // `is_x86_feature_detected!` confirmed avx512f/bw/vl/vnni/vbmi, avx2,
     // fma and f16c.
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
-        unsafe { super::q8act::avx512::dot_q4_0_q8(w, x) }
+        unsafe { super::q4_0::avx512::dot_q4_0_q8(w, x) }
     }
-    pub fn dot_q_q8_multi(w: &[u8], q4: bool, xs: &[&super::Q8Activation], out: &mut [f32]) {
-        if q4 {
-            unsafe { super::q8act::avx512::dot_q4_0_q8_multi(w, xs, out) }
-        } else {
-            unsafe { super::q8act::avx2::dot_q_q8_multi(w, q4, xs, out) }
-        }
+    /// Also checks the tiles' width and the output's length, which the
+    /// kernel's safety contract asks for.
+    pub fn gemm_q4_0_q8(
+        w: &[u8],
+        t: &super::Q8Tiles,
+        row: &mut super::RowScratch,
+        out: &mut [f32],
+    ) {
+        let rb = t.blocks * super::Q4_0_BLOCK_BYTES;
+        assert!(rb > 0 && w.len().is_multiple_of(rb), "whole Q4_0 rows");
+        assert!(
+            t.width == super::q4_0::avx512::WIDTH && out.len() >= w.len() / rb * t.row_stride()
+        );
+        unsafe { super::q4_0::avx512::gemm_q4_0_q8(w, t, row, out) }
     }
 }
 
@@ -138,7 +179,10 @@ mod avx512_wrappers {
 pub const AVX512_VNNI: KernelSet = KernelSet {
     name: "avx512-vnni",
     dot_q4_0_q8: avx512_wrappers::dot_q4_0_q8,
-    dot_q_q8_multi: avx512_wrappers::dot_q_q8_multi,
+    gemm_q4_0_q8: Some(GemmQ4 {
+        width: q4_0::avx512::WIDTH,
+        run: avx512_wrappers::gemm_q4_0_q8,
+    }),
     ..AVX2
 };
 
@@ -426,6 +470,14 @@ pub fn matmul_shared_input(
     });
 }
 
+/// Fewest tokens for which a Q4_0 product uses the matrix–matrix kernel;
+/// below it a token at a time is faster (the kernel computes 16 tokens at
+/// once). The results are the same either way. Measured with `cargo bench
+/// --bench kernels -- --format q4_0` (docs/benchmarks.md): 4 tokens 30 GB/s
+/// of weights × tokens a token at a time against 15–20 in the kernel, 8
+/// tokens 31 against 42–44.
+pub const GEMM_MIN_TOKENS: usize = 6;
+
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
 /// into `y` (`n × rows`).
 pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
@@ -441,6 +493,20 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
     let inputs: Vec<Input<'_>> = (0..n)
         .map(|t| Input::prepare(k, w, &x[t * cols..(t + 1) * cols]))
         .collect();
+    let q8: Vec<&Q8Activation> = inputs
+        .iter()
+        .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
+        .collect();
+    let bytes = w.data().as_slice();
+    let rb = bytes.len() / rows;
+    // Q4_0 with a matrix–matrix kernel: the tokens interleaved once here,
+    // each row unpacked once per task row and multiplied into every token.
+    let gemm = match k.gemm_q4_0_q8 {
+        Some(g) if q8.len() == n && w.format == WeightFormat::Q4_0 && n >= GEMM_MIN_TOKENS => {
+            Some((g, Q8Tiles::build(&q8, g.width)))
+        }
+        _ => None,
+    };
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
     let blocks: Vec<Vec<f32>> = {
@@ -449,23 +515,30 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
             let r1 = (r0 + chunk).min(rows);
             // Token-major output, but row-major loop: each weight row is
             // read from memory once and reused from L1 for every token.
-            let mut out = vec![0.0f32; (r1 - r0) * n];
-            let q8: Vec<&Q8Activation> = inputs
-                .iter()
-                .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
-                .collect();
             let len = r1 - r0;
-            if q8.len() == n {
-                // Integer kernels: one pass over each row serves up to
-                // MULTI tokens (same results as one token at a time).
-                let q4 = w.format == WeightFormat::Q4_0;
-                let rb = w.data().len() / w.rows;
-                let bytes = w.data().as_slice();
+            let mut out = vec![0.0f32; len * n];
+            if let Some((g, tiles)) = &gemm {
+                let stride = tiles.row_stride();
+                let mut tmp = vec![0.0f32; len * stride];
+                (g.run)(
+                    &bytes[r0 * rb..r1 * rb],
+                    tiles,
+                    &mut RowScratch::default(),
+                    &mut tmp,
+                );
+                for (i, row) in tmp.chunks_exact(stride).enumerate() {
+                    for (t, v) in row[..n].iter().enumerate() {
+                        out[t * len + i] = *v;
+                    }
+                }
+            } else if q8.len() == n && w.format == WeightFormat::Q8_0 {
+                // One pass over each row serves up to MULTI tokens (same
+                // results as one token at a time).
                 let mut tmp = [0.0f32; q8act::MULTI];
                 for r in r0..r1 {
                     let row = &bytes[r * rb..(r + 1) * rb];
                     for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
-                        (k.dot_q_q8_multi)(row, q4, group, &mut tmp[..group.len()]);
+                        (k.dot_q8_0_q8_multi)(row, group, &mut tmp[..group.len()]);
                         for (j, v) in tmp[..group.len()].iter().enumerate() {
                             out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
                         }
@@ -653,6 +726,55 @@ mod tests {
         }
     }
 
+    /// Q4_0 products over many tokens (the matrix–matrix kernel, tokens in
+    /// groups, rows several at a time) give each token what a product of
+    /// that token alone gives, whatever the thread count.
+    #[test]
+    fn q4_0_batches_equal_single_tokens_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for (rows, cols) in [(37usize, 96usize), (130, 768)] {
+            let w = rand_vec(&mut rng, rows * cols);
+            let bytes: Vec<u8> = w
+                .chunks(cols)
+                .flat_map(|r| quant::quantize_q4_0(r).unwrap())
+                .collect();
+            let m = QMatrix::new(
+                "t",
+                rows,
+                cols,
+                WeightFormat::Q4_0,
+                crate::tensor::Bytes::from_vec(bytes),
+                None,
+            )
+            .unwrap();
+            let n = 35;
+            let x = rand_vec(&mut rng, n * cols);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let one = Pool::new(1).unwrap();
+            let single: Vec<Vec<f32>> = (0..n)
+                .map(|t| {
+                    let mut y = vec![f32::NAN; rows];
+                    matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
+                    y
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let pool = Pool::new(threads).unwrap();
+                for batch in [2usize, 5, 6, 16, 17, 35] {
+                    let mut y = vec![f32::NAN; batch * rows];
+                    matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
+                    for t in 0..batch {
+                        assert_eq!(
+                            bits(&y[t * rows..(t + 1) * rows]),
+                            bits(&single[t]),
+                            "{rows}x{cols}, batch {batch}, token {t}, {threads} threads"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn shared_input_products_equal_separate_ones() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
@@ -691,7 +813,7 @@ mod tests {
             quantized(&mut rng, 9, true),
         ];
         let refs: Vec<&QMatrix> = ws.iter().collect();
-        for n in [1usize, 3] {
+        for n in [1usize, 3, 7] {
             let x = rand_vec(&mut rng, n * cols);
             for threads in [1, 2, 3] {
                 let pool = Pool::new(threads).unwrap();
