@@ -130,21 +130,12 @@ pub(crate) fn attention(
                 let qh = &q[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
                 let kvh = head / group;
                 let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
-                let dot = kernels::kernels().dot_f32;
-                let mut scores: Vec<f32> = (first..=ri.pos)
-                    .map(|t| {
-                        let kt = &kc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
-                        dot(qh, kt) * scale
-                    })
-                    .collect();
+                let k = kernels::kernels();
+                let mut scores = vec![0.0f32; ri.pos + 1 - first];
+                (k.dot_f32_rows)(qh, &kc[(first * nkv + kvh) * hd..], nkv * hd, &mut scores);
+                scores.iter_mut().for_each(|s| *s *= scale);
                 softmax_inplace(&mut scores);
-                o.fill(0.0);
-                for (s, t) in scores.iter().zip(first..=ri.pos) {
-                    let vt = &vc[(t * nkv + kvh) * hd..(t * nkv + kvh + 1) * hd];
-                    for (oo, vv) in o.iter_mut().zip(vt) {
-                        *oo += s * vv;
-                    }
-                }
+                (k.weighted_rows)(o, &scores, &vc[(first * nkv + kvh) * hd..], nkv * hd);
             });
             Ok(linear_rows(pool, &w.o, &out, n))
         }

@@ -36,6 +36,12 @@ pub struct KernelSet {
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
     pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
     pub dot_q4_0: fn(&[u8], &[f32]) -> f32,
+    /// `dot_f32` of one vector with many rows (attention's scores), each
+    /// result identical to a `dot_f32` call.
+    pub dot_f32_rows: fn(&[f32], &[f32], usize, &mut [f32]),
+    /// Attention's weighted sum of value rows (bit-identical at every
+    /// level: [`scalar::weighted_rows`]).
+    pub weighted_rows: fn(&mut [f32], &[f32], &[f32], usize),
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
@@ -56,10 +62,16 @@ pub struct KernelSet {
 /// A matrix–matrix Q4_0 kernel and the token-group width its
 /// [`Q8Tiles`] are built with: `run(rows, tiles, scratch, out)` multiplies
 /// whole rows into every token, row `r`'s results at `out[r ·
-/// tiles.row_stride()..]`.
+/// tiles.row_stride()..]`. Below `min_tokens` a token at a time is faster
+/// (the results are the same either way); measured with `cargo bench
+/// --bench kernels -- --format q4_0` (docs/benchmarks.md): AVX-512, 4
+/// tokens 30 GB/s of weights × tokens a token at a time against 15–20 in
+/// the kernel, 8 tokens 31 against 42–44.
 #[derive(Clone, Copy)]
 pub struct GemmQ4 {
     pub width: usize,
+    /// Fewest tokens for which it beats a token at a time.
+    pub min_tokens: usize,
     pub run: fn(&[u8], &Q8Tiles, &mut RowScratch, &mut [f32]),
 }
 
@@ -71,6 +83,8 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: scalar::dot_q8_0,
     dot_q4_0: scalar::dot_q4_0,
+    dot_f32_rows: scalar::dot_f32_rows,
+    weighted_rows: scalar::weighted_rows,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
@@ -103,6 +117,20 @@ mod avx2_wrappers {
     }
     pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
         unsafe { super::x86::dot_q4_0(w, x) }
+    }
+    /// Also checks the rows' extent, which the kernel's contract asks for.
+    pub fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32]) {
+        if let Some(last) = out.len().checked_sub(1) {
+            assert!(k.len() >= last * stride + q.len(), "key rows in bounds");
+        }
+        unsafe { super::x86::dot_f32_rows(q, k, stride, out) }
+    }
+    /// Also checks the rows' extent, which the kernel's contract asks for.
+    pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+        if let Some(last) = s.len().checked_sub(1) {
+            assert!(v.len() >= last * stride + o.len(), "value rows in bounds");
+        }
+        unsafe { super::x86::weighted_rows(o, s, v, stride) }
     }
     pub fn dot_q8_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q8act::avx2::dot_q8_0_q8(w, x) }
@@ -137,11 +165,14 @@ pub const AVX2: KernelSet = KernelSet {
     dot_fp8: avx2_wrappers::dot_fp8,
     dot_q8_0: avx2_wrappers::dot_q8_0,
     dot_q4_0: avx2_wrappers::dot_q4_0,
+    dot_f32_rows: avx2_wrappers::dot_f32_rows,
+    weighted_rows: avx2_wrappers::weighted_rows,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
     gemm_q4_0_q8: Some(GemmQ4 {
         width: q4_0::avx2::WIDTH,
+        min_tokens: 4,
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
     int_activations: true,
@@ -181,6 +212,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_q4_0_q8: avx512_wrappers::dot_q4_0_q8,
     gemm_q4_0_q8: Some(GemmQ4 {
         width: q4_0::avx512::WIDTH,
+        min_tokens: 6,
         run: avx512_wrappers::gemm_q4_0_q8,
     }),
     ..AVX2
@@ -433,8 +465,19 @@ pub fn matmul_shared_input(
 ) {
     assert_eq!(ws.len(), ys.len(), "one output per matrix");
     if n != 1 {
+        // The vectors prepared once per weight format.
+        let mut batches: Vec<(WeightFormat, Batch<'_>)> = Vec::new();
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            matmul(pool, w, x, n, y);
+            assert_eq!(x.len(), n * w.cols, "matmul input length");
+            assert_eq!(y.len(), n * w.rows, "matmul output length");
+            let i = match batches.iter().position(|(f, _)| *f == w.format) {
+                Some(i) => i,
+                None => {
+                    batches.push((w.format, Batch::prepare(pool, w.format, x, w.cols, n)));
+                    batches.len() - 1
+                }
+            };
+            matmul_prepared(pool, w, &batches[i].1, y);
         }
         return;
     }
@@ -470,14 +513,6 @@ pub fn matmul_shared_input(
     });
 }
 
-/// Fewest tokens for which a Q4_0 product uses the matrix–matrix kernel;
-/// below it a token at a time is faster (the kernel computes 16 tokens at
-/// once). The results are the same either way. Measured with `cargo bench
-/// --bench kernels -- --format q4_0` (docs/benchmarks.md): 4 tokens 30 GB/s
-/// of weights × tokens a token at a time against 15–20 in the kernel, 8
-/// tokens 31 against 42–44.
-pub const GEMM_MIN_TOKENS: usize = 6;
-
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
 /// into `y` (`n × rows`).
 pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
@@ -486,27 +521,61 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
     if n == 1 {
         return matvec(pool, w, x, y);
     }
+    let batch = Batch::prepare(pool, w.format, x, w.cols, n);
+    matmul_prepared(pool, w, &batch, y);
+}
+
+/// Several vectors prepared once for every matrix of one weight format
+/// that multiplies them: quantized (in parallel) for Q8_0/Q4_0, and
+/// interleaved for the Q4_0 matrix–matrix kernel.
+struct Batch<'a> {
+    inputs: Vec<Input<'a>>,
+    tiles: Option<(GemmQ4, Q8Tiles)>,
+}
+
+impl<'a> Batch<'a> {
+    fn prepare(pool: &Pool, format: WeightFormat, x: &'a [f32], cols: usize, n: usize) -> Self {
+        let k = kernels();
+        let int = matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k.int_activations;
+        let inputs: Vec<Input<'a>> = if int {
+            pool.map_collect(n, |t| {
+                Input::Q8(Q8Activation::quantize(&x[t * cols..(t + 1) * cols]))
+            })
+        } else {
+            (0..n)
+                .map(|t| Input::F32(&x[t * cols..(t + 1) * cols]))
+                .collect()
+        };
+        let tiles = match k.gemm_q4_0_q8 {
+            Some(g) if int && format == WeightFormat::Q4_0 && n >= g.min_tokens => {
+                let q8: Vec<&Q8Activation> = inputs
+                    .iter()
+                    .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
+                    .collect();
+                Some((g, Q8Tiles::build(&q8, g.width)))
+            }
+            _ => None,
+        };
+        Batch { inputs, tiles }
+    }
+}
+
+/// `Y[t] = W X[t]` for a prepared batch (of `w`'s format).
+fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     let k = kernels();
+    let n = batch.inputs.len();
     let chunk = pool.rows_per_task(w.rows);
-    let cols = w.cols;
     let rows = w.rows;
-    let inputs: Vec<Input<'_>> = (0..n)
-        .map(|t| Input::prepare(k, w, &x[t * cols..(t + 1) * cols]))
-        .collect();
+    let inputs = &batch.inputs;
     let q8: Vec<&Q8Activation> = inputs
         .iter()
         .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
         .collect();
     let bytes = w.data().as_slice();
     let rb = bytes.len() / rows;
-    // Q4_0 with a matrix–matrix kernel: the tokens interleaved once here,
-    // each row unpacked once per task row and multiplied into every token.
-    let gemm = match k.gemm_q4_0_q8 {
-        Some(g) if q8.len() == n && w.format == WeightFormat::Q4_0 && n >= GEMM_MIN_TOKENS => {
-            Some((g, Q8Tiles::build(&q8, g.width)))
-        }
-        _ => None,
-    };
+    // Q4_0 with a matrix–matrix kernel: the tokens interleaved once (in
+    // the batch), each task's rows multiplied into every token.
+    let gemm = batch.tiles.as_ref();
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
     let blocks: Vec<Vec<f32>> = {
@@ -579,6 +648,48 @@ mod tests {
     /// Sum of |w_i x_i|: the natural scale of a dot product's rounding error.
     fn abs_scale(w: &[f32], x: &[f32]) -> f32 {
         w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
+    }
+
+    /// Attention's kernels: scores over many rows equal one `dot_f32` per
+    /// row, and the weighted sum of value rows gives the scalar reference's
+    /// bits in every kernel set, on row lengths around the vector widths.
+    #[test]
+    fn attention_kernels_equal_their_references_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let mut sets = vec![SCALAR];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            sets.push(AVX2);
+        }
+        sets.push(*kernels());
+        for len in [1usize, 7, 8, 9, 63, 64, 65, 128, 200] {
+            for rows in [1usize, 2, 17, 40] {
+                let stride = len + 3;
+                let v = rand_vec(&mut rng, (rows - 1) * stride + len);
+                let mut s = rand_vec(&mut rng, rows);
+                s.iter_mut().for_each(|x| *x = x.abs());
+                let mut want = vec![f32::NAN; len];
+                scalar::weighted_rows(&mut want, &s, &v, stride);
+                // The reference is the plain sum, row after row.
+                for (i, w) in want.iter().enumerate() {
+                    let plain = (0..rows).fold(0.0f32, |a, t| a + s[t] * v[t * stride + i]);
+                    assert_eq!(w.to_bits(), plain.to_bits());
+                }
+                let q = rand_vec(&mut rng, len);
+                for k in &sets {
+                    let mut dots = vec![f32::NAN; rows];
+                    (k.dot_f32_rows)(&q, &v, stride, &mut dots);
+                    for (t, d) in dots.iter().enumerate() {
+                        let one = (k.dot_f32)(&q, &v[t * stride..t * stride + len]);
+                        assert_eq!(d.to_bits(), one.to_bits(), "{} dot rows", k.name);
+                    }
+                    let mut got = vec![f32::NAN; len];
+                    (k.weighted_rows)(&mut got, &s, &v, stride);
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{} len {len} rows {rows}", k.name);
+                }
+            }
+        }
     }
 
     #[test]

@@ -76,3 +76,25 @@ pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
         (block_scale(b) * (q as i32 - 8) as f32) * x[i]
     })
 }
+
+/// `o = Σ_t s[t] · v_t` over rows `v_t = v[t·stride..t·stride + o.len()]`,
+/// each element accumulated from zero in row order with a separate multiply
+/// and add (attention's weighted sum of values; the vector kernel does the
+/// same per lane, so they agree bit for bit).
+pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+    o.fill(0.0);
+    for (t, &st) in s.iter().enumerate() {
+        let row = &v[t * stride..t * stride + o.len()];
+        for (oo, vv) in o.iter_mut().zip(row) {
+            *oo += st * vv;
+        }
+    }
+}
+
+/// `out[t] = dot_f32(q, k_t)` for rows `k_t = k[t·stride..t·stride +
+/// q.len()]`.
+pub fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32]) {
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(q, &k[t * stride..t * stride + q.len()]);
+    }
+}

@@ -28,13 +28,39 @@ unsafe fn hsum(v: __m256) -> f32 {
 /// Requires AVX2 and FMA; `w.len() == x.len()`.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    // SAFETY: forwarded contract.
+    unsafe { dot_f32_body(w, x) }
+}
+
+/// `out[t] = dot_f32(q, k_t)` for rows `k_t = k[t·stride..t·stride +
+/// q.len()]` (attention's scores), each exactly as [`dot_f32`] computes it;
+/// one call, so consecutive rows overlap in the pipeline.
+///
+/// # Safety
+/// Requires AVX2 and FMA; `k.len() >= (out.len() - 1) · stride + q.len()`
+/// when `out` is not empty.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32]) {
+    for (t, o) in out.iter_mut().enumerate() {
+        // SAFETY: row t is in bounds (caller).
+        *o = unsafe { dot_f32_body(q, k.get_unchecked(t * stride..t * stride + q.len())) };
+    }
+}
+
+/// The body of [`dot_f32`], inlined into its callers.
+///
+/// # Safety
+/// As [`dot_f32`].
+#[inline(always)]
+unsafe fn dot_f32_body(w: &[f32], x: &[f32]) -> f32 {
     let n = x.len().min(w.len());
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut a0 = _mm256_setzero_ps();
-    let mut a1 = _mm256_setzero_ps();
     let mut i = 0;
-    // SAFETY: every load reads 8 floats at i < n - 7 from slices of length n.
+    // SAFETY: every load reads 8 floats at i < n - 7 from slices of length
+    // n; register arithmetic under the caller's avx2/fma guarantee.
     unsafe {
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
         while i + 16 <= n {
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(xp.add(i)), a0);
             a1 = _mm256_fmadd_ps(
@@ -239,5 +265,49 @@ pub unsafe fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
             }
         }
         hsum(_mm256_add_ps(a0, a1))
+    }
+}
+
+/// [`super::scalar::weighted_rows`] with 8 lanes: 64 outputs at a time held
+/// in registers over every row, the same multiply then add per element.
+///
+/// # Safety
+/// Requires AVX; `v.len() >= (s.len() - 1) · stride + o.len()` when `s` is
+/// not empty.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+    let n = o.len();
+    let vp = v.as_ptr();
+    let mut i = 0;
+    // SAFETY: row t's elements i..i+64 (or i..i+8) are below
+    // t·stride + n <= v.len() (caller), and i + 64 <= n (or i + 8 <= n)
+    // for o.
+    unsafe {
+        while i + 64 <= n {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (t, &st) in s.iter().enumerate() {
+                let w = _mm256_set1_ps(st);
+                let row = vp.add(t * stride + i);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(w, _mm256_loadu_ps(row.add(8 * k))));
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * k), *a);
+            }
+            i += 64;
+        }
+        while i + 8 <= n {
+            let mut a = _mm256_setzero_ps();
+            for (t, &st) in s.iter().enumerate() {
+                let row = vp.add(t * stride + i);
+                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(st), _mm256_loadu_ps(row)));
+            }
+            _mm256_storeu_ps(o.as_mut_ptr().add(i), a);
+            i += 8;
+        }
+    }
+    if i < n {
+        super::scalar::weighted_rows(&mut o[i..], s, &v[i..], stride);
     }
 }
