@@ -22,8 +22,18 @@ pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<
     let mut g = vec![0.0f32; n * inter];
     let mut u = vec![0.0f32; n * inter];
     matmul_shared_input(pool, &[&w.gate, &w.up], x, n, &mut [&mut g, &mut u]);
-    for (gv, uv) in g.iter_mut().zip(&u) {
-        *gv = silu(*gv) * uv;
+    // Elementwise, so the split across threads (for batches worth
+    // splitting) changes no result.
+    let swiglu = |c: usize, gs: &mut [f32], chunk: usize| {
+        for (gv, uv) in gs.iter_mut().zip(&u[c * chunk..]) {
+            *gv = silu(*gv) * uv;
+        }
+    };
+    if n >= 8 {
+        let chunk = inter.max(1) * n.div_ceil(pool.threads() * 4);
+        pool.for_each_chunk_mut(&mut g, chunk, |c, gs| swiglu(c, gs, chunk));
+    } else {
+        swiglu(0, &mut g, 0);
     }
     let mut y = vec![0.0f32; n * w.down.rows];
     matmul(pool, &w.down, &g, n, &mut y);

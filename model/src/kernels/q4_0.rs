@@ -630,7 +630,9 @@ pub mod avx512 {
                 let sbase = tiles.scales.as_ptr().add(g * blocks * WIDTH);
                 let step = |b: usize, acc: &mut [__m512; R]| {
                     let q = qbase.add(b * QK * WIDTH) as *const __m512i;
-                    let mut s = [_mm512_setzero_si512(); R];
+                    // The sums start at −8Σq (the zero point), exactly.
+                    let z = _mm512_loadu_si512(zbase.add(b * WIDTH) as *const __m512i);
+                    let mut s = [_mm512_sub_epi32(_mm512_setzero_si512(), z); R];
                     for k in 0..8 {
                         let t = _mm512_loadu_si512(q.add(k));
                         for r in 0..R {
@@ -638,12 +640,10 @@ pub mod avx512 {
                             s[r] = _mm512_dpbusd_epi32(s[r], wk, t);
                         }
                     }
-                    let z = _mm512_loadu_si512(zbase.add(b * WIDTH) as *const __m512i);
                     let sc = _mm512_loadu_ps(sbase.add(b * WIDTH));
                     for r in 0..R {
                         let d = _mm512_mul_ps(_mm512_set1_ps(*scales[r].add(b)), sc);
-                        let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], z));
-                        acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
+                        acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[r]), acc[r]);
                     }
                 };
                 let mut acc = [[_mm512_setzero_ps(); R]; LANES];
