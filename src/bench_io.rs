@@ -41,6 +41,7 @@ use clap::Args;
 use colibri_io::bench::{AccessPattern, BenchLimit, RawBenchConfig, RawReport, raw_with};
 use colibri_io::{Backend, IoBackendChoice};
 use colibri_model::sampling::SamplingParams;
+use colibri_sched::gpu::{Attached, DeviceChoice, GpuOptions};
 use colibri_sched::prefetch::{Predictor, PrefetchOptions, PrefetcherStats};
 use colibri_sched::tier::plan::decode_bytes_per_token;
 use colibri_sched::tier::{
@@ -114,6 +115,15 @@ pub struct BenchIoArgs {
     /// last-level cache).
     #[arg(long, value_name = "SIZE", default_value = "512MiB")]
     pub bandwidth_bytes: ByteSize,
+    /// --model: where the forward pass runs, as `run`: `cpu` (the
+    /// default here), `cuda` (the GPU tier; experts still come from disk
+    /// through the RAM tier and its staging ring), or `auto`.
+    #[arg(long, value_name = "auto|cpu|cuda", default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// --model with a GPU: device memory for dense weights, the KV cache
+    /// and cached experts, as `run` (default: free VRAM minus a reserve).
+    #[arg(long, value_name = "SIZE")]
+    pub vram_budget: Option<ByteSize>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -203,6 +213,8 @@ impl TimeSplit {
 /// One cold decode run.
 #[derive(Clone, Debug, Serialize)]
 struct DecodeRun {
+    /// Where the forward pass ran (`cpu`, or the GPU tier's summary).
+    compute: String,
     /// `None`: prefetch off.
     predictor: Option<Predictor>,
     tokens: usize,
@@ -254,7 +266,13 @@ fn decode_run(
         usage: UsageMode::Off,
         ..TierOptions::default()
     };
-    let engine = Engine::load(
+    let gpu = GpuOptions {
+        device: args.device,
+        vram_budget: args.vram_budget.map(ByteSize::bytes),
+        ..GpuOptions::default()
+    };
+    colibri_sched::gpu::preflight(&gpu).with_context(|| format!("--device {}", args.device))?;
+    let mut engine = Engine::load(
         dir,
         &EngineOptions {
             threads: args.threads,
@@ -273,6 +291,13 @@ fn decode_run(
         },
     )
     .with_context(|| format!("loading model {}", dir.display()))?;
+    let compute = match colibri_sched::gpu::attach(&mut engine, &gpu)
+        .with_context(|| format!("--device {}", args.device))?
+    {
+        Attached::Gpu(summary) => format!("cuda: {summary}"),
+        Attached::Cpu { reason: Some(why) } => format!("cpu (no usable GPU tier: {why})"),
+        Attached::Cpu { reason: None } => "cpu".to_string(),
+    };
     let Some(tier) = engine.tier.clone() else {
         bail!(
             "{}: its experts are not streamed from disk (no routed experts, or a layout \
@@ -336,6 +361,7 @@ fn decode_run(
         Duration::from_nanos(end.busy_ns - first.busy_ns).as_secs_f64(),
     );
     let run = DecodeRun {
+        compute,
         predictor,
         tokens: generated,
         tok_s: (generated - 1) as f64 / decode_s,
@@ -471,6 +497,13 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     if args.tokens < 2 {
         bail!("--tokens must be at least 2 (the first token ends the prefill)");
     }
+    if args.warm && args.device != DeviceChoice::Cpu {
+        bail!(
+            "--warm measures the CPU tier against the host's memory bandwidth; \
+             use it with --device cpu (GPU decode speed: `cargo run -p colibri-sched \
+             --release --example gpu_decode`)"
+        );
+    }
     // The prompt needs the vocabulary size; the spec is enough (any source).
     let (spec, _) = colibri_model::source::open_source(dir)
         .with_context(|| format!("reading the spec of {}", dir.display()))?;
@@ -555,6 +588,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     if args.json {
         let v = json!({
             "model": dir.display().to_string(),
+            "compute": run.compute,
             "prompt_tokens": prompt_len,
             "tokens": run.tokens,
             "tok_s": tok_s,
@@ -628,6 +662,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             None => String::new(),
         }
     );
+    println!("compute: {}", run.compute);
     println!(
         "budget {} for experts ({} cache slots; all experts {}), staging {}",
         ByteSize(plan.ram_budget_bytes),

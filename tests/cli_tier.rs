@@ -107,10 +107,15 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
         "bound_tok_s",
         "prefetch_recall",
         "queue_depth_measured",
+        "compute",
     ] {
         assert!(!v[key].is_null(), "{key} missing: {v}");
     }
     assert_eq!(v["tokens"], 8);
+    assert_eq!(
+        v["compute"], "cpu",
+        "bench-io runs on the CPU tier unless told"
+    );
     assert!(v["tok_s"].as_f64().unwrap() > 0.0);
     // Nothing cached: every decode selection was read.
     assert_eq!(v["ram_hit_rate"].as_f64().unwrap(), 0.0);
@@ -240,6 +245,14 @@ fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
         err.contains("--warm needs every routed expert in RAM"),
         "{err}"
     );
+    // The memory roofline is the host's: a GPU warm run is refused.
+    let out = colibri(
+        &["bench-io", "--model", m, "--warm", "--device", "cuda"],
+        cache.path(),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("use it with --device cpu"), "{err}");
 }
 
 #[test]
