@@ -59,6 +59,20 @@ pub struct KernelSet {
     pub vector_quantize: bool,
 }
 
+/// What the matrix–matrix kernels' safety contract asks of their
+/// arguments: whole rows of the tiles' length, tiles of the kernel's width,
+/// room for every row's results.
+#[cfg(target_arch = "x86_64")]
+fn check_gemm_args(w: &[u8], t: &Q8Tiles, out: &[f32], width: usize) {
+    let rb = t.blocks * Q4_0_BLOCK_BYTES;
+    assert!(rb > 0 && w.len().is_multiple_of(rb), "whole Q4_0 rows");
+    assert_eq!(t.width, width, "tiles built for this kernel");
+    assert!(
+        out.len() >= w.len() / rb * t.row_stride(),
+        "room for the results"
+    );
+}
+
 /// A matrix–matrix Q4_0 kernel and the token-group width its
 /// [`Q8Tiles`] are built with: `run(rows, tiles, scratch, out)` multiplies
 /// whole rows into every token, row `r`'s results at `out[r ·
@@ -149,9 +163,7 @@ mod avx2_wrappers {
         row: &mut super::RowScratch,
         out: &mut [f32],
     ) {
-        let rb = t.blocks * super::Q4_0_BLOCK_BYTES;
-        assert!(rb > 0 && w.len().is_multiple_of(rb), "whole Q4_0 rows");
-        assert!(t.width == super::q4_0::avx2::WIDTH && out.len() >= w.len() / rb * t.row_stride());
+        super::check_gemm_args(w, t, out, super::q4_0::avx2::WIDTH);
         unsafe { super::q4_0::avx2::gemm_q4_0_q8(w, t, row, out) }
     }
 }
@@ -195,11 +207,7 @@ mod avx512_wrappers {
         row: &mut super::RowScratch,
         out: &mut [f32],
     ) {
-        let rb = t.blocks * super::Q4_0_BLOCK_BYTES;
-        assert!(rb > 0 && w.len().is_multiple_of(rb), "whole Q4_0 rows");
-        assert!(
-            t.width == super::q4_0::avx512::WIDTH && out.len() >= w.len() / rb * t.row_stride()
-        );
+        super::check_gemm_args(w, t, out, super::q4_0::avx512::WIDTH);
         unsafe { super::q4_0::avx512::gemm_q4_0_q8(w, t, row, out) }
     }
 }
@@ -645,6 +653,17 @@ mod tests {
         (a - b).abs() / scale.max(1e-6)
     }
 
+    /// A Q4_0 matrix of random weights.
+    fn q4_matrix(rng: &mut impl Rng, rows: usize, cols: usize) -> QMatrix {
+        let w = rand_vec(rng, rows * cols);
+        let bytes: Vec<u8> = w
+            .chunks(cols)
+            .flat_map(|r| quant::quantize_q4_0(r).unwrap())
+            .collect();
+        let data = crate::tensor::Bytes::from_vec(bytes);
+        QMatrix::new("t", rows, cols, WeightFormat::Q4_0, data, None).unwrap()
+    }
+
     /// Sum of |w_i x_i|: the natural scale of a dot product's rounding error.
     fn abs_scale(w: &[f32], x: &[f32]) -> f32 {
         w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
@@ -784,20 +803,7 @@ mod tests {
         }
         // row_to_f32 and dot_row over a QMatrix use the same layout.
         let (rows, cols) = (5, 64);
-        let w = rand_vec(&mut rng, rows * cols);
-        let bytes: Vec<u8> = w
-            .chunks(cols)
-            .flat_map(|r| quant::quantize_q4_0(r).unwrap())
-            .collect();
-        let m = QMatrix::new(
-            "t",
-            rows,
-            cols,
-            WeightFormat::Q4_0,
-            crate::tensor::Bytes::from_vec(bytes),
-            None,
-        )
-        .unwrap();
+        let m = q4_matrix(&mut rng, rows, cols);
         let x = rand_vec(&mut rng, cols);
         let deq = m.to_f32();
         for r in 0..rows {
@@ -844,20 +850,7 @@ mod tests {
     fn q4_0_batches_equal_single_tokens_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for (rows, cols) in [(37usize, 96usize), (130, 768)] {
-            let w = rand_vec(&mut rng, rows * cols);
-            let bytes: Vec<u8> = w
-                .chunks(cols)
-                .flat_map(|r| quant::quantize_q4_0(r).unwrap())
-                .collect();
-            let m = QMatrix::new(
-                "t",
-                rows,
-                cols,
-                WeightFormat::Q4_0,
-                crate::tensor::Bytes::from_vec(bytes),
-                None,
-            )
-            .unwrap();
+            let m = q4_matrix(&mut rng, rows, cols);
             let n = 35;
             let x = rand_vec(&mut rng, n * cols);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

@@ -142,6 +142,56 @@ pub struct RowScratch {
     scales: Vec<f32>,
 }
 
+/// The matrix–matrix kernels' walk over whole rows (`rows.len()` a
+/// multiple of `tiles.blocks × 18`), at most `max` at a time: each group is
+/// unpacked into `scratch` and handed to `pass` with its row count and its
+/// output (row `r` of the group at `out[r · tiles.row_stride()..]`).
+fn by_row_groups(
+    rows: &[u8],
+    tiles: &Q8Tiles,
+    scratch: &mut RowScratch,
+    out: &mut [f32],
+    max: usize,
+    mut pass: impl FnMut(usize, &RowScratch, &mut [f32]),
+) {
+    let rb = tiles.blocks * Q4_0_BLOCK_BYTES;
+    let n = rows.len() / rb.max(1);
+    let stride = tiles.row_stride();
+    let mut r = 0;
+    while r < n {
+        let take = (n - r).min(max);
+        scratch.unpack(&rows[r * rb..(r + take) * rb], tiles.blocks);
+        pass(take, scratch, &mut out[r * stride..]);
+        r += take;
+    }
+}
+
+/// Runs `step(block, &mut acc[block % LANES])` over `blocks` blocks in
+/// order, with constant lane indices (so the accumulators stay in
+/// registers).
+macro_rules! blocks_into_lanes {
+    ($blocks:expr, $acc:ident, $step:ident) => {{
+        let blocks = $blocks;
+        let mut c = 0;
+        while c + LANES <= blocks {
+            $step(c, &mut $acc[0]);
+            $step(c + 1, &mut $acc[1]);
+            $step(c + 2, &mut $acc[2]);
+            $step(c + 3, &mut $acc[3]);
+            c += LANES;
+        }
+        if c < blocks {
+            $step(c, &mut $acc[0]);
+        }
+        if c + 1 < blocks {
+            $step(c + 1, &mut $acc[1]);
+        }
+        if c + 2 < blocks {
+            $step(c + 2, &mut $acc[2]);
+        }
+    }};
+}
+
 impl RowScratch {
     /// Unpacks `rows` (whole rows of `blocks` blocks each).
     fn unpack(&mut self, rows: &[u8], blocks: usize) {
@@ -321,24 +371,16 @@ pub mod avx2 {
         scratch: &mut RowScratch,
         out: &mut [f32],
     ) {
-        let rb = tiles.blocks * Q4_0_BLOCK_BYTES;
-        let n = rows.len() / rb.max(1);
-        let stride = tiles.row_stride();
-        let mut r = 0;
-        while r < n {
-            let take = (n - r).min(ROWS);
-            scratch.unpack(&rows[r * rb..(r + take) * rb], tiles.blocks);
-            let o = &mut out[r * stride..];
+        super::by_row_groups(rows, tiles, scratch, out, ROWS, |take, unpacked, o| {
             // SAFETY: forwarded contract; `take` rows were unpacked.
             unsafe {
                 if take == ROWS {
-                    pass::<ROWS>(tiles, scratch, o);
+                    pass::<ROWS>(tiles, unpacked, o);
                 } else {
-                    pass::<1>(tiles, scratch, o);
+                    pass::<1>(tiles, unpacked, o);
                 }
             }
-            r += take;
-        }
+        });
     }
 
     /// `R` unpacked rows against every group of tokens (its closure
@@ -380,23 +422,7 @@ pub mod avx2 {
                     }
                 };
                 let mut acc = [[_mm256_setzero_ps(); R]; LANES];
-                let mut c = 0;
-                while c + LANES <= blocks {
-                    step(c, &mut acc[0]);
-                    step(c + 1, &mut acc[1]);
-                    step(c + 2, &mut acc[2]);
-                    step(c + 3, &mut acc[3]);
-                    c += LANES;
-                }
-                if c < blocks {
-                    step(c, &mut acc[0]);
-                }
-                if c + 1 < blocks {
-                    step(c + 1, &mut acc[1]);
-                }
-                if c + 2 < blocks {
-                    step(c + 2, &mut acc[2]);
-                }
+                blocks_into_lanes!(blocks, acc, step);
                 for r in 0..R {
                     let v = _mm256_add_ps(
                         _mm256_add_ps(acc[0][r], acc[2][r]),
@@ -589,25 +615,17 @@ pub mod avx512 {
         scratch: &mut RowScratch,
         out: &mut [f32],
     ) {
-        let rb = tiles.blocks * Q4_0_BLOCK_BYTES;
-        let n = rows.len() / rb.max(1);
-        let stride = tiles.row_stride();
-        let mut r = 0;
-        while r < n {
-            let take = (n - r).min(ROWS);
-            scratch.unpack(&rows[r * rb..(r + take) * rb], tiles.blocks);
-            let o = &mut out[r * stride..];
+        super::by_row_groups(rows, tiles, scratch, out, ROWS, |take, unpacked, o| {
             // SAFETY: forwarded contract; `take` rows were unpacked.
             unsafe {
                 match take {
-                    ROWS => pass::<ROWS>(tiles, scratch, o),
-                    3 => pass::<3>(tiles, scratch, o),
-                    2 => pass::<2>(tiles, scratch, o),
-                    _ => pass::<1>(tiles, scratch, o),
+                    ROWS => pass::<ROWS>(tiles, unpacked, o),
+                    3 => pass::<3>(tiles, unpacked, o),
+                    2 => pass::<2>(tiles, unpacked, o),
+                    _ => pass::<1>(tiles, unpacked, o),
                 }
             }
-            r += take;
-        }
+        });
     }
 
     /// `R` unpacked rows against every group of tokens (its closure
@@ -647,23 +665,7 @@ pub mod avx512 {
                     }
                 };
                 let mut acc = [[_mm512_setzero_ps(); R]; LANES];
-                let mut c = 0;
-                while c + LANES <= blocks {
-                    step(c, &mut acc[0]);
-                    step(c + 1, &mut acc[1]);
-                    step(c + 2, &mut acc[2]);
-                    step(c + 3, &mut acc[3]);
-                    c += LANES;
-                }
-                if c < blocks {
-                    step(c, &mut acc[0]);
-                }
-                if c + 1 < blocks {
-                    step(c + 1, &mut acc[1]);
-                }
-                if c + 2 < blocks {
-                    step(c + 2, &mut acc[2]);
-                }
+                blocks_into_lanes!(blocks, acc, step);
                 for r in 0..R {
                     let v = _mm512_add_ps(
                         _mm512_add_ps(acc[0][r], acc[2][r]),
@@ -679,14 +681,9 @@ pub mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::q8act::tests::data;
     use crate::quant::{dequantize_q4_0, quantize_q4_0};
     use rand::{Rng, SeedableRng};
-
-    fn data(rng: &mut impl Rng, n: usize, spread: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| rng.random_range(-1.0f32..1.0) * spread)
-            .collect()
-    }
 
     /// Block counts around the vector widths (8, 16) and the model sizes
     /// (24 for a 768-wide input, 64 for 2048).

@@ -354,13 +354,14 @@ pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::q4_0::dot_q4_0_q8;
     use crate::quant::{dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0};
     use rand::{Rng, SeedableRng};
 
-    fn data(rng: &mut impl Rng, n: usize, spread: f32) -> Vec<f32> {
+    /// `n` uniform values in `(−spread, spread)`.
+    pub(crate) fn data(rng: &mut impl Rng, n: usize, spread: f32) -> Vec<f32> {
         (0..n)
             .map(|_| rng.random_range(-1.0f32..1.0) * spread)
             .collect()
