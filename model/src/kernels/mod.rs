@@ -26,6 +26,9 @@ use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32, fp8_e4m3_to_f32};
 use crate::quant::{self, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
 use crate::tensor::QMatrix;
 
+/// One quantized row against up to [`q8act::MULTI`] activations.
+pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
+
 /// The dot kernels chosen for this CPU.
 #[derive(Clone, Copy)]
 pub struct KernelSet {
@@ -46,7 +49,11 @@ pub struct KernelSet {
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
-    pub dot_q8_0_q8_multi: fn(&[u8], &[&Q8Activation], &mut [f32]),
+    pub dot_q8_0_q8_multi: MultiDot,
+    /// One Q4_0 row against up to [`q8act::MULTI`] activations (batched
+    /// decode below the matrix–matrix kernel's size), each result identical
+    /// to `dot_q4_0_q8`'s; `None` computes token by token.
+    pub dot_q4_0_q8_multi: Option<MultiDot>,
     /// Q4_0 rows against many tokens (prefill, batched decode), each result
     /// identical to `dot_q4_0_q8`'s; `None` computes token by token.
     pub gemm_q4_0_q8: Option<GemmQ4>,
@@ -76,11 +83,13 @@ fn check_gemm_args(w: &[u8], t: &Q8Tiles, out: &[f32], width: usize) {
 /// A matrix–matrix Q4_0 kernel and the token-group width its
 /// [`Q8Tiles`] are built with: `run(rows, tiles, scratch, out)` multiplies
 /// whole rows into every token, row `r`'s results at `out[r ·
-/// tiles.row_stride()..]`. Below `min_tokens` a token at a time is faster
-/// (the results are the same either way); measured with `cargo bench
-/// --bench kernels -- --format q4_0` (docs/benchmarks.md): AVX-512, 4
-/// tokens 30 GB/s of weights × tokens a token at a time against 15–20 in
-/// the kernel, 8 tokens 31 against 42–44.
+/// tiles.row_stride()..]`. Below `min_tokens` the few-token kernel (or a
+/// token at a time) is faster; the results are the same either way.
+/// Measured with `cargo bench --bench kernels -- --format q4_0`
+/// (docs/benchmarks.md), GB/s of weights × tokens: AVX-512, 4 tokens 30
+/// a token at a time against 15–20 in the kernel, 8 tokens 31 against
+/// 42–44; AVX2, 4 tokens 33 in the few-token kernel against 22–25, 8
+/// tokens 32 against 45–50.
 #[derive(Clone, Copy)]
 pub struct GemmQ4 {
     pub width: usize,
@@ -102,6 +111,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
+    dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
     int_activations: true,
     vector_quantize: false,
@@ -155,6 +165,9 @@ mod avx2_wrappers {
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&super::Q8Activation], out: &mut [f32]) {
         unsafe { super::q8act::avx2::dot_q8_0_q8_multi(w, xs, out) }
     }
+    pub fn dot_q4_0_q8_multi(w: &[u8], xs: &[&super::Q8Activation], out: &mut [f32]) {
+        unsafe { super::q4_0::avx2::dot_q4_0_q8_multi(w, xs, out) }
+    }
     /// Also checks the tiles' width and the output's length, which the
     /// kernel's safety contract asks for.
     pub fn gemm_q4_0_q8(
@@ -182,9 +195,10 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
+    dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
         width: q4_0::avx2::WIDTH,
-        min_tokens: 4,
+        min_tokens: 6,
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
     int_activations: true,
@@ -608,14 +622,20 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         out[t * len + i] = *v;
                     }
                 }
-            } else if q8.len() == n && w.format == WeightFormat::Q8_0 {
+            } else if let Some(multi) = match w.format {
+                WeightFormat::Q8_0 => Some(k.dot_q8_0_q8_multi),
+                WeightFormat::Q4_0 => k.dot_q4_0_q8_multi,
+                _ => None,
+            }
+            .filter(|_| q8.len() == n)
+            {
                 // One pass over each row serves up to MULTI tokens (same
                 // results as one token at a time).
                 let mut tmp = [0.0f32; q8act::MULTI];
                 for r in r0..r1 {
                     let row = &bytes[r * rb..(r + 1) * rb];
                     for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
-                        (k.dot_q8_0_q8_multi)(row, group, &mut tmp[..group.len()]);
+                        multi(row, group, &mut tmp[..group.len()]);
                         for (j, v) in tmp[..group.len()].iter().enumerate() {
                             out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
                         }

@@ -18,7 +18,7 @@
 //! gets exactly the arithmetic of its single-token product, whatever the
 //! batch (the engine's batch invariance) and whatever the CPU.
 
-use super::q8act::Q8Activation;
+use super::q8act::{MULTI, Q8Activation};
 use crate::format::f16_to_f32;
 use crate::quant::{Q4_0_BLOCK_BYTES, QK};
 
@@ -325,29 +325,107 @@ pub mod avx2 {
                 let halves = _mm256_permute4x64_epi64(halves, 0b1000);
                 let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
                 let d = _mm256_mul_ps(dw, _mm256_maskload_ps(x.scales.as_ptr().add(c), mask));
-                // Blocks c..c+4, then c+4..c+8, into lanes 0..4: block
-                // order within each lane. Lanes past the last block are
-                // left as they are.
-                let m = _mm256_castsi256_ps(mask);
-                for half in [0, 1] {
-                    let (dh, sh, mh) = if half == 0 {
-                        (
-                            _mm256_castps256_ps128(d),
-                            _mm256_castps256_ps128(sums),
-                            _mm256_castps256_ps128(m),
-                        )
-                    } else {
-                        (
-                            _mm256_extractf128_ps(d, 1),
-                            _mm256_extractf128_ps(sums, 1),
-                            _mm256_extractf128_ps(m, 1),
-                        )
-                    };
-                    acc = _mm_blendv_ps(acc, _mm_fmadd_ps(dh, sh, acc), mh);
-                }
+                acc = fold8(acc, d, sums, _mm256_castsi256_ps(mask));
                 c += 8;
             }
             finish(acc)
+        }
+    }
+
+    /// Up to [`super::MULTI`] tokens against one row (batched decode of a
+    /// few sequences): each block is unpacked once and every token runs
+    /// exactly [`dot_q4_0_q8`]'s arithmetic, so `out[t]` equals
+    /// `dot_q4_0_q8(w, xs[t])` bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs; `xs.len() <= out.len()`, `xs.len() <=
+    /// MULTI`, each activation of `blocks × 32` quants.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        let blocks = w.len() / Q4_0_BLOCK_BYTES;
+        let wp = w.as_ptr();
+        let n_tok = xs.len().min(out.len()).min(super::MULTI);
+        // SAFETY: blocks c..c+n < blocks are read (module docs); the masked
+        // loads and the gather touch only those.
+        unsafe {
+            let offsets = _mm256_loadu_si256(OFFSETS.as_ptr() as *const __m256i);
+            let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let low = _mm_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [_mm_setzero_ps(); super::MULTI];
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let mut c = 0;
+            while c < blocks {
+                let n = (blocks - c).min(8);
+                for (i, code) in codes.iter_mut().enumerate().take(n) {
+                    let raw =
+                        _mm_loadu_si128(wp.add((c + i) * Q4_0_BLOCK_BYTES + 2) as *const __m128i);
+                    let lo = _mm_and_si128(raw, low);
+                    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                    *code = _mm256_set_m128i(hi, lo);
+                }
+                let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota);
+                let bits = _mm256_mask_i32gather_epi32::<1>(
+                    _mm256_setzero_si256(),
+                    wp.add(c * Q4_0_BLOCK_BYTES) as *const i32,
+                    offsets,
+                    mask,
+                );
+                let halves = _mm256_shuffle_epi8(
+                    bits,
+                    _mm256_setr_epi8(
+                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9,
+                        12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                    ),
+                );
+                let halves = _mm256_permute4x64_epi64(halves, 0b1000);
+                let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+                let m = _mm256_castsi256_ps(mask);
+                for (x, a) in xs[..n_tok].iter().zip(acc.iter_mut()) {
+                    let qp = x.quants.as_ptr();
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for (i, vi) in v.iter_mut().enumerate().take(n) {
+                        let xq = _mm256_loadu_si256(qp.add((c + i) * QK) as *const __m256i);
+                        *vi = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[i], xq), ones);
+                    }
+                    let zeros = _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask);
+                    let sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(v), zeros));
+                    let d = _mm256_mul_ps(dw, _mm256_maskload_ps(x.scales.as_ptr().add(c), mask));
+                    *a = fold8(*a, d, sums, m);
+                }
+                c += 8;
+            }
+            for (o, a) in out.iter_mut().zip(&acc[..n_tok]) {
+                *o = finish(*a);
+            }
+        }
+    }
+
+    /// Blocks c..c+4, then c+4..c+8 (products `d · sums`), into the 4
+    /// accumulator lanes: block order within each lane. Lanes past the
+    /// last block (`m` clear) are left as they are.
+    #[inline(always)]
+    unsafe fn fold8(acc: __m128, d: __m256, sums: __m256, m: __m256) -> __m128 {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let mut acc = acc;
+            for half in [0, 1] {
+                let (dh, sh, mh) = if half == 0 {
+                    (
+                        _mm256_castps256_ps128(d),
+                        _mm256_castps256_ps128(sums),
+                        _mm256_castps256_ps128(m),
+                    )
+                } else {
+                    (
+                        _mm256_extractf128_ps(d, 1),
+                        _mm256_extractf128_ps(sums, 1),
+                        _mm256_extractf128_ps(m, 1),
+                    )
+                };
+                acc = _mm_blendv_ps(acc, _mm_fmadd_ps(dh, sh, acc), mh);
+            }
+            acc
         }
     }
 
@@ -800,6 +878,26 @@ mod tests {
                 acts.push(odd_act);
                 for w in &rows {
                     let want: Vec<f32> = acts.iter().map(|a| dot_q4_0_q8(w, a)).collect();
+                    if is_x86_feature_detected!("avx2")
+                        && is_x86_feature_detected!("fma")
+                        && is_x86_feature_detected!("f16c")
+                    {
+                        for m in 1..=MULTI {
+                            let refs: Vec<&Q8Activation> = acts[acts.len() - m..].iter().collect();
+                            let mut out = vec![f32::NAN; m];
+                            // SAFETY: features checked above; lengths from
+                            // the quantizers.
+                            unsafe { avx2::dot_q4_0_q8_multi(w, &refs, &mut out) };
+                            for (t, o) in out.iter().enumerate() {
+                                let want = want[acts.len() - m + t];
+                                assert_eq!(
+                                    o.to_bits(),
+                                    want.to_bits(),
+                                    "avx2 multi, {blocks} blocks, {m} tokens"
+                                );
+                            }
+                        }
+                    }
                     for &(name, dot, gemm, width) in &levels {
                         for (a, want) in acts.iter().zip(&want) {
                             // SAFETY: features checked above; lengths from
