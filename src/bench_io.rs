@@ -124,6 +124,9 @@ pub struct BenchIoArgs {
     /// and cached experts, as `run` (default: free VRAM minus a reserve).
     #[arg(long, value_name = "SIZE")]
     pub vram_budget: Option<ByteSize>,
+    /// --model with GPUs: device ids, as `run` (several split the layers).
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub devices: Vec<usize>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -269,6 +272,7 @@ fn decode_run(
     let gpu = GpuOptions {
         device: args.device,
         vram_budget: args.vram_budget.map(ByteSize::bytes),
+        devices: args.devices.clone(),
         ..GpuOptions::default()
     };
     colibri_sched::gpu::preflight(&gpu).with_context(|| format!("--device {}", args.device))?;

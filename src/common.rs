@@ -83,9 +83,11 @@ pub struct ModelArgs {
     /// plan` shows the placement).
     #[arg(long, value_name = "SIZE")]
     pub vram_budget: Option<ByteSize>,
-    /// GPU ids to use (default 0). One device for now: spreading experts
-    /// over several GPUs is not implemented yet, and more than one id is
-    /// refused.
+    /// GPU ids to use (default 0). Several (`0,1`): the layers are split
+    /// between them by bytes, each device holding its layers' dense
+    /// weights, routed experts and KV cache (the last one the output head),
+    /// each with its own --vram-budget; the output is the same as on one
+    /// device.
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     pub devices: Vec<usize>,
 }

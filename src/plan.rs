@@ -6,7 +6,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use colibri_model::Model;
-use colibri_sched::gpu::{DeviceChoice, VramPlan, open_device};
+use colibri_sched::gpu::{DeviceChoice, DeviceMemory, VramPlan, open_device};
 use colibri_sched::tier::plan_checkpoint;
 
 use crate::common::ModelArgs;
@@ -33,7 +33,8 @@ pub fn main(args: PlanArgs) -> Result<()> {
         let mut v = serde_json::to_value(&report)?;
         v["placement"] = serde_json::to_value(&placement)?;
         v["gpu"] = match &gpu {
-            GpuPlacement::Plan(p) => serde_json::to_value(p)?,
+            GpuPlacement::Plan(p) if p.len() == 1 => serde_json::to_value(&p[0])?,
+            GpuPlacement::Plan(p) => serde_json::json!({ "devices": p }),
             GpuPlacement::None(why) => serde_json::json!({ "none": why }),
         };
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -41,7 +42,11 @@ pub fn main(args: PlanArgs) -> Result<()> {
         print!("{}", report.render());
         println!("{}", placement.render());
         match &gpu {
-            GpuPlacement::Plan(p) => print!("{}", p.render()),
+            GpuPlacement::Plan(plans) => {
+                for p in plans {
+                    print!("{}", p.render());
+                }
+            }
             GpuPlacement::None(why) => println!("GPU tier: none ({why})"),
         }
     }
@@ -49,7 +54,8 @@ pub fn main(args: PlanArgs) -> Result<()> {
 }
 
 enum GpuPlacement {
-    Plan(Box<VramPlan>),
+    /// One plan per device, in layer order.
+    Plan(Vec<VramPlan>),
     None(String),
 }
 
@@ -60,39 +66,30 @@ fn gpu_plan(args: &ModelArgs, path: &std::path::Path) -> Result<GpuPlacement> {
     if opts.device == DeviceChoice::Cpu {
         return Ok(GpuPlacement::None("--device cpu".into()));
     }
-    if opts.devices.len() > 1 {
-        anyhow::bail!(
-            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give one \
-             device id",
-            opts.devices
-        );
+    let mut devices = Vec::new();
+    for ordinal in colibri_sched::gpu::ordinals(&opts) {
+        let (dev, _kernels) = match open_device(ordinal) {
+            Ok(d) => d,
+            Err(e) if opts.device == DeviceChoice::Auto => {
+                return Ok(GpuPlacement::None(format!(
+                    "{e}; the CPU tier runs the model"
+                )));
+            }
+            Err(e) => return Err(e).context("--device cuda"),
+        };
+        let (free, total) = dev.mem_info()?;
+        let info = dev.info();
+        devices.push(DeviceMemory {
+            name: format!("{} (GPU {}, {})", info.name, info.ordinal, info.arch),
+            free: free as u64,
+            total: total as u64,
+        });
     }
-    let ordinal = opts.devices.first().copied().unwrap_or(0);
-    let (dev, _kernels) = match open_device(ordinal) {
-        Ok(d) => d,
-        Err(e) if opts.device == DeviceChoice::Auto => {
-            return Ok(GpuPlacement::None(format!(
-                "{e}; the CPU tier runs the model"
-            )));
-        }
-        Err(e) => return Err(e).context("--device cuda"),
-    };
     let (model, src) = Model::load(path)?;
     let locator = src.locator(&model.spec).ok();
-    let (free, total) = dev.mem_info()?;
-    let info = dev.info();
-    let name = format!("{} (GPU {}, {})", info.name, info.ordinal, info.arch);
     let ctx = args.ctx;
-    match colibri_sched::gpu::plan_for(
-        &model,
-        locator.as_deref(),
-        ctx,
-        &opts,
-        &name,
-        free as u64,
-        total as u64,
-    ) {
-        Ok(p) => Ok(GpuPlacement::Plan(Box::new(p))),
+    match colibri_sched::gpu::plans_for(&model, locator.as_deref(), ctx, &opts, &devices) {
+        Ok(p) => Ok(GpuPlacement::Plan(p)),
         Err(e) if opts.device == DeviceChoice::Auto => Ok(GpuPlacement::None(format!(
             "{e}; the CPU tier runs the model"
         ))),

@@ -99,16 +99,33 @@ fn plan_shows_the_gpu_placement_or_why_there_is_none() {
 }
 
 #[test]
-fn several_devices_are_refused_with_a_reason() {
-    let o = bin()
-        .args(["run", "--model"])
-        .arg(fixture("olmoe"))
-        .args(["--prompt-tokens", "1", "-n", "1", "--devices", "0,1"])
-        .output()
-        .unwrap();
+fn several_devices_take_both_gpus_or_say_why_not() {
+    let two = |device: &str| {
+        bin()
+            .args(["run", "--model"])
+            .arg(fixture("olmoe"))
+            .args(["--prompt-tokens", "1", "-n", "1", "--devices", "0,1"])
+            .args(["--device", device])
+            .output()
+            .unwrap()
+    };
+    // Two GPUs: both take part; fewer: auto runs on the CPU tier and
+    // says why, cuda fails naming why.
+    let o = two("auto");
     let (_, err) = text(&o);
-    assert!(!o.status.success());
-    assert!(err.contains("several GPUs"), "{err}");
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("GPU tier on 2 devices") || err.contains("CUDA unavailable"),
+        "{err}"
+    );
+    let o = two("cuda");
+    let (_, err) = text(&o);
+    if o.status.success() {
+        assert!(err.contains("GPU tier on 2 devices"), "{err}");
+    } else {
+        assert!(err.contains("CUDA unavailable"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }
 
 #[test]

@@ -80,13 +80,20 @@ step() {
 }
 
 step "colibri-cuda engine helpers" timeout 120 "$bundle/gpu_batch" --include-ignored --test-threads=1
-step "GPU tier tests" timeout 300 "$bundle/gpu" --include-ignored --test-threads=1
+step "GPU tier tests" timeout 480 "$bundle/gpu" --include-ignored --test-threads=1
 step "synthetic model" timeout 120 "$bundle/synth_moe" "$synth" $synth_args
 step "colibri plan --device cuda" timeout 60 "$bundle/colibri" plan --model "$synth" --device cuda --vram-budget 1GiB
 step "colibri run --device cuda" timeout 60 "$bundle/colibri" run --model "$COLIBRI_FIXTURES/models/qwen3_moe" --device cuda --prompt-tokens 1,2,3,4 -n 8
 step "decode, all in VRAM" timeout 120 "$bundle/gpu_decode" "$synth" --tokens 128 --warmup 16
 step "decode, --vram-budget 1GiB (experts from RAM)" timeout 150 "$bundle/gpu_decode" "$synth" --vram-budget 1GiB --tokens 32 --warmup 48
 step "decode, --vram-budget 0" timeout 120 "$bundle/gpu_decode" "$synth" --vram-budget 0 --tokens 16 --warmup 48
+# Two devices: GPUs 0 and 1 when there are two, else GPU 0 twice (the same
+# split and hand-over on one device).
+if [[ $(nvidia-smi -L 2>/dev/null | grep -c '^GPU') -ge 2 ]]; then two=0,1; else two=0,0; fi
+step "colibri plan --devices $two" timeout 60 "$bundle/colibri" plan --model "$synth" --device cuda --devices "$two"
+step "colibri run --devices $two" timeout 60 "$bundle/colibri" run --model "$COLIBRI_FIXTURES/models/qwen3_moe" --device cuda --devices "$two" --prompt-tokens 1,2,3,4 -n 8
+step "decode, --devices $two, all in VRAM" timeout 120 "$bundle/gpu_decode" "$synth" --devices "$two" --tokens 128 --warmup 16
+step "decode, --devices $two, --vram-budget 1GiB each" timeout 150 "$bundle/gpu_decode" "$synth" --devices "$two" --vram-budget 1GiB --tokens 32 --warmup 48
 
 echo ""
 echo "== summary"

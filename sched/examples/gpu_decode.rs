@@ -10,8 +10,13 @@
 //!
 //! ```text
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
-//!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16]
+//!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
+//!     [--devices 0,1]
 //! ```
+//!
+//! With several devices the layers are split between them; the HBM figure
+//! is then one device's (each token's bytes are read on one device or the
+//! other, one after the other).
 //!
 //! Prints a table and, last, one JSON line.
 
@@ -73,6 +78,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let dir = PathBuf::from(args.get(1).ok_or("usage: gpu_decode MODEL_DIR [options]")?);
     let vram_budget = size_arg(&args, "--vram-budget");
+    let devices: Vec<usize> = match arg::<String>(&args, "--devices") {
+        Some(list) => list
+            .split(',')
+            .map(|d| d.trim().parse::<usize>())
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
     let ram_budget = size_arg(&args, "--ram-budget");
     let tokens: usize = arg(&args, "--tokens").unwrap_or(64);
     let warmup: usize = arg(&args, "--warmup").unwrap_or(16);
@@ -126,6 +138,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &GpuOptions {
             device: DeviceChoice::Cuda,
             vram_budget,
+            devices: devices.clone(),
             ..GpuOptions::default()
         },
     )? {
@@ -134,8 +147,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     eprintln!("{summary} (loaded in {:.1}s)", t0.elapsed().as_secs_f64());
     let gpu = engine.gpu.clone().ok_or("no GPU tier")?;
-    let plan = gpu.plan().clone();
-    eprint!("{}", plan.render());
+    for p in gpu.plans() {
+        eprint!("{}", p.render());
+    }
 
     // Bytes a decode token touches: every dense block once, top-k experts
     // of every MoE layer (their stored bytes), the embedding row aside.
@@ -155,7 +169,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => (0, 0),
     };
-    let dense = plan.dense_resident_bytes + plan.dense_streamed_bytes;
+    let dense: u64 = gpu
+        .plans()
+        .iter()
+        .map(|p| p.dense_resident_bytes + p.dense_streamed_bytes)
+        .sum();
     let active = dense + (moe_layers * top_k) as u64 * expert_bytes;
 
     let vocab = spec.vocab_size as u32;

@@ -1,8 +1,8 @@
 //! The GPU tier against the CPU tier and against itself.
 //!
 //! Without a GPU (CI): `--device auto` quietly runs on the CPU tier and
-//! says why, `--device cuda` fails with a clear message, several devices
-//! are refused.
+//! says why (with one device or several), `--device cuda` fails with a
+//! clear message.
 //!
 //! With one (`cargo test -p colibri-sched --test gpu -- --ignored
 //! --test-threads=1`, `COLIBRI_NVRTC_DIR` pointing at libnvrtc.so.13): on
@@ -11,7 +11,8 @@
 //! dequantizes Q8_0/Q4_0 exactly) and per-position NLL is within
 //! [`NLL_REL_TOL`] of it; logits are bit-identical across VRAM budgets
 //! (nothing resident, partial, everything), RAM budgets, pass sizes and
-//! batch compositions.
+//! batch compositions; the layers split over two devices (`--devices`;
+//! device 0 twice on a one-GPU host) give the same bits as one device.
 
 use std::path::PathBuf;
 
@@ -100,6 +101,17 @@ fn engine(
     ram_budget: Option<u64>,
     max_rows: usize,
 ) -> Engine {
+    engine_on(model, device, Vec::new(), vram_budget, ram_budget, max_rows)
+}
+
+fn engine_on(
+    model: &std::path::Path,
+    device: DeviceChoice,
+    devices: Vec<usize>,
+    vram_budget: Option<u64>,
+    ram_budget: Option<u64>,
+    max_rows: usize,
+) -> Engine {
     colibri_model::kernels::set_exact_quant(true);
     let mut e = Engine::load(
         model,
@@ -116,6 +128,7 @@ fn engine(
         &GpuOptions {
             device,
             vram_budget,
+            devices,
             max_rows,
             ..GpuOptions::default()
         },
@@ -223,7 +236,11 @@ fn cuda_without_a_gpu_fails_with_the_reason() {
 }
 
 #[test]
-fn several_devices_are_refused_for_now() {
+fn several_devices_without_a_gpu_run_on_the_cpu_tier_or_fail() {
+    if !no_gpu() {
+        eprintln!("a GPU is present: nothing to check here");
+        return;
+    }
     let model = fixtures().join("models/olmoe");
     let mut e = Engine::load(
         &model,
@@ -235,17 +252,20 @@ fn several_devices_are_refused_for_now() {
         },
     )
     .unwrap();
-    let err = match attach(
-        &mut e,
-        &GpuOptions {
-            devices: vec![0, 1],
-            ..GpuOptions::default()
-        },
-    ) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("two devices must be refused"),
+    let two = |device| GpuOptions {
+        device,
+        devices: vec![0, 1],
+        ..GpuOptions::default()
     };
-    assert!(err.contains("several GPUs"), "{err}");
+    match attach(&mut e, &two(DeviceChoice::Auto)).unwrap() {
+        Attached::Cpu { reason: Some(why) } => assert!(why.contains("CUDA unavailable"), "{why}"),
+        _ => panic!("expected the CPU tier with a reason"),
+    }
+    let err = match attach(&mut e, &two(DeviceChoice::Cuda)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("--device cuda must fail without a GPU"),
+    };
+    assert!(err.contains("CUDA unavailable"), "{err}");
 }
 
 /// Teacher-forced logits of `tokens` in one sequence, `chunk` tokens per
@@ -681,5 +701,117 @@ fn device_routing_equals_the_host_routing_bit_for_bit() {
                 assert_eq!(*c, 0, "unused launch index {i} has tokens");
             }
         }
+    }
+}
+
+/// Two devices for the multi-device test: GPUs 0 and 1 when there are
+/// two, else GPU 0 twice (two stages on one device: the same layer split,
+/// hidden-row hop and per-stage KV caches, without a second GPU).
+fn two_devices() -> Vec<usize> {
+    match CudaDevice::count() {
+        Ok(n) if n >= 2 => vec![0, 1],
+        _ => vec![0, 0],
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn two_devices_are_bit_identical_to_one() {
+    let devices = two_devices();
+    eprintln!("devices {devices:?}");
+    for model in models() {
+        let name = model.display().to_string();
+        let (prompt, tokens) = reference_tokens(&model);
+        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
+            (
+                bits(&teacher_forced(e, &tokens, 16)),
+                greedy(e, &prompt, 16),
+            )
+        };
+        let one = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        let want = run(&one);
+        let layers = one.model.spec.num_layers();
+        let plan = one.gpu.as_ref().unwrap().plan().clone();
+        let dense = plan.dense_resident_bytes + plan.dense_streamed_bytes;
+        for (vram, ram, rows) in [
+            (None, None, 512),
+            (Some(0), None, 7),
+            (Some(dense / 3), Some(0), 512),
+        ] {
+            let e = engine_on(
+                &model,
+                DeviceChoice::Cuda,
+                devices.clone(),
+                vram,
+                ram,
+                rows,
+            );
+            let g = e.gpu.as_ref().unwrap();
+            // Two consecutive layer ranges covering the model, the head on
+            // the second.
+            let shares: Vec<_> = g
+                .plans()
+                .iter()
+                .map(|p| p.share.clone().expect("a share per device"))
+                .collect();
+            assert_eq!(shares.len(), 2, "{name}");
+            assert_eq!(shares[0].start, 0);
+            assert_eq!(shares[0].end, shares[1].start);
+            assert_eq!(shares[1].end, layers);
+            assert!(shares[0].end > 0 && shares[0].end < layers);
+            assert!(!shares[0].head && shares[1].head);
+            let got = run(&e);
+            let per = g.stage_stats();
+            assert!(
+                got.0 == want.0,
+                "{name}: logits on two devices differ from one (vram {vram:?}, ram {ram:?}, \
+                 {rows} rows; {per:?})"
+            );
+            assert_eq!(got.1, want.1, "{name}: greedy differs on two devices");
+            for (i, s) in per.iter().enumerate() {
+                assert!(s.passes > 0 && s.rows > 0, "{name}: stage {i} idle ({s:?})");
+                assert!(
+                    s.kv_vram_bytes + s.kv_host_bytes > 0,
+                    "{name}: stage {i} holds no KV cache ({s:?})"
+                );
+            }
+            if vram.is_none() {
+                let all = g.stats();
+                assert!(
+                    all.graphs_captured >= 2 && all.graph_launches > 0,
+                    "{name}: both stages should replay captured steps ({per:?})"
+                );
+            }
+            if vram == Some(0) {
+                let all = g.stats();
+                assert_eq!(all.cache.hits, 0);
+                assert!(all.experts_copied > 0 && all.dense_h2d_bytes > 0, "{per:?}");
+            }
+            eprintln!(
+                "{name}: two devices identical to one (vram {vram:?}, ram {ram:?}, {rows} rows; \
+                 layers {}..{} | {}..{})",
+                shares[0].start, shares[0].end, shares[1].start, shares[1].end
+            );
+        }
+        // A KV cache of the one-device tier is not continued by the
+        // two-device tier.
+        let two = engine_on(&model, DeviceChoice::Cuda, devices.clone(), None, None, 512);
+        let mut cache = KvCache::new(&one.model.spec, 256);
+        one.forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &prompt,
+            logits: Logits::Last,
+        }])
+        .unwrap();
+        let err = two
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: &prompt[..1],
+                logits: Logits::Last,
+            }])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("another GPU engine"), "{name}: {err}");
     }
 }

@@ -15,6 +15,13 @@
 //! projects the rows that want logits, a few at a time, and reads them
 //! back. Every pass ends with the compute stream drained, so pinned host
 //! buffers and RAM leases are free again.
+//!
+//! Several devices (`--devices`) are **stages**: each [`State`] holds a
+//! range of layers (their dense blocks, experts and KV caches), the last
+//! one the head too. A pass runs stage after stage; between two, the
+//! hidden rows (n × hidden f32) go device → pinned host → device. Every
+//! stage runs the same kernels on the same inputs as one device would, so
+//! the result is bit-identical to a single GPU's.
 
 use std::sync::Arc;
 
@@ -368,6 +375,115 @@ impl RopeDev {
 
 static NEXT_TIER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// A fresh id for a GPU tier (its stages share it; a KV cache made by one
+/// tier is refused by another).
+pub(crate) fn next_tier_id() -> u64 {
+    NEXT_TIER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Which share of the model a [`State`] runs: stage `index` of `count`,
+/// layers `layers` (the last stage also runs the head).
+#[derive(Clone, Debug)]
+pub(crate) struct StageOf {
+    pub tier: u64,
+    pub index: usize,
+    pub count: usize,
+    pub layers: std::ops::Range<usize>,
+}
+
+/// `Model::forward` on the GPU tier's stages (one per device, in layer
+/// order).
+pub(crate) fn run(
+    stages: &mut [State],
+    model: &Model,
+    experts: &dyn ExpertSource,
+    batch: &mut [SeqInput<'_>],
+) -> Result<Vec<Vec<f32>>, GpuError> {
+    let spec = &model.spec;
+    let (first, hd) = match stages.first() {
+        Some(s) => (s, s.dims.hidden),
+        None => return Err(GpuError::Internal("a GPU tier without a device".into())),
+    };
+    let (max_rows, positions) = (first.dims.max_rows, first.rope.positions);
+    for seq in batch.iter() {
+        seq.cache.check_room(seq.tokens.len())?;
+        if let Some(&t) = seq.tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
+            return Err(ModelError::TokenOutOfRange {
+                id: t,
+                vocab: spec.vocab_size,
+            }
+            .into());
+        }
+        if seq.cache.len() + seq.tokens.len() > positions {
+            return Err(ModelError::ContextExceeded {
+                needed: seq.cache.len() + seq.tokens.len(),
+                context: positions,
+            }
+            .into());
+        }
+    }
+    let mut out: Vec<Vec<f32>> = vec![Vec::new(); batch.len()];
+    let mut done = vec![0usize; batch.len()];
+    let mut hidden: Vec<f32> = Vec::new();
+    loop {
+        // The next pass: a chunk of each unfinished sequence, in order, up
+        // to max_rows rows.
+        let mut room = max_rows;
+        let mut parts = Vec::new();
+        let mut owners = Vec::new();
+        for (s, seq) in batch.iter_mut().enumerate() {
+            let left = seq.tokens.len() - done[s];
+            if left == 0 || room == 0 {
+                continue;
+            }
+            let take = left.min(room);
+            room -= take;
+            let (a, b) = (done[s], done[s] + take);
+            let last = b == seq.tokens.len();
+            let want = match seq.logits {
+                Logits::None => Vec::new(),
+                Logits::Last if last => vec![take - 1],
+                Logits::Last => Vec::new(),
+                Logits::All => (0..take).collect(),
+            };
+            parts.push(Part {
+                cache: &mut *seq.cache,
+                tokens: &seq.tokens[a..b],
+                want,
+            });
+            owners.push(s);
+            done[s] = b;
+        }
+        if parts.is_empty() {
+            break;
+        }
+        let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        let mut logits = Vec::new();
+        for (i, st) in stages.iter_mut().enumerate() {
+            let input = (i > 0).then_some(&hidden[..]);
+            let result = st.pass(model, experts, &mut parts, input);
+            // Whatever happened, the stream drains and RAM leases go back.
+            let drained = st.dev.synchronize();
+            st.experts.release_leases();
+            logits = result?;
+            drained?;
+            if !st.is_last() {
+                // The next stage's input: this one's hidden rows, read
+                // back into its pinned buffer by the pass.
+                hidden.clear();
+                hidden.extend_from_slice(&st.io.x.typed::<f32>()[..n * hd]);
+            }
+        }
+        for p in parts.iter_mut() {
+            p.cache.append_external(p.tokens.len())?;
+        }
+        for (o, l) in owners.iter().zip(logits) {
+            out[*o].extend_from_slice(&l);
+        }
+    }
+    Ok(out)
+}
+
 impl State {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -383,6 +499,7 @@ impl State {
         registrations: Vec<HostRegistration>,
         arenas: Vec<Arc<PinnedArena>>,
         max_held: usize,
+        stage: StageOf,
     ) -> Result<State, GpuError> {
         let mla_fallback = mla_needs_fallback(model);
         let z = sizes(&dims, mla_fallback);
@@ -436,7 +553,8 @@ impl State {
                 ..
             }
         );
-        let dense = DenseBlocks::load(&dev, &model.weights, &plan.dense_resident)?;
+        let held = |b: usize| plan.share.as_ref().is_none_or(|sh| sh.holds_block(b));
+        let dense = DenseBlocks::load(&dev, &model.weights, &plan.dense_resident, &held)?;
         let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held)?;
         let moe = MoeBufs::new(&dev, &dims)?;
         let (a, b) = dims.kv_parts();
@@ -477,8 +595,10 @@ impl State {
             mla_fallback,
             kv_grant: KvGrant::new(plan.kv_vram_bytes),
             kv_shape: KvShape {
-                tier: NEXT_TIER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-                layers: dims.layers,
+                tier: stage.tier,
+                stage: stage.index,
+                stages: stage.count,
+                layers: stage.layers,
                 a,
                 b,
             },
@@ -543,88 +663,32 @@ impl State {
         self.experts.preload_pinned(&self.dev, pinned, source, plan)
     }
 
-    /// `Model::forward` on the GPU.
-    pub fn forward(
-        &mut self,
-        model: &Model,
-        experts: &dyn ExpertSource,
-        batch: &mut [SeqInput<'_>],
-    ) -> Result<Vec<Vec<f32>>, GpuError> {
-        let spec = &model.spec;
-        for seq in batch.iter() {
-            seq.cache.check_room(seq.tokens.len())?;
-            if let Some(&t) = seq.tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
-                return Err(ModelError::TokenOutOfRange {
-                    id: t,
-                    vocab: spec.vocab_size,
-                }
-                .into());
-            }
-            if seq.cache.len() + seq.tokens.len() > self.rope.positions {
-                return Err(ModelError::ContextExceeded {
-                    needed: seq.cache.len() + seq.tokens.len(),
-                    context: self.rope.positions,
-                }
-                .into());
-            }
-        }
-        let mut out: Vec<Vec<f32>> = vec![Vec::new(); batch.len()];
-        let mut done = vec![0usize; batch.len()];
-        loop {
-            // The next pass: a chunk of each unfinished sequence, in order,
-            // up to max_rows rows.
-            let mut room = self.dims.max_rows;
-            let mut parts = Vec::new();
-            let mut owners = Vec::new();
-            for (s, seq) in batch.iter_mut().enumerate() {
-                let left = seq.tokens.len() - done[s];
-                if left == 0 || room == 0 {
-                    continue;
-                }
-                let take = left.min(room);
-                room -= take;
-                let (a, b) = (done[s], done[s] + take);
-                let last = b == seq.tokens.len();
-                let want = match seq.logits {
-                    Logits::None => Vec::new(),
-                    Logits::Last if last => vec![take - 1],
-                    Logits::Last => Vec::new(),
-                    Logits::All => (0..take).collect(),
-                };
-                parts.push(Part {
-                    cache: &mut *seq.cache,
-                    tokens: &seq.tokens[a..b],
-                    want,
-                });
-                owners.push(s);
-                done[s] = b;
-            }
-            if parts.is_empty() {
-                break;
-            }
-            let result = self.pass(model, experts, &mut parts);
-            // Whatever happened, the stream drains and RAM leases go back.
-            let drained = self.dev.synchronize();
-            self.experts.release_leases();
-            let logits = result?;
-            drained?;
-            for (o, l) in owners.iter().zip(logits) {
-                out[*o].extend_from_slice(&l);
-            }
-        }
-        Ok(out)
-    }
-
     fn sync_compute(&self) -> Result<(), GpuError> {
         self.dev.record_compute()?.synchronize()?;
         Ok(())
     }
 
+    /// Whether layer `l` is this stage's.
+    pub fn holds_layer(&self, l: usize) -> bool {
+        self.kv_shape.layers.contains(&l)
+    }
+
+    /// Whether this stage runs the head (the last of the tier's devices).
+    fn is_last(&self) -> bool {
+        self.kv_shape.stage + 1 == self.kv_shape.stages
+    }
+
+    /// This stage's share of a pass: the embedded tokens (first stage) or
+    /// the previous stage's hidden rows (`hidden`) through this stage's
+    /// layers; the last stage returns the wanted rows' logits, the others
+    /// leave their hidden rows in `io.x` (read back before this returns
+    /// and the stream drains).
     fn pass(
         &mut self,
         model: &Model,
         experts: &dyn ExpertSource,
         parts: &mut [Part<'_>],
+        hidden: Option<&[f32]>,
     ) -> Result<Vec<Vec<f32>>, GpuError> {
         let d = self.dims;
         let hd = d.hidden;
@@ -636,12 +700,26 @@ impl State {
             let mut r = 0;
             for p in parts.iter() {
                 starts.push(r);
-                for &t in p.tokens {
-                    model
-                        .weights
-                        .embed
-                        .row_to_f32(t as usize, &mut x_h[r * hd..(r + 1) * hd]);
-                    r += 1;
+                r += p.tokens.len();
+            }
+            match hidden {
+                Some(h) => {
+                    if h.len() != n * hd {
+                        return Err(GpuError::Internal(format!(
+                            "{} hidden floats for {n} rows",
+                            h.len()
+                        )));
+                    }
+                    x_h[..n * hd].copy_from_slice(h);
+                }
+                None => {
+                    let rows = parts.iter().flat_map(|p| p.tokens.iter());
+                    for (r, &t) in rows.enumerate() {
+                        model
+                            .weights
+                            .embed
+                            .row_to_f32(t as usize, &mut x_h[r * hd..(r + 1) * hd]);
+                    }
                 }
             }
             let pos_h = self.io.pos.typed_mut::<u32>();
@@ -664,9 +742,9 @@ impl State {
                 &self.kv_grant,
             )?;
         }
-        // The head, for the rows that want logits.
+        // The head (last stage), for the rows that want logits.
         let mut wanted = Vec::new();
-        for (pi, p) in parts.iter().enumerate() {
+        for (pi, p) in parts.iter().enumerate().filter(|_| self.is_last()) {
             for &i in &p.want {
                 wanted.push((pi, starts[pi] + i));
             }
@@ -697,13 +775,15 @@ impl State {
         if !replayed {
             self.upload_inputs(n)?;
             self.mark(Phase::Input)?;
-            for l in 0..d.layers {
+            for l in self.kv_shape.layers.clone() {
                 self.dense.prepare(&self.dev, l)?;
                 let r = self.layer(model, experts, l, n, parts, &starts);
                 self.dense.finish(&self.dev)?;
                 r?;
             }
-            if !wanted.is_empty() {
+            if !self.is_last() {
+                self.download_hidden(n)?;
+            } else if !wanted.is_empty() {
                 let head = self.dense.head_block();
                 self.dense.prepare(&self.dev, head)?;
                 let r = self.head(n, &wanted, &mut logits);
@@ -711,10 +791,7 @@ impl State {
                 r?;
             }
             self.mark(Phase::Head)?;
-            self.profile_pass(d.layers)?;
-        }
-        for p in parts.iter_mut() {
-            p.cache.append_external(p.tokens.len())?;
+            self.profile_pass(self.kv_shape.layers.len())?;
         }
         self.passes += 1;
         self.rows += n as u64;
@@ -737,9 +814,25 @@ impl State {
         Ok(())
     }
 
+    /// The hidden rows into `io.x` (a stage before the last), read by the
+    /// host once the stream has drained.
+    fn download_hidden(&mut self, n: usize) -> Result<(), GpuError> {
+        let hd = self.dims.hidden;
+        // SAFETY: `io.x` is read by the host only after the pass's stream
+        // has drained, and written again only by the next pass.
+        unsafe {
+            self.dev.download_async(
+                self.s.x.view(0..n * hd)?,
+                &mut self.io.x.typed_mut::<f32>()[..n * hd],
+            )?;
+        }
+        Ok(())
+    }
+
     /// Whether this pass can run as a captured graph: every MoE layer
     /// routes on the device (all experts resident, few rows), nothing
-    /// streams, the logits fit one head chunk, and no profile is taken.
+    /// streams, the logits fit one head chunk (or a stage before the last
+    /// hands its hidden rows on), and no profile is taken.
     fn graphable(&self, n: usize, wanted: &[(usize, usize)]) -> bool {
         self.profile.is_none()
             && !self.graphs_off
@@ -747,8 +840,7 @@ impl State {
                 || (self.device_router.is_some() && self.experts.all_resident()))
             && n <= DEVICE_ROUTE_MAX_ROWS
             && self.dense.all_resident()
-            && !wanted.is_empty()
-            && wanted.len() <= LM_ROWS
+            && (!self.is_last() || (!wanted.is_empty() && wanted.len() <= LM_ROWS))
     }
 
     /// Runs the pass as one graph replay, capturing it first when its
@@ -770,7 +862,7 @@ impl State {
         };
         for p in parts.iter_mut() {
             let m = p.tokens.len();
-            let kv = kv::attached(p.cache)?;
+            let kv = kv::attached(p.cache, self.kv_shape.stage)?;
             key.parts.push((m, kv.device_ptr(), kv.capacity()));
         }
         for (j, &(_, row)) in wanted.iter().enumerate() {
@@ -814,11 +906,14 @@ impl State {
         let d = self.dims;
         let (hd, vocab) = (d.hidden, d.vocab);
         self.upload_inputs(n)?;
-        for l in 0..d.layers {
+        for l in self.kv_shape.layers.clone() {
             self.dense.prepare(&self.dev, l)?;
             let r = self.layer(model, experts, l, n, parts, starts);
             self.dense.finish(&self.dev)?;
             r?;
+        }
+        if !self.is_last() {
+            return self.download_hidden(n);
         }
         let head = self.dense.head_block();
         self.dense.prepare(&self.dev, head)?;

@@ -8,6 +8,9 @@
 //! would only move the same bytes twice). It is attached to the model's
 //! [`KvCache`] (its tier state), so it moves with the sequence and is freed
 //! with it; capacity grows by doubling, the old positions copied over.
+//!
+//! With several devices (`--devices`) each holds the cache of its own
+//! layers: the sequence's tier state keeps one device cache per stage.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -71,26 +74,34 @@ impl Drop for Mem {
     }
 }
 
-/// One sequence's keys and values on the GPU tier.
+/// One sequence's keys and values on one device of the GPU tier: layers
+/// `first..first + layers`.
 pub(crate) struct DeviceKv {
-    tier: u64,
     cap: usize,
+    first: usize,
     a: usize,
     b: usize,
     mem: Mem,
+}
+
+/// What a sequence's [`KvCache`] carries for the GPU tier: the device
+/// cache of each stage (device) of the tier `tier`.
+struct StagedKv {
+    tier: u64,
+    stages: Vec<Option<Box<DeviceKv>>>,
 }
 
 impl DeviceKv {
     fn alloc(
         dev: &CudaDevice,
         grant: &Arc<KvGrant>,
-        tier: u64,
-        layers: usize,
+        shape: &KvShape,
         cap: usize,
-        a: usize,
-        b: usize,
     ) -> Result<DeviceKv, GpuError> {
-        let floats = layers
+        let (a, b) = (shape.a, shape.b);
+        let floats = shape
+            .layers
+            .len()
             .checked_mul(cap)
             .and_then(|n| n.checked_mul(a + b))
             .ok_or_else(|| GpuError::Internal("KV cache size overflows".into()))?;
@@ -112,8 +123,8 @@ impl DeviceKv {
             Mem::Host(h, Arc::clone(grant), bytes)
         };
         Ok(DeviceKv {
-            tier,
             cap,
+            first: shape.layers.start,
             a,
             b,
             mem,
@@ -143,16 +154,19 @@ impl DeviceKv {
         }
     }
 
-    fn range(&self, layer: usize, part: usize) -> std::ops::Range<usize> {
+    fn range(&self, layer: usize, part: usize) -> Result<std::ops::Range<usize>, GpuError> {
+        let at = layer
+            .checked_sub(self.first)
+            .ok_or_else(|| GpuError::Internal(format!("layer {layer} is not this stage's")))?;
         let per_layer = self.cap * (self.a + self.b);
-        let start = layer * per_layer + if part == 0 { 0 } else { self.cap * self.a };
+        let start = at * per_layer + if part == 0 { 0 } else { self.cap * self.a };
         let len = self.cap * if part == 0 { self.a } else { self.b };
-        start..start + len
+        Ok(start..start + len)
     }
 
     /// Part A (0) or B (1) of `layer`: `cap × width` floats.
     pub fn part(&self, layer: usize, part: usize) -> Result<BufView<'_, f32>, GpuError> {
-        let r = self.range(layer, part);
+        let r = self.range(layer, part)?;
         Ok(self.all().slice(r)?)
     }
 
@@ -161,28 +175,34 @@ impl DeviceKv {
         &mut self,
         layer: usize,
     ) -> Result<(BufMut<'_, f32>, BufMut<'_, f32>), GpuError> {
-        let (a, b) = (self.range(layer, 0), self.range(layer, 1));
+        let (a, b) = (self.range(layer, 0)?, self.range(layer, 1)?);
         let both = self.all_mut().slice_mut(a.start..b.end)?;
         Ok(both.split_at(a.len())?)
     }
 
     pub fn part_mut(&mut self, layer: usize, part: usize) -> Result<BufMut<'_, f32>, GpuError> {
-        let r = self.range(layer, part);
+        let r = self.range(layer, part)?;
         Ok(self.all_mut().slice_mut(r)?)
     }
 }
 
 /// What a tier needs to give a sequence its device cache.
 pub(crate) struct KvShape {
+    /// The GPU tier (shared by its stages).
     pub tier: u64,
-    pub layers: usize,
+    /// This stage, of `stages`.
+    pub stage: usize,
+    pub stages: usize,
+    /// The layers this stage holds.
+    pub layers: std::ops::Range<usize>,
     /// Floats per position of part A and part B.
     pub a: usize,
     pub b: usize,
 }
 
-/// The sequence's device cache, with room for `need` positions (created,
-/// or grown by doubling with the `len` positions it holds copied over).
+/// This stage's device cache of `cache`, with room for `need` positions
+/// (created, or grown by doubling with the `len` positions it holds copied
+/// over).
 pub(crate) fn ensure<'c>(
     cache: &'c mut KvCache,
     need: usize,
@@ -198,13 +218,8 @@ pub(crate) fn ensure<'c>(
             "{need} positions in a cache of {capacity}"
         )));
     }
-    let grown_cap = |cur: usize| {
-        need.max(cur.saturating_mul(2))
-            .max(KV_INITIAL_POSITIONS)
-            .min(capacity)
-    };
     let slot = cache.tier_state();
-    let current = match slot.take() {
+    let mut staged = match slot.take() {
         None => {
             if len > 0 {
                 return Err(GpuError::Unsupported(format!(
@@ -212,39 +227,68 @@ pub(crate) fn ensure<'c>(
                      cloned): the GPU tier cannot continue it"
                 )));
             }
-            None
+            Box::new(StagedKv {
+                tier: shape.tier,
+                stages: (0..shape.stages).map(|_| None).collect(),
+            })
         }
-        Some(any) => match any.downcast::<DeviceKv>() {
-            Ok(kv) if kv.tier == shape.tier => Some(kv),
-            Ok(_) => {
+        Some(any) => match any.downcast::<StagedKv>() {
+            Ok(s) if s.tier == shape.tier && s.stages.len() == shape.stages => s,
+            Ok(s) => {
+                *slot = Some(s);
                 return Err(GpuError::Unsupported(
                     "this KV cache belongs to another GPU engine".into(),
                 ));
             }
-            Err(_) => {
+            Err(other) => {
+                *slot = Some(other);
                 return Err(GpuError::Unsupported(
                     "this KV cache belongs to another compute tier".into(),
                 ));
             }
         },
     };
-    let kv = match current {
-        Some(kv) if kv.cap >= need => kv,
+    let current = staged.stages[shape.stage].take();
+    let r = grown(current, len, need, capacity, shape, dev, k, grant);
+    // On an error the stage's cache is gone (its positions cannot be
+    // continued); the other stages keep theirs.
+    let r = r.map(|kv| staged.stages[shape.stage] = Some(kv));
+    *slot = Some(staged);
+    r?;
+    attached(cache, shape.stage)
+}
+
+/// `current` (this stage's cache, if any) with room for `need` positions.
+#[allow(clippy::too_many_arguments)]
+fn grown(
+    current: Option<Box<DeviceKv>>,
+    len: usize,
+    need: usize,
+    capacity: usize,
+    shape: &KvShape,
+    dev: &CudaDevice,
+    k: &KernelSet,
+    grant: &Arc<KvGrant>,
+) -> Result<Box<DeviceKv>, GpuError> {
+    if current.is_none() && len > 0 {
+        return Err(GpuError::Internal(format!(
+            "stage {} has no device cache for the {len} positions of this sequence",
+            shape.stage
+        )));
+    }
+    match current {
+        Some(kv) if kv.cap >= need => Ok(kv),
         old => {
-            let cap = grown_cap(old.as_ref().map_or(0, |o| o.cap));
-            let mut fresh = Box::new(DeviceKv::alloc(
-                dev,
-                grant,
-                shape.tier,
-                shape.layers,
-                cap,
-                shape.a,
-                shape.b,
-            )?);
+            let cur = old.as_ref().map_or(0, |o| o.cap);
+            let cap = need
+                .max(cur.saturating_mul(2))
+                .max(KV_INITIAL_POSITIONS)
+                .min(capacity);
+            let mut fresh = Box::new(DeviceKv::alloc(dev, grant, shape, cap)?);
             if let Some(old) = old
                 && len > 0
             {
-                for l in 0..shape.layers {
+                for l in shape.layers.clone() {
                     for part in 0..2 {
                         let w = if part == 0 { shape.a } else { shape.b };
                         let src = old.part(l, part)?.slice(0..len * w)?;
@@ -255,21 +299,18 @@ pub(crate) fn ensure<'c>(
                 // The old memory is freed when `old` drops: stream-ordered
                 // for VRAM, after both streams are idle for mapped memory.
             }
-            fresh
+            Ok(fresh)
         }
-    };
-    *slot = Some(kv);
-    match slot.as_mut().and_then(|b| b.downcast_mut::<DeviceKv>()) {
-        Some(kv) => Ok(kv),
-        None => Err(GpuError::Internal("KV state vanished".into())),
     }
 }
 
-/// The device cache already attached to `cache`.
-pub(crate) fn attached(cache: &mut KvCache) -> Result<&mut DeviceKv, GpuError> {
+/// Stage `stage`'s device cache already attached to `cache`.
+pub(crate) fn attached(cache: &mut KvCache, stage: usize) -> Result<&mut DeviceKv, GpuError> {
     cache
         .tier_state()
         .as_mut()
-        .and_then(|b| b.downcast_mut::<DeviceKv>())
+        .and_then(|b| b.downcast_mut::<StagedKv>())
+        .and_then(|s| s.stages.get_mut(stage))
+        .and_then(|s| s.as_deref_mut())
         .ok_or_else(|| GpuError::Internal("KV cache without device state".into()))
 }

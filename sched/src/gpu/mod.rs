@@ -60,7 +60,7 @@ use crate::Engine;
 use crate::tier::plan::{DEFAULT_KV_RESERVE_POSITIONS, kv_bytes_per_position};
 
 pub use self::experts::ExpertShape;
-pub use self::plan::{VramBudgetSource, VramPlan, VramRequest};
+pub use self::plan::{LayerShare, VramBudgetSource, VramPlan, VramRequest};
 pub use self::slots::{VramCache, VramCacheStats, VramResidency};
 
 /// Rows one pass carries at most (a bigger batch runs as several passes:
@@ -110,7 +110,9 @@ pub struct GpuOptions {
     /// Bytes for dense weights, KV cache and expert cache; `None`: what is
     /// free minus the working set and a reserve.
     pub vram_budget: Option<u64>,
-    /// Device ordinals; empty: device 0. One device for now.
+    /// Device ordinals; empty: device 0. Several: the layers are split
+    /// between them by bytes (each holds its layers' dense weights, experts
+    /// and KV cache, the last one the head), each with `vram_budget`.
     pub devices: Vec<usize>,
     /// Rows per pass at most.
     pub max_rows: usize,
@@ -194,7 +196,6 @@ pub(crate) enum AttnDims {
 pub(crate) struct Dims {
     pub hidden: usize,
     pub vocab: usize,
-    pub layers: usize,
     pub eps: f32,
     pub experts: usize,
     pub top_k: usize,
@@ -295,7 +296,6 @@ impl Dims {
         Ok(Dims {
             hidden: spec.hidden_size,
             vocab: spec.vocab_size,
-            layers: spec.num_layers(),
             eps: spec.rms_norm_eps,
             experts,
             top_k,
@@ -346,6 +346,34 @@ pub struct GpuStats {
     pub copies: u64,
 }
 
+impl GpuStats {
+    /// Adds another device's counters.
+    pub fn add(&mut self, o: &GpuStats) {
+        // Every device takes part in every pass.
+        self.passes = self.passes.max(o.passes);
+        self.rows = self.rows.max(o.rows);
+        self.cache.hits += o.cache.hits;
+        self.cache.misses += o.cache.misses;
+        self.cache.loads += o.cache.loads;
+        self.cache.evictions += o.cache.evictions;
+        self.cache.full += o.cache.full;
+        self.experts_copied += o.experts_copied;
+        self.expert_h2d_bytes += o.expert_h2d_bytes;
+        self.dense_h2d_bytes += o.dense_h2d_bytes;
+        self.promotions += o.promotions;
+        self.kv_vram_bytes += o.kv_vram_bytes;
+        self.kv_host_bytes += o.kv_host_bytes;
+        self.arenas_registered += o.arenas_registered;
+        self.dense_resident_blocks += o.dense_resident_blocks;
+        self.device_routed_layers += o.device_routed_layers;
+        self.graphs_captured += o.graphs_captured;
+        self.launches += o.launches;
+        self.graph_launches += o.graph_launches;
+        self.host_waits += o.host_waits;
+        self.copies += o.copies;
+    }
+}
+
 /// Per-phase time of the passes run with `COLIBRI_GPU_PROFILE=1` (no
 /// graphs then): GPU time between timed events, and host time spent
 /// issuing each phase (its waits included).
@@ -357,10 +385,10 @@ pub struct GpuProfile {
     pub phases: Vec<(String, f64, f64)>,
 }
 
-/// The GPU tier of an engine.
+/// The GPU tier of an engine: one stage per device, in layer order.
 pub struct GpuTier {
-    state: Mutex<forward::State>,
-    plan: VramPlan,
+    stages: Mutex<Vec<forward::State>>,
+    plans: Vec<VramPlan>,
     summary: String,
 }
 
@@ -373,9 +401,15 @@ impl std::fmt::Debug for GpuTier {
 }
 
 impl GpuTier {
-    /// The placement in effect.
+    /// The placement in effect on the first device (the only one unless
+    /// `--devices` names several).
     pub fn plan(&self) -> &VramPlan {
-        &self.plan
+        &self.plans[0]
+    }
+
+    /// The placement on each device, in layer order.
+    pub fn plans(&self) -> &[VramPlan] {
+        &self.plans
     }
 
     /// One line: device and placement.
@@ -383,35 +417,56 @@ impl GpuTier {
         &self.summary
     }
 
+    /// Counters, summed over the devices.
     pub fn stats(&self) -> GpuStats {
-        self.lock().stats()
+        let stages = self.lock();
+        let mut all = GpuStats::default();
+        for s in stages.iter() {
+            all.add(&s.stats());
+        }
+        all
+    }
+
+    /// Counters of each device, in layer order.
+    pub fn stage_stats(&self) -> Vec<GpuStats> {
+        self.lock().iter().map(|s| s.stats()).collect()
     }
 
     /// Starts the per-phase profile afresh (e.g. after a warm-up).
     pub fn reset_profile(&self) {
-        self.lock().reset_profile();
+        for s in self.lock().iter_mut() {
+            s.reset_profile();
+        }
     }
 
     /// The per-phase profile, when `COLIBRI_GPU_PROFILE=1` was set at
-    /// attach.
+    /// attach (summed over the devices; passes counted on the first).
     pub fn profile(&self) -> Option<GpuProfile> {
-        let st = self.lock();
-        let p = st.profile()?;
-        Some(GpuProfile {
-            passes: p.passes,
-            layers: p.layers,
-            phases: forward::PHASES
-                .iter()
-                .enumerate()
-                .map(|(i, name)| (name.to_string(), p.gpu_ms[i], p.host_ms[i]))
-                .collect(),
-        })
+        let stages = self.lock();
+        let mut out: Option<GpuProfile> = None;
+        for st in stages.iter() {
+            let p = st.profile()?;
+            let o = out.get_or_insert_with(|| GpuProfile {
+                passes: p.passes,
+                layers: 0,
+                phases: forward::PHASES
+                    .iter()
+                    .map(|name| (name.to_string(), 0.0, 0.0))
+                    .collect(),
+            });
+            o.layers += p.layers;
+            for (i, ph) in o.phases.iter_mut().enumerate() {
+                ph.1 += p.gpu_ms[i];
+                ph.2 += p.host_ms[i];
+            }
+        }
+        out
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, forward::State> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<forward::State>> {
         // A panic inside a pass leaves device state that the next pass
         // rebuilds from scratch (every pass starts from the host's inputs).
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.stages.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs a batch on the GPU (the counterpart of `Model::forward`).
@@ -421,14 +476,14 @@ impl GpuTier {
         experts: &dyn ExpertSource,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.lock()
-            .forward(model, experts, batch)
-            .map_err(ModelError::from)
+        forward::run(&mut self.lock(), model, experts, batch).map_err(ModelError::from)
     }
 
     /// Where one routed expert is in VRAM (tests and diagnostics).
     pub fn residency(&self, layer: usize, expert: usize) -> Option<VramResidency> {
-        self.lock().experts.residency(layer, expert)
+        let stages = self.lock();
+        let st = stages.iter().find(|s| s.holds_layer(layer))?;
+        st.experts.residency(layer, expert)
     }
 }
 
@@ -445,15 +500,7 @@ pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuErr
     if opts.device == DeviceChoice::Cpu {
         return Ok(Attached::Cpu { reason: None });
     }
-    if opts.devices.len() > 1 {
-        return Err(GpuError::Unsupported(format!(
-            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give \
-             one device id",
-            opts.devices
-        )));
-    }
-    let ordinal = opts.devices.first().copied().unwrap_or(0);
-    match open(engine, opts, ordinal) {
+    match open(engine, opts) {
         Ok(tier) => {
             let summary = tier.summary.clone();
             engine.gpu = Some(Arc::new(tier));
@@ -483,14 +530,9 @@ pub fn preflight(opts: &GpuOptions) -> Result<(), GpuError> {
     if opts.device != DeviceChoice::Cuda {
         return Ok(());
     }
-    if opts.devices.len() > 1 {
-        return Err(GpuError::Unsupported(format!(
-            "--devices {:?}: spreading experts over several GPUs is not implemented yet; give \
-             one device id",
-            opts.devices
-        )));
+    for &o in &ordinals(opts) {
+        CudaDevice::open(o)?;
     }
-    CudaDevice::open(opts.devices.first().copied().unwrap_or(0))?;
     colibri_cuda::nvrtc::load()?;
     Ok(())
 }
@@ -525,9 +567,16 @@ pub(crate) fn vram_request(
     opts: &GpuOptions,
     layer_shapes: &[Option<ExpertShape>],
     pin_candidates: Vec<usize>,
+    share: Option<LayerShare>,
 ) -> Result<(VramRequest, Dims, experts::Classes), GpuError> {
     let dims = Dims::of(model, opts.max_rows)?;
     let classes = experts::Classes::of(layer_shapes, dims.experts);
+    // Every layer's KV row has the same width: a share holds its layers'.
+    let kv_per_position = match &share {
+        Some(sh) => kv_bytes_per_position(&model.spec) / sh.layers.max(1) as u64
+            * (sh.end - sh.start) as u64,
+        None => kv_bytes_per_position(&model.spec),
+    };
     let positions = kv_positions(model, ctx);
     let rope_positions = rope_positions(model, ctx);
     let req = VramRequest {
@@ -536,12 +585,13 @@ pub(crate) fn vram_request(
         free_bytes: free,
         budget: opts.vram_budget,
         dense_blocks: weights::block_sizes(&model.weights)?,
-        kv_bytes_per_position: kv_bytes_per_position(&model.spec),
+        kv_bytes_per_position: kv_per_position,
         kv_reserve_positions: positions,
         expert_classes: classes.requests(),
         ring_slots: opts.ring_slots,
         scratch_bytes: forward::scratch_bytes(&dims, rope_positions, model),
         pin_candidates,
+        share,
     };
     Ok((req, dims, classes))
 }
@@ -569,23 +619,131 @@ pub(crate) fn rope_of(model: &Model) -> Rope {
     Rope::new(&model.spec.rope, dim, interleave)
 }
 
-/// What `colibri plan` shows for the GPU tier of a model on a device.
-pub fn plan_for(
+/// The device ordinals `opts` names (device 0 when none).
+pub fn ordinals(opts: &GpuOptions) -> Vec<usize> {
+    if opts.devices.is_empty() {
+        vec![0]
+    } else {
+        opts.devices.clone()
+    }
+}
+
+/// Each device's share of the layers (`None` for a single device): split
+/// by bytes, dense block plus routed experts per layer, the head on the
+/// last device ([`plan::split_layers`]).
+fn shares(
+    model: &Model,
+    shapes: &[Option<ExpertShape>],
+    devices: usize,
+) -> Result<Vec<Option<LayerShare>>, GpuError> {
+    if devices <= 1 {
+        return Ok(vec![None]);
+    }
+    let blocks = weights::block_sizes(&model.weights)?;
+    let layers = model.spec.num_layers();
+    if devices > layers {
+        return Err(GpuError::Unsupported(format!(
+            "{devices} devices for {layers} layers: each device needs at least one layer"
+        )));
+    }
+    let per_layer = Dims::of(model, 1)?.experts as u64;
+    let layer_bytes: Vec<u64> = (0..layers)
+        .map(|l| {
+            let experts = shapes
+                .get(l)
+                .copied()
+                .flatten()
+                .map_or(0, |s| s.slot_bytes as u64 * per_layer);
+            blocks.get(l).copied().unwrap_or(0) + experts
+        })
+        .collect();
+    let head = blocks.get(layers).copied().unwrap_or(0);
+    let ranges = plan::split_layers(&layer_bytes, head, devices);
+    let n = ranges.len();
+    Ok(ranges
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            Some(LayerShare {
+                device_index: i,
+                devices: n,
+                start: r.start,
+                end: r.end,
+                layers,
+                head: i + 1 == n,
+            })
+        })
+        .collect())
+}
+
+/// `shapes` with the layers outside `share` left out (no slots for them).
+fn shapes_of_share(
+    shapes: &[Option<ExpertShape>],
+    share: Option<&LayerShare>,
+) -> Vec<Option<ExpertShape>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(l, s)| match share {
+            Some(sh) if !(sh.start..sh.end).contains(&l) => None,
+            _ => *s,
+        })
+        .collect()
+}
+
+/// A device's name (as `colibri plan` shows it) and its free and total
+/// memory.
+pub struct DeviceMemory {
+    pub name: String,
+    pub free: u64,
+    pub total: u64,
+}
+
+/// What `colibri plan` shows for the GPU tier of a model on `devices` (in
+/// layer order; several split the layers).
+pub fn plans_for(
     model: &Model,
     locator: Option<&dyn colibri_model::source::ExpertLocator>,
     ctx: usize,
     opts: &GpuOptions,
-    device: &str,
-    free: u64,
-    total: u64,
-) -> Result<VramPlan, GpuError> {
+    devices: &[DeviceMemory],
+) -> Result<Vec<VramPlan>, GpuError> {
     let shapes = experts::shapes_from_locator(model, locator)?;
-    let (req, _, _) = vram_request(model, device, free, total, ctx, opts, &shapes, Vec::new())?;
-    VramPlan::compute(&req).map_err(GpuError::Plan)
+    let shares = shares(model, &shapes, devices.len())?;
+    devices
+        .iter()
+        .zip(shares)
+        .map(|(d, share)| {
+            let st_shapes = shapes_of_share(&shapes, share.as_ref());
+            let (req, _, _) = vram_request(
+                model,
+                &d.name,
+                d.free,
+                d.total,
+                ctx,
+                opts,
+                &st_shapes,
+                Vec::new(),
+                share,
+            )?;
+            VramPlan::compute(&req).map_err(GpuError::Plan)
+        })
+        .collect()
 }
 
-fn open(engine: &Engine, opts: &GpuOptions, ordinal: usize) -> Result<GpuTier, GpuError> {
-    let (dev, k) = open_device(ordinal)?;
+fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
+    let ords = ordinals(opts);
+    let mut seen = std::collections::BTreeSet::new();
+    if ords.iter().any(|o| !seen.insert(*o)) {
+        tracing::warn!(
+            "--devices {ords:?} names a GPU more than once: it runs each of its layer ranges in \
+             turn (no faster than naming it once)"
+        );
+    }
+    let mut devs = Vec::new();
+    for o in ords {
+        devs.push(open_device(o)?);
+    }
     let model = &engine.model;
     let shapes = match &engine.tier {
         Some(t) => experts::shapes_from_layout(model, t.layout())?,
@@ -596,31 +754,146 @@ fn open(engine: &Engine, opts: &GpuOptions, ordinal: usize) -> Result<GpuTier, G
         .as_ref()
         .map(|t| t.plan().pinned.clone())
         .unwrap_or_default();
-    let (free, total) = dev.mem_info()?;
-    let info = dev.info().clone();
-    let device = format!(
-        "{} (GPU {}, {}, driver CUDA {}.{})",
-        info.name, info.ordinal, info.arch, info.driver_version.0, info.driver_version.1
-    );
-    let classes_probe = experts::Classes::of(&shapes, Dims::of(model, opts.max_rows)?.experts);
-    let pin_candidates = classes_probe.count_pins(&pinned, &shapes);
-    let (req, dims, classes) = vram_request(
-        model,
-        &device,
-        free as u64,
-        total as u64,
-        engine.context_len(),
-        opts,
-        &shapes,
-        pin_candidates,
-    )?;
-    let plan = VramPlan::compute(&req).map_err(GpuError::Plan)?;
-    for w in &plan.warnings {
-        tracing::warn!("{w}");
+    let shares = shares(model, &shapes, devs.len())?;
+    let count = shares.len();
+    let tier_id = forward::next_tier_id();
+    // RAM leases held for copies in flight at most: half the RAM tier's
+    // staging slots, so its reads always find a slot (each stage releases
+    // its leases before the next runs).
+    let max_held = engine
+        .tier
+        .as_ref()
+        .and_then(|t| {
+            t.plan()
+                .classes
+                .iter()
+                .map(|c| c.staging_slots + c.cache_slots)
+                .filter(|&n| n > 0)
+                .min()
+        })
+        .map_or(usize::MAX, |n| (n / 2).max(1));
+    let mut stages = Vec::with_capacity(count);
+    let mut plans = Vec::with_capacity(count);
+    let mut lines = Vec::with_capacity(count);
+    for (index, ((dev, k), share)) in devs.into_iter().zip(shares).enumerate() {
+        let layers = share
+            .as_ref()
+            .map_or(0..model.spec.num_layers(), |s| s.start..s.end);
+        let st_shapes = shapes_of_share(&shapes, share.as_ref());
+        let (free, total) = dev.mem_info()?;
+        let info = dev.info().clone();
+        let device = format!(
+            "{} (GPU {}, {}, driver CUDA {}.{})",
+            info.name, info.ordinal, info.arch, info.driver_version.0, info.driver_version.1
+        );
+        let classes_probe =
+            experts::Classes::of(&st_shapes, Dims::of(model, opts.max_rows)?.experts);
+        let pin_candidates = classes_probe.count_pins(&pinned, &st_shapes);
+        let (req, dims, classes) = vram_request(
+            model,
+            &device,
+            free as u64,
+            total as u64,
+            engine.context_len(),
+            opts,
+            &st_shapes,
+            pin_candidates,
+            share,
+        )?;
+        let plan = VramPlan::compute(&req).map_err(GpuError::Plan)?;
+        for w in &plan.warnings {
+            tracing::warn!("{w}");
+        }
+        // The RAM tier's arenas: registered (portable: every device's
+        // copies use the registration), so expert copies are DMA from the
+        // bytes the disk reads landed in (no bounce copy).
+        let (registrations, arenas) = if index == 0 {
+            register_arenas(engine, &dev)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let rope = rope_of(model);
+        let mut state = forward::State::new(
+            dev,
+            k,
+            model,
+            &plan,
+            dims,
+            classes,
+            &st_shapes,
+            rope,
+            rope_positions(model, engine.context_len()),
+            registrations,
+            arenas,
+            max_held,
+            forward::StageOf {
+                tier: tier_id,
+                index,
+                count,
+                layers: layers.clone(),
+            },
+        )?;
+        if !pinned.is_empty() {
+            state.preload_pinned(&pinned, engine.experts.as_ref(), &plan)?;
+        }
+        // When the cache holds every routed expert, they are all loaded now
+        // (the first tokens would load them anyway) and pinned, and layers
+        // route on the device with no host round trip.
+        let t0 = std::time::Instant::now();
+        let all = state.preload_all(engine.experts.as_ref())?;
+        if all > 0 {
+            tracing::info!(
+                "GPU tier: {all} routed experts loaded into VRAM of {device} in {:.1} s",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        let held = |b: usize| plan.share.as_ref().is_none_or(|sh| sh.holds_block(b));
+        let blocks = (0..plan.dense_resident.len()).filter(|&b| held(b)).count();
+        let resident = (0..plan.dense_resident.len())
+            .filter(|&b| held(b) && plan.dense_resident[b])
+            .count();
+        let what = if count > 1 {
+            format!(
+                "layers {}..{}{}: ",
+                layers.start,
+                layers.end,
+                if index + 1 == count { " and the head" } else { "" }
+            )
+        } else {
+            String::new()
+        };
+        lines.push(format!(
+            "{device}: {what}VRAM budget {}, {resident} of {blocks} dense blocks resident, {} \
+             expert cache slots, {} staging slots",
+            crate::tier::ByteSize(plan.budget_bytes),
+            plan.cache_slots(),
+            plan.classes.iter().map(|c| c.ring_slots).sum::<usize>()
+        ));
+        stages.push(state);
+        plans.push(plan);
     }
+    let summary = if lines.len() == 1 {
+        format!("GPU tier on {}", lines[0])
+    } else {
+        format!(
+            "GPU tier on {} devices, layers split by bytes: {}",
+            lines.len(),
+            lines.join("; ")
+        )
+    };
+    Ok(GpuTier {
+        stages: Mutex::new(stages),
+        plans,
+        summary,
+    })
+}
 
-    // The RAM tier's arenas: registered, so expert copies are DMA from the
-    // bytes the disk reads landed in (no bounce copy).
+/// Registers the RAM tier's arenas with CUDA (portable, so every device
+/// copies from them by DMA).
+fn register_arenas(
+    engine: &Engine,
+    dev: &CudaDevice,
+) -> (Vec<HostRegistration>, Vec<Arc<PinnedArena>>) {
     let mut arenas: Vec<Arc<PinnedArena>> = Vec::new();
     let mut registrations: Vec<HostRegistration> = Vec::new();
     if let Some(t) = &engine.tier {
@@ -641,65 +914,7 @@ fn open(engine: &Engine, opts: &GpuOptions, ordinal: usize) -> Result<GpuTier, G
             }
         }
     }
-
-    // RAM leases held for copies in flight at most: half the RAM tier's
-    // staging slots, so its reads always find a slot.
-    let max_held = engine
-        .tier
-        .as_ref()
-        .and_then(|t| {
-            t.plan()
-                .classes
-                .iter()
-                .map(|c| c.staging_slots + c.cache_slots)
-                .filter(|&n| n > 0)
-                .min()
-        })
-        .map_or(usize::MAX, |n| (n / 2).max(1));
-    let rope = rope_of(model);
-    let state = forward::State::new(
-        dev,
-        k,
-        model,
-        &plan,
-        dims,
-        classes,
-        &shapes,
-        rope,
-        rope_positions(model, engine.context_len()),
-        registrations,
-        arenas,
-        max_held,
-    )?;
-    let mut state = state;
-    if !pinned.is_empty() {
-        state.preload_pinned(&pinned, engine.experts.as_ref(), &plan)?;
-    }
-    // When the cache holds every routed expert, they are all loaded now
-    // (the first tokens would load them anyway) and pinned, and layers
-    // route on the device with no host round trip.
-    let t0 = std::time::Instant::now();
-    let all = state.preload_all(engine.experts.as_ref())?;
-    if all > 0 {
-        tracing::info!(
-            "GPU tier: {all} routed experts loaded into VRAM in {:.1} s",
-            t0.elapsed().as_secs_f64()
-        );
-    }
-    let summary = format!(
-        "GPU tier on {device}: VRAM budget {}, {} of {} dense blocks resident, {} expert cache \
-         slots, {} staging slots",
-        crate::tier::ByteSize(plan.budget_bytes),
-        plan.dense_resident.iter().filter(|r| **r).count(),
-        plan.dense_resident.len(),
-        plan.cache_slots(),
-        plan.classes.iter().map(|c| c.ring_slots).sum::<usize>()
-    );
-    Ok(GpuTier {
-        state: Mutex::new(state),
-        plan,
-        summary,
-    })
+    (registrations, arenas)
 }
 
 /// A zero-filled device buffer (at least one element).

@@ -70,6 +70,66 @@ pub struct VramRequest {
     /// Experts the usage history would pin (per class), hottest first
     /// (how many, not which).
     pub pin_candidates: Vec<usize>,
+    /// With several devices: the layers this one holds (the other dense
+    /// blocks are not placed here). `None`: the whole model.
+    pub share: Option<LayerShare>,
+}
+
+/// The layers one device holds when several share a model (`--devices`):
+/// layers `start..end` of `layers`, and the output head on the last one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerShare {
+    pub device_index: usize,
+    pub devices: usize,
+    pub start: usize,
+    pub end: usize,
+    pub layers: usize,
+    pub head: bool,
+}
+
+impl LayerShare {
+    /// Whether dense block `block` (layers, then the head) lives here.
+    pub fn holds_block(&self, block: usize) -> bool {
+        if block < self.layers {
+            (self.start..self.end).contains(&block)
+        } else {
+            self.head
+        }
+    }
+}
+
+/// Splits `layer_bytes` (each layer's weights: dense block and routed
+/// experts) into `devices` consecutive ranges of about equal bytes, the
+/// output head (`head_bytes`) counted on the last: every layer's experts
+/// are equally likely to be routed, so bytes are the expected load. Each
+/// range has at least one layer; `devices` is capped at the layer count.
+pub fn split_layers(
+    layer_bytes: &[u64],
+    head_bytes: u64,
+    devices: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let n = layer_bytes.len();
+    let d = devices.clamp(1, n.max(1));
+    let total: u128 = layer_bytes.iter().map(|&b| b as u128).sum::<u128>() + head_bytes as u128;
+    let mut prefix = Vec::with_capacity(n + 1);
+    prefix.push(0u128);
+    for &b in layer_bytes {
+        prefix.push(prefix[prefix.len() - 1] + b as u128);
+    }
+    let mut cuts = vec![0usize];
+    for k in 1..d {
+        let target = total * k as u128 / d as u128;
+        // The cut whose prefix is nearest the target, leaving at least one
+        // layer to every range before and after it.
+        let lo = cuts[k - 1] + 1;
+        let hi = n - (d - k);
+        let best = (lo..=hi)
+            .min_by_key(|&i| prefix[i].abs_diff(target))
+            .unwrap_or(lo);
+        cuts.push(best);
+    }
+    cuts.push(n);
+    cuts.windows(2).map(|w| w[0]..w[1]).collect()
 }
 
 /// Where the budget came from.
@@ -117,6 +177,8 @@ pub struct VramPlan {
     pub scratch_bytes: u64,
     /// Working set: scratch + ring + stream buffers.
     pub working_set_bytes: u64,
+    /// With several devices: the layers this device holds.
+    pub share: Option<LayerShare>,
     pub warnings: Vec<String>,
 }
 
@@ -138,7 +200,17 @@ impl VramPlan {
             .map(|(c, &r)| c.slot_bytes * r as u64)
             .sum();
         let fixed = req.scratch_bytes + ring_bytes;
-        let largest_block = req.dense_blocks.iter().copied().max().unwrap_or(0);
+        // Blocks another device holds take nothing here.
+        let dense_blocks: Vec<u64> = req
+            .dense_blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| match &req.share {
+                Some(s) if !s.holds_block(i) => 0,
+                _ => b,
+            })
+            .collect();
+        let largest_block = dense_blocks.iter().copied().max().unwrap_or(0);
         if fixed > available {
             return Err(format!(
                 "{} has {} free ({} kept in reserve); the GPU tier's working set (scratch {}, \
@@ -173,23 +245,22 @@ impl VramPlan {
         // Dense blocks, largest first, while they fit the budget and leave
         // room for the stream buffers the rest would need.
         let place = |budget: u64| -> (Vec<bool>, u64, u64) {
-            let mut order: Vec<usize> = (0..req.dense_blocks.len()).collect();
+            let mut order: Vec<usize> = (0..dense_blocks.len()).collect();
             order.sort_by(|&a, &b| {
-                req.dense_blocks[b]
-                    .cmp(&req.dense_blocks[a])
+                dense_blocks[b]
+                    .cmp(&dense_blocks[a])
                     .then(a.cmp(&b))
             });
-            let mut resident = vec![false; req.dense_blocks.len()];
+            let mut resident = vec![false; dense_blocks.len()];
             let mut used = 0u64;
             for i in order {
-                let b = req.dense_blocks[i];
+                let b = dense_blocks[i];
                 if used + b <= budget {
                     used += b;
                     resident[i] = true;
                 }
             }
-            let streamed_max = req
-                .dense_blocks
+            let streamed_max = dense_blocks
                 .iter()
                 .zip(&resident)
                 .filter(|(_, r)| !**r)
@@ -227,7 +298,7 @@ impl VramPlan {
                 ));
             }
         }
-        let dense_total: u64 = req.dense_blocks.iter().sum();
+        let dense_total: u64 = dense_blocks.iter().sum();
 
         let kv_reserve = req
             .kv_bytes_per_position
@@ -314,6 +385,7 @@ impl VramPlan {
             ring_bytes,
             scratch_bytes: req.scratch_bytes,
             working_set_bytes: fixed + stream_buf,
+            share: req.share.clone(),
             warnings,
         })
     }
@@ -334,9 +406,24 @@ impl VramPlan {
         use std::fmt::Write;
         let b = ByteSize;
         let mut s = String::new();
-        let blocks = self.dense_resident.len();
-        let streamed = self.dense_resident.iter().filter(|r| !**r).count();
+        let held = |i: usize| self.share.as_ref().is_none_or(|sh| sh.holds_block(i));
+        let blocks = (0..self.dense_resident.len()).filter(|&i| held(i)).count();
+        let streamed = (0..self.dense_resident.len())
+            .filter(|&i| held(i) && !self.dense_resident[i])
+            .count();
         let _ = writeln!(s, "GPU tier: {}", self.device);
+        if let Some(sh) = &self.share {
+            let _ = writeln!(
+                s,
+                "  device {} of {}: layers {}..{} of {}{}",
+                sh.device_index + 1,
+                sh.devices,
+                sh.start,
+                sh.end,
+                sh.layers,
+                if sh.head { " and the output head" } else { "" }
+            );
+        }
         let _ = writeln!(
             s,
             "  device memory {} total, {} free, {} kept in reserve",
@@ -451,6 +538,7 @@ mod tests {
             ring_slots: DEFAULT_RING_SLOTS,
             scratch_bytes: 300 * MIB,
             pin_candidates: vec![],
+            share: None,
         }
     }
 
@@ -545,5 +633,56 @@ mod tests {
             (p.classes[0].cache_slots as f64 * VRAM_PIN_SHARE) as usize
         );
         assert_eq!(p.classes[1].pinned_slots, 0);
+    }
+
+    #[test]
+    fn layers_split_by_bytes_with_the_head_on_the_last_device() {
+        // Equal layers, no head: equal halves, thirds.
+        assert_eq!(split_layers(&[10; 48], 0, 2), vec![0..24, 24..48]);
+        assert_eq!(split_layers(&[10; 48], 0, 3), vec![0..16, 16..32, 32..48]);
+        // A head worth 8 layers pulls the cut forward.
+        assert_eq!(split_layers(&[10; 48], 80, 2), vec![0..28, 28..48]);
+        // Uneven layers (a dense first layer is light).
+        assert_eq!(split_layers(&[1, 10, 10, 10, 10], 0, 2), vec![0..3, 3..5]);
+        // Every device gets at least one layer; more devices than layers
+        // are capped.
+        assert_eq!(split_layers(&[1, 1, 1000], 0, 3), vec![0..1, 1..2, 2..3]);
+        assert_eq!(split_layers(&[5, 5], 0, 4), vec![0..1, 1..2]);
+        assert_eq!(split_layers(&[5, 5], 0, 1), vec![0..2]);
+    }
+
+    #[test]
+    fn a_share_places_only_its_own_blocks() {
+        let mut r = req(Some(GIB));
+        r.share = Some(LayerShare {
+            device_index: 0,
+            devices: 2,
+            start: 0,
+            end: 4,
+            layers: 8,
+            head: false,
+        });
+        let p = VramPlan::compute(&r).unwrap();
+        within(&p);
+        // Four 100 MiB layer blocks, not the other four nor the head.
+        assert_eq!(p.dense_resident_bytes, 400 * MIB);
+        assert_eq!(p.dense_streamed_bytes, 0);
+        assert!(p.render().contains("layers 0..4 of 8"), "{}", p.render());
+        assert!(p.render().contains("4 of 4 blocks"), "{}", p.render());
+        r.share = Some(LayerShare {
+            device_index: 1,
+            devices: 2,
+            start: 4,
+            end: 8,
+            layers: 8,
+            head: true,
+        });
+        r.budget = Some(500 * MIB);
+        let p = VramPlan::compute(&r).unwrap();
+        within(&p);
+        // The 600 MiB head does not fit 500 MiB: it streams; the layers stay.
+        assert_eq!(p.dense_resident_bytes, 400 * MIB);
+        assert_eq!(p.dense_streamed_bytes, 600 * MIB);
+        assert_eq!(p.stream_buffer_bytes, 1200 * MIB);
     }
 }

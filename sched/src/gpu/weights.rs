@@ -284,6 +284,8 @@ pub(crate) fn block_sizes(dense: &DenseWeights) -> Result<Vec<u64>, GpuError> {
 enum Home {
     Vram(DeviceBuffer<u8>),
     Pinned(HostBuffer),
+    /// Another device holds this block (`--devices`).
+    Elsewhere,
 }
 
 struct StreamBuffer {
@@ -309,18 +311,23 @@ pub(crate) struct DenseBlocks {
 }
 
 impl DenseBlocks {
-    /// Packs every block; those with `resident[i]` go to VRAM, the rest to
-    /// pinned RAM (copied once, here) with two stream buffers.
+    /// Packs every block this device holds (`held`); those with
+    /// `resident[i]` go to VRAM, the rest to pinned RAM (copied once, here)
+    /// with two stream buffers.
     pub fn load(
         dev: &CudaDevice,
         dense: &DenseWeights,
         resident: &[bool],
+        held: &dyn Fn(usize) -> bool,
     ) -> Result<DenseBlocks, GpuError> {
         let mut homes = Vec::with_capacity(dense.layers.len() + 1);
         let mut layers = Vec::with_capacity(dense.layers.len());
         let mut streamed = Vec::new();
         let mut largest_streamed = 0usize;
         let mut place = |i: usize, p: &Packer<'_>| -> Result<Home, GpuError> {
+            if !held(i) {
+                return Ok(Home::Elsewhere);
+            }
             let keep = resident.get(i).copied().unwrap_or(false);
             let mut host = vec![0u8; p.len()];
             Ok(if keep {
@@ -401,8 +408,14 @@ impl DenseBlocks {
     /// the next streamed block).
     pub fn prepare(&mut self, dev: &CudaDevice, block: usize) -> Result<(), GpuError> {
         self.current = None;
-        if matches!(self.homes[block], Home::Vram(_)) {
-            return Ok(());
+        match self.homes[block] {
+            Home::Vram(_) => return Ok(()),
+            Home::Elsewhere => {
+                return Err(GpuError::Internal(format!(
+                    "dense block {block} is another device's"
+                )));
+            }
+            Home::Pinned(_) => {}
         }
         let b = match self.buffers.iter().position(|s| s.holds == Some(block)) {
             Some(b) => b,
@@ -436,6 +449,9 @@ impl DenseBlocks {
     pub fn view(&self, block: usize) -> Result<BufView<'_, u8>, GpuError> {
         match &self.homes[block] {
             Home::Vram(buf) => Ok(buf.as_view()),
+            Home::Elsewhere => Err(GpuError::Internal(format!(
+                "dense block {block} is another device's"
+            ))),
             Home::Pinned(_) => {
                 let b = self
                     .current
@@ -454,9 +470,11 @@ impl DenseBlocks {
         Ok(())
     }
 
-    /// Whether every block lives in VRAM (nothing streams).
+    /// Whether every block of this device lives in VRAM (nothing streams).
     pub fn all_resident(&self) -> bool {
-        self.homes.iter().all(|h| matches!(h, Home::Vram(_)))
+        self.homes
+            .iter()
+            .all(|h| matches!(h, Home::Vram(_) | Home::Elsewhere))
     }
 
     /// Blocks in VRAM, of all.

@@ -139,7 +139,7 @@ impl State {
             };
             for (p, &r0) in parts.iter_mut().zip(starts) {
                 let m = p.tokens.len();
-                let kv = kv::attached(p.cache)?;
+                let kv = kv::attached(p.cache, self.kv_shape.stage)?;
                 let cap = kv.capacity();
                 let (kc, vc) = kv.parts_mut(l)?;
                 self.k.gqa_prep(
@@ -234,7 +234,7 @@ impl State {
         }
         for (p, &r0) in parts.iter_mut().zip(starts) {
             let m = p.tokens.len();
-            let kv = kv::attached(p.cache)?;
+            let kv = kv::attached(p.cache, self.kv_shape.stage)?;
             let cap = kv.capacity();
             // Appended at the rows' device-side positions (len + i), so a
             // captured step appends at the right place on every replay.
@@ -425,7 +425,7 @@ impl State {
         let ctxw = nh * r;
         for (p, &r0) in parts.iter_mut().zip(starts) {
             let m = p.tokens.len();
-            let kv = kv::attached(p.cache)?;
+            let kv = kv::attached(p.cache, self.kv_shape.stage)?;
             let cap = kv.capacity();
             self.k.kv_append(
                 &self.dev,
