@@ -9,6 +9,8 @@
 //! SIMD is chosen once at run time; `scalar` holds the reference of every
 //! kernel.
 
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 pub mod pool;
 pub mod q4_0;
 pub mod q8act;
@@ -253,6 +255,124 @@ pub fn has_avx512_vnni() -> bool {
         && is_x86_feature_detected!("avx512vbmi")
 }
 
+#[cfg(target_arch = "aarch64")]
+mod neon_wrappers {
+    // NEON is baseline on aarch64 (neon.rs asserts it at compile time) and
+    // the kernels check the lengths they read, so every call is sound.
+    use super::{Q8Activation, neon};
+
+    pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_f32(w, x) }
+    }
+    pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_bf16(w, x) }
+    }
+    pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_f16(w, x) }
+    }
+    pub fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_q8_0(w, x) }
+    }
+    pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_q4_0(w, x) }
+    }
+    pub fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32]) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::dot_f32_rows(q, k, stride, out) }
+    }
+    pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::weighted_rows(o, s, v, stride) }
+    }
+    pub fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q8_0_q8(w, x) }
+    }
+    pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q4_0_q8(w, x) }
+    }
+    pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q8_0_q8_multi(w, xs, out) }
+    }
+    pub fn dot_q4_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q4_0_q8_multi(w, xs, out) }
+    }
+}
+
+/// NEON, baseline on aarch64. FP8 keeps the scalar kernel (NEON has no
+/// gather for its 256-entry f32 table; a vector form is unwritten and
+/// NEON speed is unmeasured); Q4_0 batches have no matrix–matrix kernel and
+/// run the few-token kernel 4 tokens at a time.
+#[cfg(target_arch = "aarch64")]
+pub const NEON: KernelSet = KernelSet {
+    name: "neon",
+    dot_f32: neon_wrappers::dot_f32,
+    dot_bf16: neon_wrappers::dot_bf16,
+    dot_f16: neon_wrappers::dot_f16,
+    dot_fp8: scalar::dot_fp8,
+    dot_q8_0: neon_wrappers::dot_q8_0,
+    dot_q4_0: neon_wrappers::dot_q4_0,
+    dot_f32_rows: neon_wrappers::dot_f32_rows,
+    weighted_rows: neon_wrappers::weighted_rows,
+    dot_q8_0_q8: neon_wrappers::dot_q8_0_q8,
+    dot_q4_0_q8: neon_wrappers::dot_q4_0_q8,
+    dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
+    dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
+    gemm_q4_0_q8: None,
+    int_activations: true,
+    vector_quantize: false,
+};
+
+#[cfg(target_arch = "aarch64")]
+mod dotprod_wrappers {
+    // Installed by `select` only after `has_neon_dotprod()`; the kernels
+    // check the lengths they read.
+    use super::{Q8Activation, neon};
+
+    pub fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q8_0_q8(w, x) }
+    }
+    pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q4_0_q8(w, x) }
+    }
+    pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q8_0_q8_multi(w, xs, out) }
+    }
+    pub fn dot_q4_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q4_0_q8_multi(w, xs, out) }
+    }
+}
+
+/// [`NEON`] with the integer kernels on SDOT (ARMv8.2 `dotprod`): the same
+/// results.
+#[cfg(target_arch = "aarch64")]
+pub const NEON_DOTPROD: KernelSet = KernelSet {
+    name: "neon+dotprod",
+    dot_q8_0_q8: dotprod_wrappers::dot_q8_0_q8,
+    dot_q4_0_q8: dotprod_wrappers::dot_q4_0_q8,
+    dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
+    dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
+    ..NEON
+};
+
+/// Whether this CPU runs [`NEON_DOTPROD`].
+#[cfg(target_arch = "aarch64")]
+pub fn has_neon_dotprod() -> bool {
+    std::arch::is_aarch64_feature_detected!("dotprod")
+}
+
 static EXACT_QUANT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Makes Q8_0/Q4_0 matrix products dequantize exactly instead of
@@ -288,6 +408,15 @@ fn select_simd() -> KernelSet {
             return AVX2;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if has_neon_dotprod() {
+            NEON_DOTPROD
+        } else {
+            NEON
+        }
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     SCALAR
 }
 
@@ -689,6 +818,61 @@ mod tests {
         w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
     }
 
+    /// Every kernel set this CPU runs besides [`SCALAR`] (the tests
+    /// compare each with the scalar references).
+    pub(crate) fn simd_sets() -> Vec<KernelSet> {
+        let mut sets = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                sets.push(AVX2);
+            } else {
+                eprintln!(
+                    "SKIP avx2: this CPU has no AVX2+FMA+F16C (probe: is_x86_feature_detected)"
+                );
+            }
+            if has_avx512_vnni() {
+                sets.push(AVX512_VNNI);
+            } else {
+                eprintln!(
+                    "SKIP avx512: this CPU has no AVX-512 VNNI (probe: is_x86_feature_detected)"
+                );
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            sets.push(NEON);
+            if has_neon_dotprod() {
+                sets.push(NEON_DOTPROD);
+            } else {
+                eprintln!(
+                    "SKIP neon+dotprod: this CPU has no dotprod (probe: is_aarch64_feature_detected)"
+                );
+            }
+        }
+        sets
+    }
+
+    /// On aarch64 the NEON kernels are chosen, with SDOT where the CPU has
+    /// it.
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn aarch64_selects_neon() {
+        if std::env::var_os("COLIBRI_SCALAR_KERNELS").is_some() {
+            eprintln!("SKIP: COLIBRI_SCALAR_KERNELS is set");
+            return;
+        }
+        let want = if has_neon_dotprod() {
+            "neon+dotprod"
+        } else {
+            "neon"
+        };
+        assert_eq!(select_simd().name, want);
+    }
+
     /// Attention's kernels: scores over many rows equal one `dot_f32` per
     /// row, and the weighted sum of value rows gives the scalar reference's
     /// bits in every kernel set, on row lengths around the vector widths.
@@ -696,12 +880,9 @@ mod tests {
     fn attention_kernels_equal_their_references_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
         let mut sets = vec![SCALAR];
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            sets.push(AVX2);
-        }
+        sets.extend(simd_sets());
         sets.push(*kernels());
-        for len in [1usize, 7, 8, 9, 63, 64, 65, 128, 200] {
+        for len in [1usize, 3, 4, 5, 7, 8, 9, 63, 64, 65, 67, 128, 200] {
             for rows in [1usize, 2, 17, 40] {
                 let stride = len + 3;
                 let v = rand_vec(&mut rng, (rows - 1) * stride + len);
@@ -733,24 +914,54 @@ mod tests {
 
     #[test]
     fn selected_kernels_match_scalar_on_random_data() {
-        let k = kernels();
+        let mut sets = simd_sets();
+        sets.push(*kernels());
+        for k in &sets {
+            kernels_match_scalar_on_random_data(k);
+        }
+    }
+
+    fn kernels_match_scalar_on_random_data(k: &KernelSet) {
+        // f16 widening is exact for every bit pattern (subnormals,
+        // infinities, NaNs), inside the vector loop.
+        let mut w = [0u16; 16];
+        for h in 0..=u16::MAX {
+            w[5] = h;
+            let got = (k.dot_f16)(&w, &[1.0; 16]);
+            let want = f16_to_f32(h);
+            assert!(
+                got == want || got.is_nan() && want.is_nan(),
+                "{} f16 {h:#x}",
+                k.name
+            );
+        }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &n in &[1usize, 7, 8, 15, 16, 17, 33, 128, 257, 1000] {
+        for &n in &[1usize, 3, 4, 5, 7, 8, 15, 16, 17, 33, 128, 257, 1000] {
             let x = rand_vec(&mut rng, n);
             let w = rand_vec(&mut rng, n);
             let s = abs_scale(&w, &x);
-            assert!(rel_err((k.dot_f32)(&w, &x), scalar::dot_f32(&w, &x), s) < 1e-6);
+            let name = k.name;
+            assert!(
+                rel_err((k.dot_f32)(&w, &x), scalar::dot_f32(&w, &x), s) < 1e-6,
+                "{name} f32 n={n}"
+            );
 
             let wb: Vec<u16> = w
                 .iter()
                 .map(|&v| half::bf16::from_f32(v).to_bits())
                 .collect();
-            assert!(rel_err((k.dot_bf16)(&wb, &x), scalar::dot_bf16(&wb, &x), s) < 1e-5);
+            assert!(
+                rel_err((k.dot_bf16)(&wb, &x), scalar::dot_bf16(&wb, &x), s) < 1e-5,
+                "{name} bf16 n={n}"
+            );
             let wh: Vec<u16> = w
                 .iter()
                 .map(|&v| half::f16::from_f32(v).to_bits())
                 .collect();
-            assert!(rel_err((k.dot_f16)(&wh, &x), scalar::dot_f16(&wh, &x), s) < 1e-5);
+            assert!(
+                rel_err((k.dot_f16)(&wh, &x), scalar::dot_f16(&wh, &x), s) < 1e-5,
+                "{name} f16 n={n}"
+            );
 
             let w8: Vec<u8> = (0..n).map(|_| rng.random_range(0u8..=0x7e)).collect();
             let w8: Vec<u8> = w8
@@ -766,7 +977,10 @@ mod tests {
             let s8 = abs_scale(&wf, &x);
             let got = (k.dot_fp8)(&w8, &x, &scales, 128);
             let want = scalar::dot_fp8(&w8, &x, &scales, 128);
-            assert!(rel_err(got, want, s8) < 1e-6, "fp8 n={n}: {got} vs {want}");
+            assert!(
+                rel_err(got, want, s8) < 1e-6,
+                "{name} fp8 n={n}: {got} vs {want}"
+            );
             // And the reference equals a plain dequantize-then-dot in f64.
             let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
             assert!(rel_err(want, exact as f32, s8) < 1e-6);
@@ -779,26 +993,40 @@ mod tests {
     #[test]
     fn block_quant_kernels_equal_f32_on_dequantized_rows() {
         let mut sets = vec![SCALAR];
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            sets.push(AVX2);
-        }
+        sets.extend(simd_sets());
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
-        for &n in &[32usize, 64, 96, 256, 1024] {
-            for _ in 0..20 {
+        for &n in &[32usize, 64, 96, 160, 256, 1024] {
+            for round in 0..20 {
                 let x = rand_vec(&mut rng, n);
                 let w: Vec<f32> = (0..n)
                     .map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.01f32..3.0))
                     .collect();
-                let q8 = quant::quantize_q8_0(&w).unwrap();
-                let q4 = quant::quantize_q4_0(&w).unwrap();
+                let mut q8 = quant::quantize_q8_0(&w).unwrap();
+                let mut q4 = quant::quantize_q4_0(&w).unwrap();
+                let awkward = round % 2 == 1 && n > QK;
+                if awkward {
+                    // A zero scale, negative ones, every nibble and byte.
+                    q8[0..2].fill(0);
+                    q4[0..2].fill(0);
+                    for b in 1..n / QK {
+                        q8[b * Q8_0_BLOCK_BYTES + 1] |= 0x80;
+                        q4[b * Q4_0_BLOCK_BYTES + 1] |= 0x80;
+                    }
+                    let last = n / QK - 1;
+                    for j in 0..QK {
+                        q8[last * Q8_0_BLOCK_BYTES + 2 + j] = (j as u8).wrapping_mul(8) ^ 0x80;
+                    }
+                    for j in 0..QK / 2 {
+                        q4[last * Q4_0_BLOCK_BYTES + 2 + j] = (j as u8) | ((15 - j as u8) << 4);
+                    }
+                }
                 let (mut d8, mut d4) = (vec![0.0; n], vec![0.0; n]);
                 quant::dequantize_q8_0(&q8, &mut d8);
                 quant::dequantize_q4_0(&q4, &mut d4);
                 assert!(d4.iter().any(|v| *v != 0.0) && d8.iter().any(|v| *v != 0.0));
+                if awkward {
+                    assert!(d4[..QK].iter().chain(&d8[..QK]).all(|v| *v == 0.0));
+                }
                 for k in &sets {
                     let a = (k.dot_q8_0)(&q8, &x);
                     assert_eq!(

@@ -18,7 +18,9 @@
 //! gets exactly the arithmetic of its single-token product, whatever the
 //! batch (the engine's batch invariance) and whatever the CPU.
 
-use super::q8act::{MULTI, Q8Activation};
+#[cfg(target_arch = "x86_64")]
+use super::q8act::MULTI;
+use super::q8act::Q8Activation;
 use crate::format::f16_to_f32;
 use crate::quant::{Q4_0_BLOCK_BYTES, QK};
 
@@ -135,8 +137,9 @@ pub fn gemm_q4_0_q8_ref(w: &[u8], tiles: &Q8Tiles, out: &mut [f32]) {
 }
 
 /// Rows' codes (`0..=15`, in activation order) and block scales, unpacked
-/// once per row for the matrix–matrix kernels.
+/// once per row for the matrix–matrix kernels (x86 only so far).
 #[derive(Default)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct RowScratch {
     codes: Vec<u8>,
     scales: Vec<f32>,
@@ -146,6 +149,7 @@ pub struct RowScratch {
 /// multiple of `tiles.blocks × 18`), at most `max` at a time: each group is
 /// unpacked into `scratch` and handed to `pass` with its row count and its
 /// output (row `r` of the group at `out[r · tiles.row_stride()..]`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn by_row_groups(
     rows: &[u8],
     tiles: &Q8Tiles,
@@ -169,6 +173,7 @@ fn by_row_groups(
 /// Runs `step(block, &mut acc[block % LANES])` over `blocks` blocks in
 /// order, with constant lane indices (so the accumulators stay in
 /// registers).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! blocks_into_lanes {
     ($blocks:expr, $acc:ident, $step:ident) => {{
         let blocks = $blocks;
@@ -192,6 +197,7 @@ macro_rules! blocks_into_lanes {
     }};
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl RowScratch {
     /// Unpacks `rows` (whole rows of `blocks` blocks each).
     fn unpack(&mut self, rows: &[u8], blocks: usize) {
@@ -833,6 +839,51 @@ mod tests {
                     }
                     // Lanes past the last token see zero activations.
                     assert!(out[tokens..].iter().all(|v| *v == 0.0));
+                }
+            }
+        }
+    }
+
+    /// Every kernel set this CPU runs (NEON on aarch64) equals the scalar
+    /// reference bit for bit through its installed single- and few-token
+    /// kernels, on awkward rows and activations.
+    #[test]
+    fn kernel_sets_equal_the_scalar_reference_bit_for_bit() {
+        use crate::kernels::q8act::MULTI;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(34);
+        for k in crate::kernels::tests::simd_sets() {
+            for &blocks in &BLOCKS {
+                for spread in [0.01f32, 1.0, 300.0] {
+                    let n = blocks * QK;
+                    let (odd_row, odd_act) = awkward(&mut rng, blocks);
+                    let rows = [quantize_q4_0(&data(&mut rng, n, spread)).unwrap(), odd_row];
+                    let mut acts: Vec<Q8Activation> = (0..5)
+                        .map(|_| Q8Activation::quantize(&data(&mut rng, n, spread)))
+                        .collect();
+                    acts.push(odd_act);
+                    for w in &rows {
+                        let want: Vec<f32> = acts.iter().map(|a| dot_q4_0_q8(w, a)).collect();
+                        for (a, want) in acts.iter().zip(&want) {
+                            let got = (k.dot_q4_0_q8)(w, a);
+                            assert_eq!(got.to_bits(), want.to_bits(), "{} {blocks} blocks", k.name);
+                        }
+                        let Some(multi) = k.dot_q4_0_q8_multi else {
+                            continue;
+                        };
+                        for m in 1..=MULTI {
+                            let refs: Vec<&Q8Activation> = acts[acts.len() - m..].iter().collect();
+                            let mut out = vec![f32::NAN; m];
+                            multi(w, &refs, &mut out);
+                            for (t, o) in out.iter().enumerate() {
+                                assert_eq!(
+                                    o.to_bits(),
+                                    want[acts.len() - m + t].to_bits(),
+                                    "{} multi, {blocks} blocks, {m} tokens",
+                                    k.name
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -453,6 +453,57 @@ pub(crate) mod tests {
         }
     }
 
+    /// Every kernel set this CPU runs (NEON on aarch64) equals the scalar
+    /// reference bit for bit through its installed single- and few-token
+    /// Q8_0 kernels, with zero and negative scales and every byte value.
+    #[test]
+    fn kernel_sets_equal_the_scalar_reference_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+        for k in crate::kernels::tests::simd_sets() {
+            for &blocks in &[1usize, 2, 3, 7, 8, 9, 16, 17, 65] {
+                let n = blocks * QK;
+                for spread in [0.01f32, 1.0, 300.0] {
+                    let mut w = quantize_q8_0(&data(&mut rng, n, spread)).unwrap();
+                    for (b, blk) in w.chunks_exact_mut(Q8_0_BLOCK_BYTES).enumerate() {
+                        match b % 4 {
+                            1 => blk[..2].fill(0),
+                            2 => blk[1] |= 0x80,
+                            3 => {
+                                for (j, q) in blk[2..].iter_mut().enumerate() {
+                                    *q = (b * QK + j) as u8;
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                    let mut xs: Vec<Vec<f32>> =
+                        (0..MULTI).map(|_| data(&mut rng, n, spread)).collect();
+                    xs[1][..QK].fill(0.0);
+                    let acts: Vec<Q8Activation> =
+                        xs.iter().map(|x| Q8Activation::quantize(x)).collect();
+                    let want: Vec<f32> = acts.iter().map(|a| dot_q8_0_q8(&w, a)).collect();
+                    for (a, want) in acts.iter().zip(&want) {
+                        let got = (k.dot_q8_0_q8)(&w, a);
+                        assert_eq!(got.to_bits(), want.to_bits(), "{} {blocks} blocks", k.name);
+                    }
+                    let refs: Vec<&Q8Activation> = acts.iter().collect();
+                    for m in 1..=MULTI {
+                        let mut out = vec![f32::NAN; m];
+                        (k.dot_q8_0_q8_multi)(&w, &refs[..m], &mut out);
+                        for (t, o) in out.iter().enumerate() {
+                            assert_eq!(
+                                o.to_bits(),
+                                want[t].to_bits(),
+                                "{} multi, {blocks} blocks, {m} tokens",
+                                k.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_quantizer_equals_the_scalar_one() {

@@ -1,0 +1,649 @@
+//! NEON kernels for aarch64, chosen at run time (`super::select_simd`).
+//!
+//! NEON (Advanced SIMD) is part of every aarch64 target Rust builds for
+//! (checked at compile time below); the integer kernels have a second
+//! build with SDOT (the `dotprod` extension, ARMv8.2), installed only where
+//! `is_aarch64_feature_detected!("dotprod")` finds it. Both builds run the
+//! same arithmetic, so they give the same bits.
+//!
+//! Contracts, as the x86 kernels' (`super::x86`, `super::q8act`,
+//! `super::q4_0`):
+//! - `dot_f32`, `dot_bf16`, `dot_f16`: the AVX2 kernels' summation shape
+//!   (16 elements a step into two 8-lane accumulators, each two NEON
+//!   registers, fused multiply-adds, the same horizontal sum), within
+//!   rounding of the scalar reference.
+//! - `dot_q8_0`, `dot_q4_0` (f32 activations): bit for bit what [`dot_f32`]
+//!   gives on the dequantized row.
+//! - `dot_f32_rows` is [`dot_f32`] per row; `weighted_rows` is the scalar
+//!   reference bit for bit (separate multiply and add, row order).
+//! - `dot_q8_0_q8`, `dot_q4_0_q8` and their multi-token forms: the scalar
+//!   references' arithmetic exactly (exact integer lane sums, one fused
+//!   multiply-add per block into the reference's lane, its reduction), so
+//!   they equal [`super::q8act::dot_q8_0_q8`] and
+//!   [`super::q4_0::dot_q4_0_q8`] bit for bit.
+//!
+//! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
+//! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
+//! intrinsics are unstable; SDOT goes through `asm!` for the same reason
+//! (`vdotq_s32` is unstable).
+
+#![cfg(target_arch = "aarch64")]
+
+use std::arch::aarch64::*;
+use std::arch::asm;
+
+use super::q8act::{MULTI, Q8Activation};
+use crate::format::{bf16_to_f32, f16_to_f32};
+use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
+
+// Every `unsafe` call of a NEON intrinsic below relies on this.
+const _: () = assert!(
+    cfg!(target_feature = "neon"),
+    "aarch64 targets without NEON are not supported"
+);
+
+/// Four f16 values (bits) widened to f32, exactly (FCVTL).
+#[inline(always)]
+fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
+    let r: float32x4_t;
+    // SAFETY: FCVTL (half to single) is a base AdvSIMD instruction; it only
+    // reads and writes registers.
+    unsafe {
+        asm!("fcvtl {0:v}.4s, {1:v}.4h", out(vreg) r, in(vreg) h, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// One f16 value (bits) widened to f32, exactly (FCVT).
+#[inline(always)]
+fn f16_to_f32_hw(h: u16) -> f32 {
+    let r: f32;
+    // SAFETY: FCVT (half to single) is a base FP instruction; registers only.
+    unsafe {
+        asm!("fcvt {0:s}, {1:h}", out(vreg) r, in(vreg) h, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `acc` lane k plus `Σ a_j · b_j` over bytes `j ∈ 4k..4k+4` (SDOT).
+///
+/// # Safety
+/// Requires the `dotprod` extension.
+#[target_feature(enable = "dotprod")]
+#[inline]
+unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: SDOT is available (caller); registers only.
+    unsafe {
+        asm!(
+            "sdot {0:v}.4s, {1:v}.16b, {2:v}.16b",
+            inout(vreg) acc,
+            in(vreg) a,
+            in(vreg) b,
+            options(pure, nomem, nostack)
+        );
+    }
+    acc
+}
+
+/// What [`sdot`] computes, with widening multiplies and pairwise adds
+/// (base NEON): exact, as every product fits in i16 and every sum in i32.
+///
+/// # Safety
+/// With `SDOT`, requires the `dotprod` extension.
+#[inline(always)]
+unsafe fn dot4<const SDOT: bool>(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // SAFETY: NEON is baseline (asserted above); SDOT only when the caller
+    // has it.
+    unsafe {
+        if SDOT {
+            sdot(acc, a, b)
+        } else {
+            let lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+            let hi = vpaddlq_s16(vmull_high_s8(a, b));
+            vaddq_s32(acc, vpaddq_s32(lo, hi))
+        }
+    }
+}
+
+/// The 8 lanes `lo` (0..4) and `hi` (4..8) reduced as the AVX2 kernels
+/// reduce a register (and as `q8act`'s `hsum8`):
+/// `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`.
+#[inline(always)]
+fn hsum8(lo: float32x4_t, hi: float32x4_t) -> f32 {
+    // SAFETY: register arithmetic; NEON is baseline.
+    unsafe {
+        let s = vaddq_f32(lo, hi);
+        let u = vaddq_f32(s, vextq_f32::<2>(s, s));
+        vgetq_lane_f32::<0>(u) + vgetq_lane_f32::<1>(u)
+    }
+}
+
+/// The f32 dot products' shape: element vectors `4j..4j+4` of each
+/// 16-element step go to accumulator `j` (the AVX2 kernels' two 8-lane
+/// accumulators are `acc[0..2]` and `acc[2..4]`), an 8-element step to
+/// `acc[0..2]`, the rest one by one after the horizontal sum.
+///
+/// # Safety
+/// `w4(i)` must be sound for `i + 4 <= n`, `w1(i)` for `i < n`, and `x`
+/// readable for `n` floats.
+#[inline(always)]
+unsafe fn dot_shape(
+    n: usize,
+    x: *const f32,
+    w4: impl Fn(usize) -> float32x4_t,
+    w1: impl Fn(usize) -> f32,
+) -> f32 {
+    // SAFETY: loads of x stay below n (caller); register arithmetic.
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        let mut i = 0;
+        while i + 16 <= n {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = vfmaq_f32(*a, w4(i + 4 * j), vld1q_f32(x.add(i + 4 * j)));
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc[0] = vfmaq_f32(acc[0], w4(i), vld1q_f32(x.add(i)));
+            acc[1] = vfmaq_f32(acc[1], w4(i + 4), vld1q_f32(x.add(i + 4)));
+            i += 8;
+        }
+        let mut s = hsum8(vaddq_f32(acc[0], acc[2]), vaddq_f32(acc[1], acc[3]));
+        while i < n {
+            s += w1(i) * *x.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+/// Any lengths: the common prefix is used (`w.len() == x.len()` in use).
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let wp = w.as_ptr();
+    // SAFETY: dot_shape reads w and x below n.
+    unsafe { dot_shape(n, x.as_ptr(), |i| vld1q_f32(wp.add(i)), |i| *wp.add(i)) }
+}
+
+/// `out[t] = dot_f32(q, k_t)` for rows `k_t = k[t·stride..t·stride +
+/// q.len()]` (panics if a row is out of bounds).
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32]) {
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(q, &k[t * stride..t * stride + q.len()]);
+    }
+}
+
+/// A bf16 row · `x` (bf16 widens exactly by a shift).
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let wp = w.as_ptr();
+    // SAFETY: dot_shape reads w and x below n; bf16 widens by a shift.
+    unsafe {
+        dot_shape(
+            n,
+            x.as_ptr(),
+            |i| vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(wp.add(i)))),
+            |i| bf16_to_f32(*wp.add(i)),
+        )
+    }
+}
+
+/// An f16 row · `x`.
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let wp = w.as_ptr();
+    // SAFETY: dot_shape reads w and x below n.
+    unsafe {
+        dot_shape(
+            n,
+            x.as_ptr(),
+            |i| f16x4_to_f32(vld1_u16(wp.add(i))),
+            |i| f16_to_f32(*wp.add(i)),
+        )
+    }
+}
+
+/// A block's 32 dequantized weights (`d · q`, exact) into [`dot_shape`]'s
+/// accumulators as its two 16-element steps, so a row of blocks gives
+/// what [`dot_f32`] gives on the dequantized row.
+///
+/// # Safety
+/// `x` readable for 32 floats.
+#[inline(always)]
+unsafe fn block_into(acc: &mut [float32x4_t; 4], q: [int32x4_t; 8], d: f32, x: *const f32) {
+    // SAFETY: 8 loads of 4 floats within the block (caller).
+    unsafe {
+        let d = vdupq_n_f32(d);
+        for (j, qj) in q.into_iter().enumerate() {
+            let w = vmulq_f32(vcvtq_f32_s32(qj), d);
+            acc[j % 4] = vfmaq_f32(acc[j % 4], w, vld1q_f32(x.add(4 * j)));
+        }
+    }
+}
+
+/// 16 signed bytes widened to 4 vectors of i32.
+#[inline(always)]
+fn widen(v: int8x16_t) -> [int32x4_t; 4] {
+    // SAFETY: register arithmetic; NEON is baseline.
+    unsafe {
+        let (lo, hi) = (vmovl_s8(vget_low_s8(v)), vmovl_high_s8(v));
+        [
+            vmovl_s16(vget_low_s16(lo)),
+            vmovl_high_s16(lo),
+            vmovl_s16(vget_low_s16(hi)),
+            vmovl_high_s16(hi),
+        ]
+    }
+}
+
+/// Row of `blocks` blocks of `bytes` bytes each, `x` of `blocks · 32`
+/// floats: `quants(block)` gives a block's 32 weights as two 16-byte
+/// halves.
+///
+/// # Safety
+/// `quants(b)` sound for `b < blocks`; `x` readable for `blocks · 32`.
+#[inline(always)]
+unsafe fn dot_blocks(
+    w: &[u8],
+    bytes: usize,
+    x: *const f32,
+    blocks: usize,
+    quants: impl Fn(*const u8) -> (int8x16_t, int8x16_t),
+) -> f32 {
+    // SAFETY: block b's 32 floats are within x (caller); register
+    // arithmetic.
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        for (b, blk) in w.chunks_exact(bytes).take(blocks).enumerate() {
+            let d = f16_to_f32_hw(u16::from_le_bytes([blk[0], blk[1]]));
+            let (lo, hi) = quants(blk.as_ptr());
+            let [q0, q1, q2, q3] = widen(lo);
+            let [q4, q5, q6, q7] = widen(hi);
+            block_into(&mut acc, [q0, q1, q2, q3, q4, q5, q6, q7], d, x.add(b * QK));
+        }
+        hsum8(vaddq_f32(acc[0], acc[2]), vaddq_f32(acc[1], acc[3]))
+    }
+}
+
+/// A Q8_0 row (`x.len() / 32` blocks of 34 bytes) with f32 `x`; see the
+/// module docs for the contract.
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+    let blocks = (x.len() / QK).min(w.len() / Q8_0_BLOCK_BYTES);
+    // SAFETY: each block reads its own 32 quant bytes; x holds blocks · 32.
+    unsafe {
+        dot_blocks(w, Q8_0_BLOCK_BYTES, x.as_ptr(), blocks, |blk| {
+            let q = blk.add(2) as *const i8;
+            (vld1q_s8(q), vld1q_s8(q.add(16)))
+        })
+    }
+}
+
+/// The 32 codes `0..=15` of a Q4_0 block in activation order, as two
+/// 16-byte halves (low nibbles, then high ones).
+///
+/// # Safety
+/// `blk` readable for 18 bytes.
+#[inline(always)]
+unsafe fn q4_codes(blk: *const u8) -> (int8x16_t, int8x16_t) {
+    // SAFETY: 16 bytes after the scale (caller); register arithmetic.
+    unsafe {
+        let raw = vld1q_u8(blk.add(2));
+        let lo = vandq_u8(raw, vdupq_n_u8(0x0f));
+        let hi = vshrq_n_u8::<4>(raw);
+        (vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi))
+    }
+}
+
+/// A Q4_0 row with f32 `x`; same contract as [`dot_q8_0`].
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
+    let blocks = (x.len() / QK).min(w.len() / Q4_0_BLOCK_BYTES);
+    // SAFETY: each block reads its own 16 code bytes; x holds blocks · 32.
+    unsafe {
+        dot_blocks(w, Q4_0_BLOCK_BYTES, x.as_ptr(), blocks, |blk| {
+            let eight = vdupq_n_s8(8);
+            let (lo, hi) = q4_codes(blk);
+            (vsubq_s8(lo, eight), vsubq_s8(hi, eight))
+        })
+    }
+}
+
+/// [`super::scalar::weighted_rows`] with 4 lanes: 64 outputs at a time
+/// held in registers over every row, the same multiply then add per
+/// element (never fused), so the results are the reference's bits.
+/// Panics if a row is out of bounds.
+///
+/// # Safety
+/// A target-feature function: callable where NEON is present, which every
+/// aarch64 target guarantees. Lengths are checked inside.
+#[target_feature(enable = "neon")]
+pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+    let n = o.len();
+    if let Some(last) = s.len().checked_sub(1) {
+        assert!(v.len() >= last * stride + n, "value rows in bounds");
+    }
+    let (vp, op) = (v.as_ptr(), o.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: row t's elements i..i+64 (or i..i+4) are below t·stride + n
+    // <= v.len() (checked above), and i + 64 <= n (or i + 4 <= n) for o.
+    unsafe {
+        while i + 64 <= n {
+            let mut acc = [vdupq_n_f32(0.0); 16];
+            for (t, &st) in s.iter().enumerate() {
+                let row = vp.add(t * stride + i);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = vaddq_f32(*a, vmulq_n_f32(vld1q_f32(row.add(4 * k)), st));
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                vst1q_f32(op.add(i + 4 * k), *a);
+            }
+            i += 64;
+        }
+        while i + 4 <= n {
+            let mut a = vdupq_n_f32(0.0);
+            for (t, &st) in s.iter().enumerate() {
+                a = vaddq_f32(a, vmulq_n_f32(vld1q_f32(vp.add(t * stride + i)), st));
+            }
+            vst1q_f32(op.add(i), a);
+            i += 4;
+        }
+    }
+    if i < n {
+        super::scalar::weighted_rows(&mut o[i..], s, &v[i..], stride);
+    }
+}
+
+/// Checks what the integer kernels read: `blocks` blocks of every
+/// activation.
+fn check_acts(xs: &[&Q8Activation], blocks: usize) {
+    for x in xs {
+        assert!(
+            x.quants.len() >= blocks * QK && x.scales.len() >= blocks && x.bsums8.len() >= blocks,
+            "activation of the row's length"
+        );
+    }
+}
+
+/// Block `b` of a Q8_0 row into each token's accumulators (`qp`, `sp`:
+/// the tokens' quants and scales).
+///
+/// # Safety
+/// As [`q8_0_multi`], for block `b`.
+#[inline(always)]
+unsafe fn q8_0_block<const SDOT: bool, const N: usize>(
+    wp: *const u8,
+    b: usize,
+    qp: &[*const i8; N],
+    sp: &[*const f32; N],
+    acc: &mut [[float32x4_t; 2]; N],
+) {
+    // SAFETY: block b of the row and of every activation is in bounds
+    // (caller); SDOT only when the caller has it.
+    unsafe {
+        let blk = wp.add(b * Q8_0_BLOCK_BYTES);
+        let dw = f16_to_f32_hw(u16::from_le((blk as *const u16).read_unaligned()));
+        let w0 = vld1q_s8(blk.add(2) as *const i8);
+        let w1 = vld1q_s8(blk.add(18) as *const i8);
+        let z = vdupq_n_s32(0);
+        for t in 0..N {
+            let d = vdupq_n_f32(dw * *sp[t].add(b));
+            let q = qp[t].add(b * QK);
+            let lo = dot4::<SDOT>(z, w0, vld1q_s8(q));
+            let hi = dot4::<SDOT>(z, w1, vld1q_s8(q.add(16)));
+            acc[t][0] = vfmaq_f32(acc[t][0], d, vcvtq_f32_s32(lo));
+            acc[t][1] = vfmaq_f32(acc[t][1], d, vcvtq_f32_s32(hi));
+        }
+    }
+}
+
+/// `N` activations against one Q8_0 row: the row's blocks are loaded once;
+/// each token runs `q8act::dot_q8_0_q8`'s arithmetic (exact lane sums of 4
+/// products, one fused multiply-add per block into the even or odd
+/// accumulator, `hsum8` of their sum).
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; activations checked by [`check_acts`]
+/// for `w.len() / 34` blocks; `out.len() >= N`, `xs.len() >= N`.
+#[inline(always)]
+unsafe fn q8_0_multi<const SDOT: bool, const N: usize>(
+    w: &[u8],
+    xs: &[&Q8Activation],
+    out: &mut [f32],
+) {
+    let blocks = w.len() / Q8_0_BLOCK_BYTES;
+    let wp = w.as_ptr();
+    let qp: [*const i8; N] = std::array::from_fn(|t| xs[t].quants.as_ptr());
+    let sp: [*const f32; N] = std::array::from_fn(|t| xs[t].scales.as_ptr());
+    // SAFETY: block b reads w[34b..34b + 34] and each activation's
+    // quants[32b..32b + 32] and scales[b], in bounds for b < blocks
+    // (caller); SDOT only when the caller has it.
+    unsafe {
+        let zero = [[vdupq_n_f32(0.0); 2]; N];
+        let (mut even, mut odd) = (zero, zero);
+        let mut b = 0;
+        while b + 2 <= blocks {
+            q8_0_block::<SDOT, N>(wp, b, &qp, &sp, &mut even);
+            q8_0_block::<SDOT, N>(wp, b + 1, &qp, &sp, &mut odd);
+            b += 2;
+        }
+        if b < blocks {
+            q8_0_block::<SDOT, N>(wp, b, &qp, &sp, &mut even);
+        }
+        for t in 0..N {
+            out[t] = hsum8(
+                vaddq_f32(even[t][0], odd[t][0]),
+                vaddq_f32(even[t][1], odd[t][1]),
+            );
+        }
+    }
+}
+
+/// Blocks `c..c + n` (`n <= 4`; 4 in the main loop, a constant once
+/// inlined) of a Q4_0 row into each token's accumulator lanes.
+///
+/// # Safety
+/// As [`q4_0_multi`], for these blocks.
+#[inline(always)]
+unsafe fn q4_0_group<const SDOT: bool, const N: usize>(
+    wp: *const u8,
+    xs: &[&Q8Activation],
+    c: usize,
+    n: usize,
+    acc: &mut [float32x4_t; N],
+) {
+    // SAFETY: blocks c..c + n of the row and of every activation are in
+    // bounds (caller); SDOT only when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let mut codes = [(vdupq_n_s8(0), vdupq_n_s8(0)); 4];
+        let mut bits = [0u16; 4];
+        for i in 0..n {
+            let blk = wp.add((c + i) * Q4_0_BLOCK_BYTES);
+            codes[i] = q4_codes(blk);
+            bits[i] = u16::from_le((blk as *const u16).read_unaligned());
+        }
+        let dw = f16x4_to_f32(vld1_u16(bits.as_ptr()));
+        // Lanes 0..n: the blocks present.
+        let live = vcltq_u32(vld1q_u32([0u32, 1, 2, 3].as_ptr()), vdupq_n_u32(n as u32));
+        for t in 0..N {
+            let x = xs[t];
+            let q = x.quants.as_ptr().add(c * QK);
+            let mut v = [zero; 4];
+            for i in 0..n {
+                let (lo, hi) = codes[i];
+                let p = dot4::<SDOT>(zero, lo, vld1q_s8(q.add(i * QK)));
+                v[i] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(i * QK + 16)));
+            }
+            let (zp, sp) = (x.bsums8.as_ptr().add(c), x.scales.as_ptr().add(c));
+            let (zs, xsc) = if n == 4 {
+                (vld1q_s32(zp), vld1q_f32(sp))
+            } else {
+                let (mut zs, mut xsc) = ([0i32; 4], [0.0f32; 4]);
+                for i in 0..n {
+                    (zs[i], xsc[i]) = (*zp.add(i), *sp.add(i));
+                }
+                (vld1q_s32(zs.as_ptr()), vld1q_f32(xsc.as_ptr()))
+            };
+            // Lane i: block c + i's sum of its 4 lanes.
+            let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+            let sums = vcvtq_f32_s32(vsubq_s32(sums, zs));
+            let d = vmulq_f32(dw, xsc);
+            acc[t] = vbslq_f32(live, vfmaq_f32(acc[t], d, sums), acc[t]);
+        }
+    }
+}
+
+/// `N` activations against one Q4_0 row, 4 blocks at a time: the blocks'
+/// codes and scales are unpacked once; each token's 4 exact block sums
+/// (`Σ code · q − 8 Σ q`) and scales `f16(w.d) · x.d` go through one fused
+/// multiply-add into lanes 0..4 (block `b` into lane `b % 4`, lanes past
+/// the last block untouched), reduced as `q4_0::tree4` — the reference's
+/// arithmetic.
+///
+/// # Safety
+/// As [`q8_0_multi`], with blocks of 18 bytes.
+#[inline(always)]
+unsafe fn q4_0_multi<const SDOT: bool, const N: usize>(
+    w: &[u8],
+    xs: &[&Q8Activation],
+    out: &mut [f32],
+) {
+    let blocks = w.len() / Q4_0_BLOCK_BYTES;
+    let wp = w.as_ptr();
+    // SAFETY: blocks c..c + n < blocks are read from w and from every
+    // activation's quants, scales and bsums8 (caller); SDOT only when the
+    // caller has it.
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); N];
+        let mut c = 0;
+        while c + 4 <= blocks {
+            q4_0_group::<SDOT, N>(wp, xs, c, 4, &mut acc);
+            c += 4;
+        }
+        if c < blocks {
+            q4_0_group::<SDOT, N>(wp, xs, c, blocks - c, &mut acc);
+        }
+        for t in 0..N {
+            let a = acc[t];
+            let u = vaddq_f32(a, vextq_f32::<2>(a, a));
+            out[t] = vgetq_lane_f32::<0>(u) + vgetq_lane_f32::<1>(u);
+        }
+    }
+}
+
+/// Runs `kernel::<N>` for `N = xs.len()` (at most [`MULTI`]).
+macro_rules! by_count {
+    ($kernel:ident, $sdot:expr, $w:expr, $xs:expr, $out:expr) => {{
+        let (w, xs, out) = ($w, $xs, $out);
+        let n = xs.len().min(out.len());
+        assert!(n <= MULTI, "at most MULTI tokens");
+        match n {
+            1 => $kernel::<{ $sdot }, 1>(w, xs, out),
+            2 => $kernel::<{ $sdot }, 2>(w, xs, out),
+            3 => $kernel::<{ $sdot }, 3>(w, xs, out),
+            4 => $kernel::<{ $sdot }, 4>(w, xs, out),
+            _ => {}
+        }
+    }};
+}
+
+/// The integer kernels for one instruction set: `$sdot` selects SDOT and
+/// `$feature` the target features it needs.
+macro_rules! integer_kernels {
+    ($module:ident, $sdot:expr, $feature:literal) => {
+        pub mod $module {
+            use super::*;
+
+            /// A Q8_0 row (blocks of 34 bytes) · activation; equals
+            /// `q8act::dot_q8_0_q8` bit for bit.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q8_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+                let mut out = [0.0f32];
+                dot_q8_0_q8_multi(w, &[x], &mut out);
+                out[0]
+            }
+
+            /// Up to [`MULTI`] activations against one Q8_0 row, `out[t]`
+            /// equal to `dot_q8_0_q8(w, xs[t])` bit for bit.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+                check_acts(xs, w.len() / Q8_0_BLOCK_BYTES);
+                // SAFETY: activations checked; this function has the
+                // features the kernel's build needs.
+                unsafe { by_count!(q8_0_multi, $sdot, w, xs, out) }
+            }
+
+            /// A Q4_0 row (blocks of 18 bytes) · activation; equals
+            /// `q4_0::dot_q4_0_q8` bit for bit.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q4_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
+                let mut out = [0.0f32];
+                dot_q4_0_q8_multi(w, &[x], &mut out);
+                out[0]
+            }
+
+            /// Up to [`MULTI`] activations against one Q4_0 row, `out[t]`
+            /// equal to `dot_q4_0_q8(w, xs[t])` bit for bit.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q4_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+                check_acts(xs, w.len() / Q4_0_BLOCK_BYTES);
+                // SAFETY: as in dot_q8_0_q8_multi.
+                unsafe { by_count!(q4_0_multi, $sdot, w, xs, out) }
+            }
+        }
+    };
+}
+
+integer_kernels!(base, false, "neon");
+integer_kernels!(dotprod, true, "neon,dotprod");
