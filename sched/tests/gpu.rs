@@ -738,14 +738,7 @@ fn two_devices_are_bit_identical_to_one() {
             (Some(0), None, 7),
             (Some(dense / 3), Some(0), 512),
         ] {
-            let e = engine_on(
-                &model,
-                DeviceChoice::Cuda,
-                devices.clone(),
-                vram,
-                ram,
-                rows,
-            );
+            let e = engine_on(&model, DeviceChoice::Cuda, devices.clone(), vram, ram, rows);
             let g = e.gpu.as_ref().unwrap();
             // Two consecutive layer ranges covering the model, the head on
             // the second.
@@ -761,7 +754,17 @@ fn two_devices_are_bit_identical_to_one() {
             assert!(shares[0].end > 0 && shares[0].end < layers);
             assert!(!shares[0].head && shares[1].head);
             let got = run(&e);
+            // Each device holds the KV cache of its own layers while a
+            // sequence lives.
+            let mut live = KvCache::new(&e.model.spec, 256);
+            e.forward(&mut [SeqInput {
+                cache: &mut live,
+                tokens: &prompt,
+                logits: Logits::Last,
+            }])
+            .unwrap();
             let per = g.stage_stats();
+            drop(live);
             assert!(
                 got.0 == want.0,
                 "{name}: logits on two devices differ from one (vram {vram:?}, ram {ram:?}, \
