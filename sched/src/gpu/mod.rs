@@ -573,8 +573,10 @@ pub(crate) fn vram_request(
     let classes = experts::Classes::of(layer_shapes, dims.experts);
     // Every layer's KV row has the same width: a share holds its layers'.
     let kv_per_position = match &share {
-        Some(sh) => kv_bytes_per_position(&model.spec) / sh.layers.max(1) as u64
-            * (sh.end - sh.start) as u64,
+        Some(sh) => {
+            kv_bytes_per_position(&model.spec) / sh.layers.max(1) as u64
+                * (sh.end - sh.start) as u64
+        }
         None => kv_bytes_per_position(&model.spec),
     };
     let positions = kv_positions(model, ctx);
@@ -857,7 +859,11 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
                 "layers {}..{}{}: ",
                 layers.start,
                 layers.end,
-                if index + 1 == count { " and the head" } else { "" }
+                if index + 1 == count {
+                    " and the head"
+                } else {
+                    ""
+                }
             )
         } else {
             String::new()

@@ -246,11 +246,7 @@ impl VramPlan {
         // room for the stream buffers the rest would need.
         let place = |budget: u64| -> (Vec<bool>, u64, u64) {
             let mut order: Vec<usize> = (0..dense_blocks.len()).collect();
-            order.sort_by(|&a, &b| {
-                dense_blocks[b]
-                    .cmp(&dense_blocks[a])
-                    .then(a.cmp(&b))
-            });
+            order.sort_by(|&a, &b| dense_blocks[b].cmp(&dense_blocks[a]).then(a.cmp(&b)));
             let mut resident = vec![false; dense_blocks.len()];
             let mut used = 0u64;
             for i in order {
