@@ -871,6 +871,10 @@ mod tests {
             "neon"
         };
         assert_eq!(select_simd().name, want);
+        // tools/neon_check.sh names the set each emulated CPU must get.
+        if let Some(expect) = std::env::var_os("COLIBRI_EXPECT_KERNELS") {
+            assert_eq!(select_simd().name, expect, "COLIBRI_EXPECT_KERNELS");
+        }
     }
 
     /// Attention's kernels: scores over many rows equal one `dot_f32` per
@@ -908,6 +912,87 @@ mod tests {
                     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "{} len {len} rows {rows}", k.name);
                 }
+            }
+        }
+    }
+
+    /// The AVX2 kernels' float dot arithmetic in scalar code: two 8-lane
+    /// accumulators fed 16 elements a step with fused multiply-adds (with
+    /// `wide`; AVX2's f16 dot takes only 8-element steps), then 8 at a time
+    /// into the first, their lane sums reduced as `_mm256` halves, then an
+    /// unfused tail.
+    fn avx2_shape_dot(w: &[f32], x: &[f32], wide: bool) -> f32 {
+        let n = w.len();
+        let mut acc = [[0.0f32; 8]; 2];
+        let mut i = 0;
+        while wide && i + 16 <= n {
+            for (h, a) in acc.iter_mut().enumerate() {
+                for (l, v) in a.iter_mut().enumerate() {
+                    let j = i + 8 * h + l;
+                    *v = w[j].mul_add(x[j], *v);
+                }
+            }
+            i += 16;
+        }
+        while i + 8 <= n {
+            for (l, v) in acc[0].iter_mut().enumerate() {
+                *v = w[i + l].mul_add(x[i + l], *v);
+            }
+            i += 8;
+        }
+        let v: [f32; 8] = if wide {
+            std::array::from_fn(|l| acc[0][l] + acc[1][l])
+        } else {
+            acc[0]
+        };
+        let s: [f32; 4] = std::array::from_fn(|l| v[l] + v[l + 4]);
+        let mut r = (s[0] + s[2]) + (s[1] + s[3]);
+        for j in i..n {
+            r += w[j] * x[j];
+        }
+        r
+    }
+
+    /// Every SIMD set's f32, bf16 and f16 dots run the AVX2 arithmetic
+    /// ([`avx2_shape_dot`]), so AVX2, AVX-512 and NEON give the same bits
+    /// (Q8_0/Q4_0 rows with f32 inputs follow, as they equal `dot_f32` on
+    /// the dequantized rows).
+    #[test]
+    fn float_dots_run_the_avx2_arithmetic_on_every_isa() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for k in simd_sets() {
+            for n in [1usize, 3, 4, 8, 15, 16, 17, 24, 31, 33, 100, 257] {
+                let x = rand_vec(&mut rng, n);
+                let w = rand_vec(&mut rng, n);
+                let name = k.name;
+                let want = avx2_shape_dot(&w, &x, true);
+                assert_eq!(
+                    (k.dot_f32)(&w, &x).to_bits(),
+                    want.to_bits(),
+                    "{name} f32 n={n}"
+                );
+                let wb: Vec<u16> = w
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                let wf: Vec<f32> = wb.iter().map(|&b| bf16_to_f32(b)).collect();
+                let want = avx2_shape_dot(&wf, &x, true);
+                assert_eq!(
+                    (k.dot_bf16)(&wb, &x).to_bits(),
+                    want.to_bits(),
+                    "{name} bf16 n={n}"
+                );
+                let wh: Vec<u16> = w
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_bits())
+                    .collect();
+                let wf: Vec<f32> = wh.iter().map(|&b| f16_to_f32(b)).collect();
+                let want = avx2_shape_dot(&wf, &x, false);
+                assert_eq!(
+                    (k.dot_f16)(&wh, &x).to_bits(),
+                    want.to_bits(),
+                    "{name} f16 n={n}"
+                );
             }
         }
     }

@@ -8,12 +8,13 @@
 //!
 //! Contracts, as the x86 kernels' (`super::x86`, `super::q8act`,
 //! `super::q4_0`):
-//! - `dot_f32`, `dot_bf16`, `dot_f16`: the AVX2 kernels' summation shape
-//!   (16 elements a step into two 8-lane accumulators, each two NEON
-//!   registers, fused multiply-adds, the same horizontal sum), within
-//!   rounding of the scalar reference.
+//! - `dot_f32`, `dot_bf16`, `dot_f16`: within rounding of the scalar
+//!   reference, with the AVX2 kernels' arithmetic (their 8-lane
+//!   accumulators as pairs of NEON registers, the same fused
+//!   multiply-adds, horizontal sum and tail), so they give AVX2's bits
+//!   (the tests check both against one emulation of that arithmetic).
 //! - `dot_q8_0`, `dot_q4_0` (f32 activations): bit for bit what [`dot_f32`]
-//!   gives on the dequantized row.
+//!   gives on the dequantized row (as on AVX2).
 //! - `dot_f32_rows` is [`dot_f32`] per row; `weighted_rows` is the scalar
 //!   reference bit for bit (separate multiply and add, row order).
 //! - `dot_q8_0_q8`, `dot_q4_0_q8` and their multi-token forms: the scalar
@@ -119,16 +120,18 @@ fn hsum8(lo: float32x4_t, hi: float32x4_t) -> f32 {
     }
 }
 
-/// The f32 dot products' shape: element vectors `4j..4j+4` of each
-/// 16-element step go to accumulator `j` (the AVX2 kernels' two 8-lane
-/// accumulators are `acc[0..2]` and `acc[2..4]`), an 8-element step to
-/// `acc[0..2]`, the rest one by one after the horizontal sum.
+/// The f32 dot products' shape, the AVX2 kernels' (`super::x86`): with
+/// `WIDE`, element vectors `4j..4j+4` of each 16-element step go to
+/// accumulator `j` (AVX2's two 8-lane accumulators are `acc[0..2]` and
+/// `acc[2..4]`); then 8-element steps to `acc[0..2]`; the rest one by one
+/// after the horizontal sum. AVX2's `dot_f16` takes 8-element steps only
+/// (`WIDE` false).
 ///
 /// # Safety
 /// `w4(i)` must be sound for `i + 4 <= n`, `w1(i)` for `i < n`, and `x`
 /// readable for `n` floats.
 #[inline(always)]
-unsafe fn dot_shape(
+unsafe fn dot_shape<const WIDE: bool>(
     n: usize,
     x: *const f32,
     w4: impl Fn(usize) -> float32x4_t,
@@ -138,18 +141,22 @@ unsafe fn dot_shape(
     unsafe {
         let mut acc = [vdupq_n_f32(0.0); 4];
         let mut i = 0;
-        while i + 16 <= n {
+        while WIDE && i + 16 <= n {
             for (j, a) in acc.iter_mut().enumerate() {
                 *a = vfmaq_f32(*a, w4(i + 4 * j), vld1q_f32(x.add(i + 4 * j)));
             }
             i += 16;
         }
-        if i + 8 <= n {
+        while i + 8 <= n {
             acc[0] = vfmaq_f32(acc[0], w4(i), vld1q_f32(x.add(i)));
             acc[1] = vfmaq_f32(acc[1], w4(i + 4), vld1q_f32(x.add(i + 4)));
             i += 8;
         }
-        let mut s = hsum8(vaddq_f32(acc[0], acc[2]), vaddq_f32(acc[1], acc[3]));
+        let mut s = if WIDE {
+            hsum8(vaddq_f32(acc[0], acc[2]), vaddq_f32(acc[1], acc[3]))
+        } else {
+            hsum8(acc[0], acc[1])
+        };
         while i < n {
             s += w1(i) * *x.add(i);
             i += 1;
@@ -168,7 +175,7 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     let n = x.len().min(w.len());
     let wp = w.as_ptr();
     // SAFETY: dot_shape reads w and x below n.
-    unsafe { dot_shape(n, x.as_ptr(), |i| vld1q_f32(wp.add(i)), |i| *wp.add(i)) }
+    unsafe { dot_shape::<true>(n, x.as_ptr(), |i| vld1q_f32(wp.add(i)), |i| *wp.add(i)) }
 }
 
 /// `out[t] = dot_f32(q, k_t)` for rows `k_t = k[t·stride..t·stride +
@@ -195,7 +202,7 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     let wp = w.as_ptr();
     // SAFETY: dot_shape reads w and x below n; bf16 widens by a shift.
     unsafe {
-        dot_shape(
+        dot_shape::<true>(
             n,
             x.as_ptr(),
             |i| vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(wp.add(i)))),
@@ -215,7 +222,7 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
     let wp = w.as_ptr();
     // SAFETY: dot_shape reads w and x below n.
     unsafe {
-        dot_shape(
+        dot_shape::<false>(
             n,
             x.as_ptr(),
             |i| f16x4_to_f32(vld1_u16(wp.add(i))),
@@ -224,8 +231,8 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
     }
 }
 
-/// A block's 32 dequantized weights (`d · q`, exact) into [`dot_shape`]'s
-/// accumulators as its two 16-element steps, so a row of blocks gives
+/// A block's 32 dequantized weights (`d · q`, exact) into the wide
+/// [`dot_shape`]'s accumulators as its two 16-element steps, so a row of blocks gives
 /// what [`dot_f32`] gives on the dequantized row.
 ///
 /// # Safety
