@@ -9,6 +9,12 @@ export COLIBRI_NVRTC_DIR="${COLIBRI_NVRTC_DIR:-$PWD/target/nvrtc/lib}"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+# The NEON kernels, cross-built for aarch64 and run under qemu-user.
+if command -v qemu-aarch64 >/dev/null && command -v aarch64-linux-gnu-gcc >/dev/null; then
+    tools/neon_check.sh
+else
+    echo "NOTE: NEON kernels not tested (no qemu-aarch64/aarch64 linker)"
+fi
 # The client tests drive the binary `cargo test` just built (the dev
 # profile optimises dependencies and is plenty for the demo model).
 cargo build --bin colibri

@@ -18,4 +18,12 @@ python3 -m venv .venv
 tools/fetch_tokenizer_wheels.sh target/tokenizer-wheels
 # NVRTC (runs without a GPU): CI compiles every CUDA kernel for sm_80..sm_90.
 tools/fetch_nvrtc.sh target/nvrtc
+# qemu-user, the aarch64 cross toolchain and rustup target: tools/check.sh
+# cross-tests the NEON kernels with them (tools/neon_check.sh).
+if { command -v qemu-aarch64 && command -v aarch64-linux-gnu-gcc; } >/dev/null \
+    || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }; then
+    tools/neon_check.sh --setup
+else
+    echo "setup: not root or no apt-get: qemu-user and the aarch64 cross toolchain not installed, so tools/check.sh will not test the NEON kernels"
+fi
 echo "setup done"
