@@ -350,11 +350,14 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
     }
 }
 
-// Rows per warp of the strided-group launch: 2 for one token (decode's
-// matrices are small: twice the blocks of 4 rows per warp, more of the
-// chip streaming weights at once), 4 for several. The host sizes the grid
-// to match (cuda/src/ops.rs).
-#define MV_PLAIN_ROWS_PER_WARP(NT) ((NT) == 1 ? 2 : 4)
+// Rows per warp of the strided-group launch: 1 for one token, 4 for
+// several. A decode matvec is latency-bound (ncu on the H200: a 512 × 2048
+// Q4_0 matrix took 7.5 µs at 2% of DRAM bandwidth with 32 blocks of 2 rows
+// per warp): one row per warp gives each lane half the serial work and
+// the chip twice the blocks (f32 keeps 2: at 1, ptxas spills its
+// single-token kernel). The host sizes the grid to match
+// (cuda/src/ops.rs).
+#define MV_PLAIN_ROWS_PER_WARP(FMT, NT) ((NT) == 1 ? ((FMT) == FMT_F32 ? 2 : 1) : 4)
 
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
 // at x + z·x_mstride, writing y + z·y_mstride.
@@ -368,7 +371,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
     const u64 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     const u32 nt = min((u32)NT, ntok - t0);
-    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(NT)>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
+    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(FMT, NT)>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
                          s_block, s_cols, x + z * x_mstride + (u64)t0 * x_tstride, x_tstride,
                          y + z * y_mstride + (u64)t0 * y_tstride, y_tstride, rows, cols, nt);
 }
@@ -376,9 +379,10 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
 // The table launch keeps three more 64-bit values live (its matrix, scale
 // and token addresses come from memory, not from parameters the compiler
 // can recompute), which made ptxas spill at 4 rows per warp for several
-// tokens; 2 rows per warp there, and for one token too (twice the blocks
-// for a layer's few experts; the same arithmetic, see matvec_core).
-#define MV_TABLE_ROWS_PER_WARP(NT) 2
+// tokens; 2 rows per warp there, and 1 for one token but f32 (as the plain
+// launch: more blocks for a layer's few experts; the same arithmetic, see
+// matvec_core).
+#define MV_TABLE_ROWS_PER_WARP(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32 ? 1 : 2)
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to
@@ -398,7 +402,7 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
     const u32 t0 = blockIdx.y * NT;
     if (t0 >= cnt) return;
     const u64 first = (u64)tok_off[z] + t0;
-    matvec_core<FMT, NT, MV_TABLE_ROWS_PER_WARP(NT)>((const u8*)w_ptrs[z],
+    matvec_core<FMT, NT, MV_TABLE_ROWS_PER_WARP(FMT, NT)>((const u8*)w_ptrs[z],
                          s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z], s_block, s_cols,
                          x + first * x_tstride, x_tstride, y + first * y_tstride, y_tstride, rows,
                          cols, min((u32)NT, cnt - t0));

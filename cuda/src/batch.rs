@@ -14,10 +14,15 @@ use crate::error::{CudaError, Result};
 use crate::kernels::KernelSet;
 use crate::ops::{Args, WeightFormat, grid, need, nonzero, span, u32_arg};
 
-/// Rows a block of the table kernel owns: 8 warps of 2 rows
-/// (MV_TABLE_ROWS_PER_WARP in kernels/matvec.cu).
-fn table_rows_per_block(_nt: usize) -> usize {
-    16
+/// Rows a block of the table kernel owns: 8 warps of 1 row for one token
+/// (2 for f32), of 2 for more (MV_TABLE_ROWS_PER_WARP in
+/// kernels/matvec.cu).
+fn table_rows_per_block(format: WeightFormat, nt: usize) -> usize {
+    8 * match (nt, format) {
+        (1, WeightFormat::F32) => 2,
+        (1, _) => 1,
+        _ => 2,
+    }
 }
 const MV_THREADS: u32 = 256;
 const RW_THREADS: u32 = 256;
@@ -181,7 +186,12 @@ impl KernelSet {
             self.launch(
                 dev,
                 table_kernel(t.format, nt),
-                grid(K, t.rows.div_ceil(table_rows_per_block(nt)), gy, t.matrices)?,
+                grid(
+                    K,
+                    t.rows.div_ceil(table_rows_per_block(t.format, nt)),
+                    gy,
+                    t.matrices,
+                )?,
                 MV_THREADS,
                 &mut a,
             )

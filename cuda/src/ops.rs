@@ -198,10 +198,15 @@ pub struct Attention<'a> {
 }
 
 /// The kernels' block sizes (see the .cu files).
-/// Rows a block of the strided-group matvec owns: 8 warps of 2 rows for
-/// one token, of 4 for more (MV_PLAIN_ROWS_PER_WARP in kernels/matvec.cu).
-fn mv_rows_per_block(nt: usize) -> usize {
-    8 * if nt == 1 { 2 } else { 4 }
+/// Rows a block of the strided-group matvec owns: 8 warps of 1 row for
+/// one token (2 for f32), of 4 for more (MV_PLAIN_ROWS_PER_WARP in
+/// kernels/matvec.cu).
+fn mv_rows_per_block(format: WeightFormat, nt: usize) -> usize {
+    8 * match (nt, format) {
+        (1, WeightFormat::F32) => 2,
+        (1, _) => 1,
+        _ => 4,
+    }
 }
 const MV_THREADS: u32 = 256;
 const RN_THREADS: u32 = 256;
@@ -462,7 +467,7 @@ impl KernelSet {
         };
         let grid = grid(
             K,
-            w.rows.div_ceil(mv_rows_per_block(nt)),
+            w.rows.div_ceil(mv_rows_per_block(w.format, nt)),
             g.ntok.div_ceil(nt),
             g.matrices,
         )?;
