@@ -11,7 +11,7 @@
 //! ```text
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
 //!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
-//!     [--devices 0,1]
+//!     [--devices 0,1] [--ring-slots 8]
 //! ```
 //!
 //! With several devices the layers are split between them; the HBM figure
@@ -139,6 +139,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             device: DeviceChoice::Cuda,
             vram_budget,
             devices: devices.clone(),
+            ring_slots: arg::<usize>(&args, "--ring-slots")
+                .unwrap_or(colibri_sched::gpu::plan::DEFAULT_RING_SLOTS),
             ..GpuOptions::default()
         },
     )? {
