@@ -553,7 +553,7 @@ impl State {
                 ..
             }
         );
-        let held = |b: usize| plan.share.as_ref().is_none_or(|sh| sh.holds_block(b));
+        let held = |b: usize| plan.holds_block(b);
         let dense = DenseBlocks::load(&dev, &model.weights, &plan.dense_resident, &held)?;
         let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held)?;
         let moe = MoeBufs::new(&dev, &dims)?;

@@ -849,11 +849,7 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
                 t0.elapsed().as_secs_f64()
             );
         }
-        let held = |b: usize| plan.share.as_ref().is_none_or(|sh| sh.holds_block(b));
-        let blocks = (0..plan.dense_resident.len()).filter(|&b| held(b)).count();
-        let resident = (0..plan.dense_resident.len())
-            .filter(|&b| held(b) && plan.dense_resident[b])
-            .count();
+        let (blocks, resident) = plan.held_blocks();
         let what = if count > 1 {
             format!(
                 "layers {}..{}{}: ",

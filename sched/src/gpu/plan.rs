@@ -392,6 +392,23 @@ impl VramPlan {
         self.working_set_bytes + self.dense_resident_bytes + self.kv_vram_bytes + self.cache_bytes
     }
 
+    /// Whether dense block `block` (layers, then the head) is this
+    /// device's (always, with one device).
+    pub fn holds_block(&self, block: usize) -> bool {
+        self.share.as_ref().is_none_or(|sh| sh.holds_block(block))
+    }
+
+    /// Dense blocks this device holds, and how many of them are in VRAM.
+    pub fn held_blocks(&self) -> (usize, usize) {
+        let held = (0..self.dense_resident.len()).filter(|&b| self.holds_block(b));
+        let (mut all, mut resident) = (0, 0);
+        for b in held {
+            all += 1;
+            resident += usize::from(self.dense_resident[b]);
+        }
+        (all, resident)
+    }
+
     /// Expert cache slots over all classes.
     pub fn cache_slots(&self) -> usize {
         self.classes.iter().map(|c| c.cache_slots).sum()
@@ -402,11 +419,8 @@ impl VramPlan {
         use std::fmt::Write;
         let b = ByteSize;
         let mut s = String::new();
-        let held = |i: usize| self.share.as_ref().is_none_or(|sh| sh.holds_block(i));
-        let blocks = (0..self.dense_resident.len()).filter(|&i| held(i)).count();
-        let streamed = (0..self.dense_resident.len())
-            .filter(|&i| held(i) && !self.dense_resident[i])
-            .count();
+        let (blocks, resident) = self.held_blocks();
+        let streamed = blocks - resident;
         let _ = writeln!(s, "GPU tier: {}", self.device);
         if let Some(sh) = &self.share {
             let _ = writeln!(
