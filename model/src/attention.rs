@@ -119,23 +119,46 @@ pub(crate) fn attention(
             let scale = (hd as f32).powf(-0.5);
             let window = model.spec.layers[layer].sliding_window;
             let group = nh / nkv;
+            // A task takes the heads of one KV head together (their scores
+            // share every key load) when that still leaves every thread
+            // several tasks, else one head; the arithmetic per head is the
+            // same either way.
+            let per = if n * nkv >= 4 * pool.threads() {
+                group
+            } else {
+                1
+            };
             let mut out = vec![0.0f32; n * nh * hd];
             let caches: &[&mut KvCache] = caches;
-            pool.for_each_chunk_mut(&mut out, hd, |idx, o| {
-                let (i, head) = (idx / nh, idx % nh);
+            pool.for_each_chunk_mut(&mut out, per * hd, |idx, o| {
+                let (i, h0) = (idx / (nh / per), idx % (nh / per) * per);
                 let ri = rows[i];
                 let LayerCache::Gqa { k: kc, v: vc } = &caches[ri.seq].layers[layer] else {
                     return;
                 };
-                let qh = &q[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
-                let kvh = head / group;
+                let qg = &q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd];
+                let kvh = h0 / group;
                 let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
+                let len = ri.pos + 1 - first;
                 let k = kernels::kernels();
-                let mut scores = vec![0.0f32; ri.pos + 1 - first];
-                (k.dot_f32_rows)(qh, &kc[(first * nkv + kvh) * hd..], nkv * hd, &mut scores);
-                scores.iter_mut().for_each(|s| *s *= scale);
-                softmax_inplace(&mut scores);
-                (k.weighted_rows)(o, &scores, &vc[(first * nkv + kvh) * hd..], nkv * hd);
+                let (keys, values) = (
+                    &kc[(first * nkv + kvh) * hd..],
+                    &vc[(first * nkv + kvh) * hd..],
+                );
+                let mut scores = vec![0.0f32; per * len];
+                match k.dot_f32_rows_group {
+                    Some(f) if per > 1 => f(qg, per, keys, nkv * hd, &mut scores),
+                    _ => {
+                        for (qh, s) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(len)) {
+                            (k.dot_f32_rows)(qh, keys, nkv * hd, s);
+                        }
+                    }
+                }
+                for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact_mut(len)) {
+                    s.iter_mut().for_each(|x| *x *= scale);
+                    softmax_inplace(s);
+                    (k.weighted_rows)(oh, s, values, nkv * hd);
+                }
             });
             Ok(linear_rows(pool, &w.o, &out, n))
         }

@@ -31,6 +31,10 @@ use crate::tensor::QMatrix;
 /// One quantized row against up to [`q8act::MULTI`] activations.
 pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
 
+/// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
+/// [`KernelSet::dot_f32_rows_group`]).
+pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32]);
+
 /// The dot kernels chosen for this CPU.
 #[derive(Clone, Copy)]
 pub struct KernelSet {
@@ -44,6 +48,11 @@ pub struct KernelSet {
     /// `dot_f32` of one vector with many rows (attention's scores), each
     /// result identical to a `dot_f32` call.
     pub dot_f32_rows: fn(&[f32], &[f32], usize, &mut [f32]),
+    /// `dot_f32_rows` of `g` queries against the same rows (the heads of a
+    /// KV group): `(qs, g, k, stride, out)`, `out[j·rows + t]` identical
+    /// to `dot_f32_rows`'s result for query `j`. `None`: a query at a
+    /// time.
+    pub dot_f32_rows_group: Option<GroupDot>,
     /// Attention's weighted sum of value rows (bit-identical at every
     /// level: [`scalar::weighted_rows`]).
     pub weighted_rows: fn(&mut [f32], &[f32], &[f32], usize),
@@ -82,6 +91,20 @@ fn check_gemm_args(w: &[u8], t: &Q8Tiles, out: &[f32], width: usize) {
     );
 }
 
+/// What `dot_f32_rows_group`'s safety contract asks of its arguments.
+#[cfg(target_arch = "x86_64")]
+fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
+    assert!(
+        g > 0 && qs.len().is_multiple_of(g) && out.len().is_multiple_of(g),
+        "g whole queries"
+    );
+    let (d, rows) = (qs.len() / g, out.len() / g);
+    assert!(
+        rows == 0 || k.len() >= (rows - 1) * stride + d,
+        "room for every row"
+    );
+}
+
 /// A matrix–matrix Q4_0 kernel and the token-group width its
 /// [`Q8Tiles`] are built with: `run(rows, tiles, scratch, out)` multiplies
 /// whole rows into every token, row `r`'s results at `out[r ·
@@ -109,6 +132,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q8_0: scalar::dot_q8_0,
     dot_q4_0: scalar::dot_q4_0,
     dot_f32_rows: scalar::dot_f32_rows,
+    dot_f32_rows_group: None,
     weighted_rows: scalar::weighted_rows,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
@@ -150,6 +174,11 @@ mod avx2_wrappers {
             assert!(k.len() >= last * stride + q.len(), "key rows in bounds");
         }
         unsafe { super::x86::dot_f32_rows(q, k, stride, out) }
+    }
+    /// Also checks the lengths its safety contract asks for.
+    pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+        super::check_rows_group(qs, g, k, stride, out);
+        unsafe { super::x86::dot_f32_rows_group(qs, g, k, stride, out) }
     }
     /// Also checks the rows' extent, which the kernel's contract asks for.
     pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
@@ -193,6 +222,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q8_0: avx2_wrappers::dot_q8_0,
     dot_q4_0: avx2_wrappers::dot_q4_0,
     dot_f32_rows: avx2_wrappers::dot_f32_rows,
+    dot_f32_rows_group: Some(avx2_wrappers::dot_f32_rows_group),
     weighted_rows: avx2_wrappers::weighted_rows,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
@@ -321,6 +351,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q8_0: neon_wrappers::dot_q8_0,
     dot_q4_0: neon_wrappers::dot_q4_0,
     dot_f32_rows: neon_wrappers::dot_f32_rows,
+    dot_f32_rows_group: None,
     weighted_rows: neon_wrappers::weighted_rows,
     dot_q8_0_q8: neon_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: neon_wrappers::dot_q4_0_q8,
@@ -875,6 +906,49 @@ mod tests {
         if let Some(expect) = std::env::var_os("COLIBRI_EXPECT_KERNELS") {
             assert_eq!(select_simd().name, expect, "COLIBRI_EXPECT_KERNELS");
         }
+    }
+
+    /// Grouped scores: every (query, row) result of `dot_f32_rows_group`
+    /// has the bits of `dot_f32`, for group sizes around the kernel's four
+    /// queries and row lengths around the vector widths.
+    #[test]
+    fn grouped_scores_equal_single_dots_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(34);
+        let mut checked = 0;
+        for k in simd_sets() {
+            let Some(f) = k.dot_f32_rows_group else {
+                continue;
+            };
+            for d in [1usize, 7, 8, 15, 16, 17, 24, 64, 128, 129] {
+                for g in [1usize, 2, 3, 4, 5, 8, 9] {
+                    for rows in [0usize, 1, 6, 33] {
+                        let stride = 3 * d + 5;
+                        let qs = rand_vec(&mut rng, g * d);
+                        let keys = rand_vec(&mut rng, rows.max(1) * stride);
+                        let mut out = vec![f32::NAN; g * rows];
+                        f(&qs, g, &keys, stride, &mut out);
+                        for j in 0..g {
+                            for t in 0..rows {
+                                let want = (k.dot_f32)(
+                                    &qs[j * d..(j + 1) * d],
+                                    &keys[t * stride..t * stride + d],
+                                );
+                                assert_eq!(
+                                    out[j * rows + t].to_bits(),
+                                    want.to_bits(),
+                                    "{} d={d} g={g} query {j} row {t}",
+                                    k.name
+                                );
+                            }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(checked > 0, "no grouped kernel on an x86-64 SIMD set");
+        let _ = checked;
     }
 
     /// Attention's kernels: scores over many rows equal one `dot_f32` per

@@ -47,6 +47,85 @@ pub unsafe fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32])
     }
 }
 
+/// `out[j·rows + t] = dot_f32(q_j, k_t)` for `g` queries `q_j =
+/// qs[j·d..(j + 1)·d]` (`d = qs.len() / g`) and `rows = out.len() / g`
+/// rows `k_t = k[t·stride..t·stride + d]`: grouped-query attention's
+/// scores of the heads that share a KV head. Each result has the bits of
+/// [`dot_f32`]; four queries share every load of a key row (one load per
+/// FMA instead of two).
+///
+/// # Safety
+/// Requires AVX2 and FMA; `qs.len() == g · d`, `out.len() == g · rows`,
+/// `k.len() >= (rows - 1) · stride + d` when `rows > 0`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+    let d = qs.len() / g.max(1);
+    let rows = out.len() / g.max(1);
+    let mut j0 = 0;
+    while j0 < g {
+        let m = (g - j0).min(4);
+        for t in 0..rows {
+            // SAFETY: row t lies in k (caller); queries j0..j0 + m in qs.
+            unsafe {
+                let kr = k.get_unchecked(t * stride..t * stride + d);
+                if m == 4 {
+                    let r = dot_four(qs.as_ptr().add(j0 * d), d, kr);
+                    for (jj, v) in r.into_iter().enumerate() {
+                        *out.get_unchecked_mut((j0 + jj) * rows + t) = v;
+                    }
+                } else {
+                    for jj in 0..m {
+                        let q = qs.get_unchecked((j0 + jj) * d..(j0 + jj + 1) * d);
+                        *out.get_unchecked_mut((j0 + jj) * rows + t) = dot_f32_body(q, kr);
+                    }
+                }
+            }
+        }
+        j0 += m;
+    }
+}
+
+/// Four queries at `q` (`d` apart) against one key row, each exactly as
+/// [`dot_f32_body`] computes it (same accumulators, steps and tail).
+///
+/// # Safety
+/// `q` holds `4 · d` floats, `kr.len() == d`; AVX2 and FMA.
+#[inline(always)]
+unsafe fn dot_four(q: *const f32, d: usize, kr: &[f32]) -> [f32; 4] {
+    let kp = kr.as_ptr();
+    // SAFETY: loads of 8 floats at i ≤ d − 8 of a query or of the key row.
+    unsafe {
+        let mut a0 = [_mm256_setzero_ps(); 4];
+        let mut a1 = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= d {
+            let (k0, k1) = (_mm256_loadu_ps(kp.add(i)), _mm256_loadu_ps(kp.add(i + 8)));
+            for j in 0..4 {
+                let qj = q.add(j * d);
+                a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qj.add(i)), k0, a0[j]);
+                a1[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qj.add(i + 8)), k1, a1[j]);
+            }
+            i += 16;
+        }
+        while i + 8 <= d {
+            let k0 = _mm256_loadu_ps(kp.add(i));
+            for (j, a) in a0.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j * d + i)), k0, *a);
+            }
+            i += 8;
+        }
+        let mut out = [0.0f32; 4];
+        for (j, o) in out.iter_mut().enumerate() {
+            let mut s = hsum(_mm256_add_ps(a0[j], a1[j]));
+            for t in i..d {
+                s += *q.add(j * d + t) * *kp.add(t);
+            }
+            *o = s;
+        }
+        out
+    }
+}
+
 /// The body of [`dot_f32`], inlined into its callers.
 ///
 /// # Safety
