@@ -39,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
               const float* __restrict__ v, u32 v_tstride, u32 v_hstride, u32 dv, u32 group,
               const u32* __restrict__ pos, const u32* __restrict__ slot0, u32 capacity,
               u32 window, float scale, float* __restrict__ out) {
+    pdl_entry();
     __shared__ float qs[AT_MAX_DQ];
     __shared__ float sc[AT_CHUNK];
     __shared__ float scratch[AT_WARPS];
@@ -192,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(AB_THREADS)
                u32 s_block, u32 s_cols, u32 head_rows, u32 dn, const float* __restrict__ q,
                u32 q_head_stride, u32 q_row_stride, float* __restrict__ qa, u32 qa_head_stride,
                u32 qa_row_stride) {
+    pdl_entry();
     __shared__ float qn[AB_MAX_DN];
     const u32 head = blockIdx.y, row = blockIdx.z;
     const float* qh = q + (u64)row * q_row_stride + (u64)head * q_head_stride;

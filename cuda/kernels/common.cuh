@@ -26,6 +26,26 @@ typedef unsigned long long u64;
 #define FMT_Q8_0 4
 #define FMT_Q4_0 5
 
+// Programmatic dependent launch (sm_90 and later; nothing before). The
+// host launches every kernel with programmatic stream serialization
+// allowed where the device has it (cuda/src/ops.rs), so a kernel may start
+// while the previous kernel of its stream still runs. Every kernel therefore
+// calls `pdl_entry()` before it reads anything an earlier launch writes, or
+// writes anything an earlier launch reads: `griddepcontrol.wait` returns once
+// the previous grid has completed and its writes are visible, which makes
+// the order exactly that of a plain launch. Then `launch_dependents` lets the
+// next kernel be scheduled at once: its launch latency and whatever it does
+// before its own wait (a matvec loads its weights, which no launch writes)
+// overlap this kernel. Only device-constant data (weights, tables set up
+// before the pass) may be read before `pdl_entry()`.
+// (cuda/src/kernels.rs checks that every kernel calls it.)
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
 
 // bf16 is the top half of an f32: exact.

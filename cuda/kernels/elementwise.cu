@@ -77,6 +77,7 @@ __device__ __forceinline__ void rms_norm_row(float* xr, const float* ar, const f
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
     rms_norm(const float* x, u32 x_stride, const float* __restrict__ w, float* y, u32 y_stride,
              u32 n, float eps) {
+    pdl_entry();
     __shared__ double scratch[RN_WARPS];
     const u64 row = blockIdx.x;
     rms_norm_row<false>((float*)(x + row * x_stride), nullptr, w, y + row * y_stride, n, eps,
@@ -89,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
     add_rms_norm(float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ w,
                  float* __restrict__ y, u32 n, float eps) {
+    pdl_entry();
     __shared__ double scratch[RN_WARPS];
     const u64 row = blockIdx.x;
     rms_norm_row<true>(x + row * n, a + row * n, w, y + row * n, n, eps, scratch);
@@ -107,6 +109,7 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS)
     rope(float* x, u32 tok_stride, u32 head_stride, u32 offset, u32 rot_dim,
          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
          const u32* __restrict__ pos, u32 table_rows, u32 interleaved) {
+    pdl_entry();
     __shared__ float tmp[RP_MAX_DIM];
     const u32 head = blockIdx.x, tok = blockIdx.y;
     const u32 p = pos[tok];
@@ -147,6 +150,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
              u32 table_rows, u32 rot_dim, u32 interleaved, const u32* __restrict__ pos,
              const u32* __restrict__ slot0, float* __restrict__ kc, float* __restrict__ vc,
              u32 capacity) {
+    pdl_entry();
     __shared__ double scratch[RN_WARPS];
     __shared__ float tmp[RP_MAX_DIM];
     const u32 b = blockIdx.x, tok = blockIdx.y;
@@ -196,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
 extern "C" __global__ void __launch_bounds__(EW_THREADS)
     swiglu(const float* gate, u32 g_stride, const float* up, u32 u_stride, float* out,
            u32 o_stride, u32 cols) {
+    pdl_entry();
     const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
     const u64 t = blockIdx.y;
     if (i >= cols) return;
@@ -209,12 +214,18 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
 // (ties by slot), then the shared expert added, gated by sigmoid of its
 // logit when `shared_gate` is given: the CPU tier's order, step for step;
 // with `accumulate`, added to out (out += result, the residual add).
-// grid = (ceil(hidden / 256), rows). `shared` and `shared_gate` may be null.
+// Slot s of row r is row slot_rows[r·k + s] of slot_out when slot_rows is
+// given (the experts' outputs where their launch left them, packed by
+// expert), else row r·k + s.
+// grid = (ceil(hidden / 256), rows). `shared`, `shared_gate` and
+// `slot_rows` may be null.
 extern "C" __global__ void __launch_bounds__(EW_THREADS)
-    moe_combine(const float* __restrict__ slot_out, const u32* __restrict__ experts,
+    moe_combine(const float* __restrict__ slot_out, const u32* __restrict__ slot_rows,
+                const u32* __restrict__ experts,
                 const float* __restrict__ weights, const float* __restrict__ shared,
                 const float* __restrict__ shared_gate, float* __restrict__ out, u32 k,
                 u32 hidden, u32 accumulate) {
+    pdl_entry();
     __shared__ u32 order[CB_MAX_K];
     const u64 row = blockIdx.y;
     if (threadIdx.x == 0) {
@@ -235,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
     float acc = 0.0f;
     for (u32 j = 0; j < k; ++j) {
         const u32 s = order[j];
-        acc = __fadd_rn(acc, __fmul_rn(slot_out[(row * k + s) * hidden + i], weights[row * k + s]));
+        const u64 sr = slot_rows != nullptr ? (u64)slot_rows[row * k + s] : row * k + s;
+        acc = __fadd_rn(acc, __fmul_rn(slot_out[sr * hidden + i], weights[row * k + s]));
     }
     if (shared != nullptr) {
         const float sv = shared[row * hidden + i];

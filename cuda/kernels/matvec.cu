@@ -254,62 +254,106 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
     }
 }
 
-// One block's share of one matrix: rows blockIdx.x·8R.. of
-// the matrix at `wm` (FP8 scales at `sm`) for the `nt` ≤ NT tokens at `xm`,
-// written to `ym`. Both launch shapes below resolve their matrix and tokens
-// and then run exactly this, so they share every bit of arithmetic.
-//
-// R, the rows each warp owns, only decides which rows a warp computes, never
-// how: a row's sum is formed by its lanes over its groups whatever R is.
-template <int FMT, int NT, int R>
-__device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
-                                            const float* __restrict__ sm, u32 s_block, u32 s_cols,
-                                            const float* __restrict__ xm, u32 x_tstride,
-                                            float* __restrict__ ym, u32 y_tstride, u32 rows,
-                                            u32 cols, u32 nt) {
-    constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
-    constexpr int J = TILE / 1024;
-    constexpr u32 XS = TILE + TILE / 8;
-    __shared__ __align__(16) float xs[NT][XS];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 row0 = blockIdx.x * (MV_WARPS * R) + warp * R;
-    const u64 rb = row_bytes<FMT>(cols);
+// Loads the groups of the tile at column c0 that this lane owns, for each
+// of the M matrices (row bytes `rb`, FP8 scales at `s[m]`) and each of the
+// warp's R rows from row0; rows past `rows` get zero groups.
+template <int FMT, int M, int J, int R>
+__device__ __forceinline__ void mv_load_tile(Group<FMT> (&grp)[M][J][R], const u8* const (&w)[2],
+                                             const float* const (&s)[2], u32 s_block, u32 s_cols,
+                                             u64 rb, u32 row0, u32 rows, u32 cols, u32 c0) {
+    const u32 lane = threadIdx.x & 31;
     const u32 ngroups = (cols + 31) / 32;
-
-    float acc[R][NT];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int jj = 0; jj < J; ++jj) {
+        const u32 g = c0 / 32 + jj * 32 + lane;
+        if (g < ngroups) {
+            const u32 valid = min(32u, cols - g * 32);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
-
-    for (u32 c0 = 0; c0 < cols; c0 += TILE) {
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < NT * TILE; i += MV_THREADS) {
-            const u32 t = i / TILE, j = i % TILE, col = c0 + j;
-            xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[(u64)t * x_tstride + col] : 0.0f;
-        }
-        __syncthreads();
-        // Every group of the tile that this lane owns is loaded first, then
-        // used in increasing order.
-        Group<FMT> grp[J][R];
-#pragma unroll
-        for (int jj = 0; jj < J; ++jj) {
-            const u32 g = c0 / 32 + jj * 32 + lane;
-            if (g < ngroups) {
-                const u32 valid = min(32u, cols - g * 32);
+            for (int m = 0; m < M; ++m) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const u32 row = row0 + r;
                     if (row < rows) {
                         float scale = 0.0f;
-                        if (FMT == FMT_F8E4M3) scale = sm[(u64)(row / s_block) * s_cols + (g * 32) / s_block];
-                        grp[jj][r].load(wm + (u64)row * rb, g, valid, scale);
+                        if (FMT == FMT_F8E4M3) scale = s[m][(u64)(row / s_block) * s_cols + (g * 32) / s_block];
+                        grp[m][jj][r].load(w[m] + (u64)row * rb, g, valid, scale);
                     } else {
-                        grp[jj][r].zero();
+                        grp[m][jj][r].zero();
                     }
                 }
             }
         }
+    }
+}
+
+// One block's share of one matrix (or of a GLU pair): rows bx·8R.. of the
+// matrix at `w[0]` (FP8 scales at `s[0]`) for the `nt` ≤ NT tokens at `xm`,
+// written to `ym`. Every launch shape below resolves its matrix and tokens
+// and then runs exactly this, so they share every bit of arithmetic.
+//
+// R, the rows each warp owns, only decides which rows a warp computes, never
+// how: a row's sum is formed by its lanes over its groups whatever R is.
+//
+// GLU: w[1] is a second matrix of the same shape (a gated MLP's up
+// projection beside its gate); each row's two sums are formed exactly as
+// two separate launches form them, and y = silu(gate) · up is written with
+// the `swiglu` kernel's operations, so the fused launch gives its bits.
+//
+// xrows: token t is row xrows[t] of xm (x_tstride floats apart) instead of
+// row t, when given (the table launch reading its tokens where they are).
+//
+// EARLY: the matrices are device constants (a plain launch's weights), so
+// the first tile's groups are loaded before `pdl_entry()`, overlapping the
+// previous kernel's tail; the caller of a launch that finds its matrices in
+// memory written by an earlier launch (the expert tables) calls
+// `pdl_entry()` itself first and passes EARLY = false.
+template <int FMT, int NT, int R, bool EARLY, bool GLU>
+__device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
+                                            const float* __restrict__ s0,
+                                            const u8* __restrict__ w1,
+                                            const float* __restrict__ s1, u32 s_block, u32 s_cols,
+                                            const float* __restrict__ xm, u32 x_tstride,
+                                            const u32* __restrict__ xrows,
+                                            float* __restrict__ ym, u32 y_tstride, u32 rows,
+                                            u32 cols, u32 nt) {
+    constexpr int M = GLU ? 2 : 1;
+    constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
+    constexpr int J = TILE / 1024;
+    constexpr u32 XS = TILE + TILE / 8;
+    __shared__ __align__(16) float xs[NT][XS];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 row0 = bx * (MV_WARPS * R) + warp * R;
+    const u64 rb = row_bytes<FMT>(cols);
+    const u32 ngroups = (cols + 31) / 32;
+    const u8* const w[2] = {w0, w1};  // only the first M are used
+    const float* const s[2] = {s0, s1};
+
+    float acc[M][R][NT];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[m][r][t] = 0.0f;
+
+    // Every group of a tile that this lane owns is loaded first, then used
+    // in increasing order.
+    Group<FMT> grp[M][J][R];
+    if (EARLY) {
+        mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, 0);
+        pdl_entry();
+    }
+
+    for (u32 c0 = 0; c0 < cols; c0 += TILE) {
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < NT * TILE; i += MV_THREADS) {
+            const u32 t = i / TILE, j = i % TILE, col = c0 + j;
+            const u64 xr = xrows != nullptr && t < nt ? xrows[t] : t;
+            xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[xr * x_tstride + col] : 0.0f;
+        }
+        __syncthreads();
+        if (!EARLY || c0 != 0)
+            mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, c0);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
             const u32 g = c0 / 32 + jj * 32 + lane;
@@ -321,16 +365,19 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
 #pragma unroll
                     for (int t = 0; t < NT; ++t) xv[t] = *(const float4*)(xl + t * XS + sub * 4);
 #pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        const float4 wv = grp[jj][r].get4(sub);
+                    for (int m = 0; m < M; ++m) {
 #pragma unroll
-                        for (int t = 0; t < NT; ++t) {
-                            float a = acc[r][t];
-                            a = fmaf(wv.x, xv[t].x, a);
-                            a = fmaf(wv.y, xv[t].y, a);
-                            a = fmaf(wv.z, xv[t].z, a);
-                            a = fmaf(wv.w, xv[t].w, a);
-                            acc[r][t] = a;
+                        for (int r = 0; r < R; ++r) {
+                            const float4 wv = grp[m][jj][r].get4(sub);
+#pragma unroll
+                            for (int t = 0; t < NT; ++t) {
+                                float a = acc[m][r][t];
+                                a = fmaf(wv.x, xv[t].x, a);
+                                a = fmaf(wv.y, xv[t].y, a);
+                                a = fmaf(wv.z, xv[t].z, a);
+                                a = fmaf(wv.w, xv[t].w, a);
+                                acc[m][r][t] = a;
+                            }
                         }
                     }
                 }
@@ -342,7 +389,8 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
     for (int r = 0; r < R; ++r) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            const float v = warp_sum(acc[r][t]);
+            float v = warp_sum(acc[0][r][t]);
+            if (GLU) v = __fmul_rn(silu_f32(v), warp_sum(acc[M - 1][r][t]));
             const u32 row = row0 + r;
             if (lane == (u32)((r * NT + t) & 31) && row < rows && (u32)t < nt)
                 ym[(u64)t * y_tstride + row] = v;
@@ -359,6 +407,12 @@ __device__ __forceinline__ void matvec_core(const u8* __restrict__ wm,
 // (cuda/src/ops.rs).
 #define MV_PLAIN_ROWS_PER_WARP(FMT, NT) ((NT) == 1 ? ((FMT) == FMT_F32 ? 2 : 1) : 4)
 
+// Which plain launches load their first tile before `pdl_entry()`: the
+// one-token ones of the formats whose groups are loaded whole into
+// registers (an f32 group loads as it is used, and several tokens' tiles
+// would keep too many registers live across the staging: ptxas spills).
+#define MV_EARLY(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32)
+
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
 // at x + z·x_mstride, writing y + z·y_mstride.
 template <int FMT, int NT>
@@ -371,9 +425,38 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
     const u64 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     const u32 nt = min((u32)NT, ntok - t0);
-    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(FMT, NT)>(w + z * w_mstride, scales == nullptr ? nullptr : scales + z * s_mstride,
-                         s_block, s_cols, x + z * x_mstride + (u64)t0 * x_tstride, x_tstride,
-                         y + z * y_mstride + (u64)t0 * y_tstride, y_tstride, rows, cols, nt);
+    const float* sz = scales == nullptr ? nullptr : scales + z * s_mstride;
+    constexpr bool EARLY = MV_EARLY(FMT, NT);
+    if (!EARLY) pdl_entry();
+    matvec_core<FMT, NT, MV_PLAIN_ROWS_PER_WARP(FMT, NT), EARLY, false>(
+        blockIdx.x, w + z * w_mstride, sz, nullptr, nullptr, s_block, s_cols,
+        x + z * x_mstride + (u64)t0 * x_tstride, x_tstride, nullptr,
+        y + z * y_mstride + (u64)t0 * y_tstride,
+        y_tstride, rows, cols, nt);
+}
+
+// Up to three matrices of the same width and format applied to the same
+// token (a layer's q, k and v projections in one launch): blocks
+// [0, b1) serve matrix 0, [b1, b2) matrix 1, [b2, grid) matrix 2, each
+// exactly as its own one-token plain launch would (b1, b2: the host's
+// block counts of matrices 0 and 1 at MV_PLAIN_ROWS_PER_WARP(FMT, 1) rows
+// per warp).
+template <int FMT>
+__device__ __forceinline__ void matvec_seg_body(
+    const u8* w0, const float* s0, float* y0, u32 rows0, const u8* w1, const float* s1, float* y1,
+    u32 rows1, const u8* w2, const float* s2, float* y2, u32 rows2, u32 b1, u32 b2, u32 s_block,
+    u32 s_cols, const float* __restrict__ x, u32 cols) {
+    const u32 bx = blockIdx.x;
+    const u32 seg = bx < b1 ? 0 : bx < b2 ? 1 : 2;
+    const u8* w = seg == 0 ? w0 : seg == 1 ? w1 : w2;
+    const float* s = seg == 0 ? s0 : seg == 1 ? s1 : s2;
+    float* y = seg == 0 ? y0 : seg == 1 ? y1 : y2;
+    const u32 rows = seg == 0 ? rows0 : seg == 1 ? rows1 : rows2;
+    const u32 local = seg == 0 ? bx : seg == 1 ? bx - b1 : bx - b2;
+    constexpr bool EARLY = MV_EARLY(FMT, 1);
+    if (!EARLY) pdl_entry();
+    matvec_core<FMT, 1, MV_PLAIN_ROWS_PER_WARP(FMT, 1), EARLY, false>(
+        local, w, s, nullptr, nullptr, s_block, s_cols, x, 0, nullptr, y, 0, rows, cols, 1);
 }
 
 // The table launch keeps three more 64-bit values live (its matrix, scale
@@ -381,31 +464,47 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
 // can recompute), which made ptxas spill at 4 rows per warp for several
 // tokens; 2 rows per warp there, and 1 for one token but f32 (as the plain
 // launch: more blocks for a layer's few experts; the same arithmetic, see
-// matvec_core).
+// matvec_core). The GLU launch computes two matrices per row: 1 row per
+// warp, and only for one or two tokens per block (at 4, ptxas spills; a
+// larger batch runs the gate and up launches and `swiglu`).
 #define MV_TABLE_ROWS_PER_WARP(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32 ? 1 : 2)
+#define MV_GLU_ROWS_PER_WARP 1
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to
 // its own tok_cnt[z] token rows starting at row tok_off[z] of x and y (the
 // rows that chose it, packed by expert). Blocks past a matrix's tokens
-// leave at once (uniformly, before any barrier).
-template <int FMT, int NT>
+// leave at once (uniformly, before any barrier). GLU: w2_ptrs[z] (scales
+// s2_ptrs[z]) is the up projection paired with gate w_ptrs[z]. x_rows:
+// when given, the token of pair row p is row x_rows[p − x_row0] of x (the
+// pair rows of this launch start at x_row0) instead of row p, so the
+// tokens need not be gathered first.
+template <int FMT, int NT, bool GLU>
 __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs,
-                                                  const u64* __restrict__ s_ptrs, u32 s_block,
+                                                  const u64* __restrict__ s_ptrs,
+                                                  const u64* __restrict__ w2_ptrs,
+                                                  const u64* __restrict__ s2_ptrs, u32 s_block,
                                                   u32 s_cols, const float* __restrict__ x,
-                                                  u32 x_tstride, const u32* __restrict__ tok_off,
+                                                  u32 x_tstride, const u32* __restrict__ x_rows,
+                                                  u32 x_row0, const u32* __restrict__ tok_off,
                                                   const u32* __restrict__ tok_cnt,
                                                   float* __restrict__ y, u32 y_tstride, u32 rows,
                                                   u32 cols) {
+    // The tables are written by an earlier launch (the device routing plan).
+    pdl_entry();
     const u32 z = blockIdx.z;
     const u32 cnt = tok_cnt[z];
     const u32 t0 = blockIdx.y * NT;
     if (t0 >= cnt) return;
     const u64 first = (u64)tok_off[z] + t0;
-    matvec_core<FMT, NT, MV_TABLE_ROWS_PER_WARP(FMT, NT)>((const u8*)w_ptrs[z],
-                         s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z], s_block, s_cols,
-                         x + first * x_tstride, x_tstride, y + first * y_tstride, y_tstride, rows,
-                         cols, min((u32)NT, cnt - t0));
+    constexpr int R = GLU ? MV_GLU_ROWS_PER_WARP : MV_TABLE_ROWS_PER_WARP(FMT, NT);
+    matvec_core<FMT, NT, R, false, GLU>(
+        blockIdx.x, (const u8*)w_ptrs[z], s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z],
+        GLU ? (const u8*)w2_ptrs[z] : nullptr,
+        (GLU && s2_ptrs != nullptr) ? (const float*)s2_ptrs[z] : nullptr, s_block, s_cols,
+        x_rows != nullptr ? x : x + first * x_tstride, x_tstride,
+        x_rows != nullptr ? x_rows + (first - x_row0) : nullptr, y + first * y_tstride, y_tstride,
+        rows, cols, min((u32)NT, cnt - t0));
 }
 
 #define MATVEC_KERNEL(NAME, FMT, NT)                                                              \
@@ -414,29 +513,49 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
              u64 s_mstride, u32 s_block, u32 s_cols, const float* __restrict__ x, u64 x_mstride, \
              u32 x_tstride, float* __restrict__ y, u64 y_mstride, u32 y_tstride, u32 rows,       \
              u32 cols, u32 ntok) {                                                              \
+        /* pdl_entry(): in matvec_core, after the first tile's weights */                       \
         matvec_body<FMT, NT>(w, w_mstride, scales, s_mstride, s_block, s_cols, x, x_mstride,    \
                              x_tstride, y, y_mstride, y_tstride, rows, cols, ntok);             \
     }
 
-#define MATVEC_TABLE_KERNEL(NAME, FMT, NT)                                                        \
+#define MATVEC_SEG_KERNEL(NAME, FMT)                                                              \
     extern "C" __global__ void __launch_bounds__(MV_THREADS)                                    \
-        NAME(const u64* __restrict__ w_ptrs, const u64* __restrict__ s_ptrs, u32 s_block,        \
-             u32 s_cols, const float* __restrict__ x, u32 x_tstride,                             \
-             const u32* __restrict__ tok_off, const u32* __restrict__ tok_cnt,                   \
-             float* __restrict__ y, u32 y_tstride, u32 rows, u32 cols) {                         \
-        matvec_table_body<FMT, NT>(w_ptrs, s_ptrs, s_block, s_cols, x, x_tstride, tok_off,       \
-                                   tok_cnt, y, y_tstride, rows, cols);                           \
+        NAME(const u8* __restrict__ w0, const float* __restrict__ s0, float* __restrict__ y0,    \
+             u32 rows0, const u8* __restrict__ w1, const float* __restrict__ s1,                 \
+             float* __restrict__ y1, u32 rows1, const u8* __restrict__ w2,                       \
+             const float* __restrict__ s2, float* __restrict__ y2, u32 rows2, u32 b1, u32 b2,     \
+             u32 s_block, u32 s_cols, const float* __restrict__ x, u32 cols) {                   \
+        /* pdl_entry(): in matvec_core, after the first tile's weights */                       \
+        matvec_seg_body<FMT>(w0, s0, y0, rows0, w1, s1, y1, rows1, w2, s2, y2, rows2, b1, b2,    \
+                             s_block, s_cols, x, cols);                                          \
     }
 
-#define MATVEC_FORMAT(NAME, FMT)                   \
-    MATVEC_KERNEL(NAME##_t1, FMT, 1)               \
-    MATVEC_KERNEL(NAME##_t2, FMT, 2)               \
-    MATVEC_KERNEL(NAME##_t4, FMT, 4)               \
-    MATVEC_KERNEL(NAME##_t8, FMT, 8)               \
-    MATVEC_TABLE_KERNEL(NAME##_table_t1, FMT, 1)   \
-    MATVEC_TABLE_KERNEL(NAME##_table_t2, FMT, 2)   \
-    MATVEC_TABLE_KERNEL(NAME##_table_t4, FMT, 4)   \
-    MATVEC_TABLE_KERNEL(NAME##_table_t8, FMT, 8)
+#define MATVEC_TABLE_KERNEL(NAME, FMT, NT, GLU)                                                   \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS)                                    \
+        NAME(const u64* __restrict__ w_ptrs, const u64* __restrict__ s_ptrs,                     \
+             const u64* __restrict__ w2_ptrs, const u64* __restrict__ s2_ptrs, u32 s_block,      \
+             u32 s_cols, const float* __restrict__ x, u32 x_tstride,                             \
+             const u32* __restrict__ x_rows, u32 x_row0, const u32* __restrict__ tok_off,        \
+             const u32* __restrict__ tok_cnt, float* __restrict__ y, u32 y_tstride, u32 rows,    \
+             u32 cols) {                                                                         \
+        /* pdl_entry(): first thing in matvec_table_body */                                     \
+        matvec_table_body<FMT, NT, GLU>(w_ptrs, s_ptrs, w2_ptrs, s2_ptrs, s_block, s_cols, x,    \
+                                        x_tstride, x_rows, x_row0, tok_off, tok_cnt, y,          \
+                                        y_tstride, rows, cols);                                  \
+    }
+
+#define MATVEC_FORMAT(NAME, FMT)                          \
+    MATVEC_KERNEL(NAME##_t1, FMT, 1)                      \
+    MATVEC_KERNEL(NAME##_t2, FMT, 2)                      \
+    MATVEC_KERNEL(NAME##_t4, FMT, 4)                      \
+    MATVEC_KERNEL(NAME##_t8, FMT, 8)                      \
+    MATVEC_SEG_KERNEL(NAME##_seg_t1, FMT)                 \
+    MATVEC_TABLE_KERNEL(NAME##_table_t1, FMT, 1, false)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t2, FMT, 2, false)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t4, FMT, 4, false)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_t8, FMT, 8, false)   \
+    MATVEC_TABLE_KERNEL(NAME##_table_glu_t1, FMT, 1, true) \
+    MATVEC_TABLE_KERNEL(NAME##_table_glu_t2, FMT, 2, true)
 
 MATVEC_FORMAT(matvec_f32, FMT_F32)
 MATVEC_FORMAT(matvec_f16, FMT_F16)

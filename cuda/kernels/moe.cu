@@ -205,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
                    float* __restrict__ out_w, u64* __restrict__ ptrs, u32 ptr_stride,
                    u32* __restrict__ tok_off, u32* __restrict__ tok_cnt, u32 table_len,
                    u32* __restrict__ pairs, u32* __restrict__ pair_of) {
+    pdl_entry();
     __shared__ float sa[MR_WARPS][MR_MAX_E];
     __shared__ float sb[MR_WARPS][MR_MAX_E];
     __shared__ u32 ssel[MR_WARPS][MR_MAX_K];
@@ -288,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(256)
     kv_append(const float* __restrict__ src, u32 src_stride, float* __restrict__ dst,
               u32 dst_stride, u32 cols, const u32* __restrict__ pos,
               const u32* __restrict__ slot0, u32 capacity) {
+    pdl_entry();
     const u32 i = blockIdx.x * 256 + threadIdx.x;
     const u64 r = blockIdx.y;
     if (i >= cols) return;

@@ -53,6 +53,7 @@ __device__ __forceinline__ void warp_top_k(const float* vals, u32 n, u32 k, u32*
 extern "C" __global__ void __launch_bounds__(32)
     router_softmax_topk(const float* __restrict__ logits, u32 E, u32 k, u32 norm,
                         u32* __restrict__ out_idx, float* __restrict__ out_w) {
+    pdl_entry();
     __shared__ float p[RT_MAX_E];
     __shared__ u32 sel[RT_MAX_K];
     const u32 lane = threadIdx.x;
@@ -98,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(32)
                                 u32 E, u32 n_group, u32 topk_group, u32 k, u32 norm,
                                 float scaling, u32* __restrict__ out_idx,
                                 float* __restrict__ out_w) {
+    pdl_entry();
     __shared__ float sc[RT_MAX_E];
     __shared__ float ch[RT_MAX_E];
     __shared__ float gs[32];

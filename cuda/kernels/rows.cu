@@ -10,6 +10,7 @@
 // `*x += a`). grid = ceil(n / 256) blocks (x), with y ≠ a.
 extern "C" __global__ void __launch_bounds__(RW_THREADS)
     add_inplace(float* __restrict__ y, const float* __restrict__ a, u64 n) {
+    pdl_entry();
     const u64 i = (u64)blockIdx.x * RW_THREADS + threadIdx.x;
     if (i < n) y[i] = __fadd_rn(y[i], a[i]);
 }
@@ -18,6 +19,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS)
 // grid = (ceil(cols / 256), rows).
 extern "C" __global__ void __launch_bounds__(RW_THREADS)
     add_bias(float* __restrict__ y, const float* __restrict__ b, u32 cols) {
+    pdl_entry();
     const u32 i = blockIdx.x * RW_THREADS + threadIdx.x;
     if (i >= cols) return;
     const u64 at = (u64)blockIdx.y * cols + i;
@@ -27,6 +29,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS)
 // y[i] = clamp(y[i], -c, c) (clip_qkv), NaN kept as NaN like f32::clamp.
 extern "C" __global__ void __launch_bounds__(RW_THREADS)
     clamp_inplace(float* __restrict__ y, u64 n, float c) {
+    pdl_entry();
     const u64 i = (u64)blockIdx.x * RW_THREADS + threadIdx.x;
     if (i >= n) return;
     const float v = y[i];
@@ -39,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS)
 extern "C" __global__ void __launch_bounds__(RW_THREADS)
     gather_rows(const float* __restrict__ src, u32 src_stride, const u32* __restrict__ idx,
                 float* __restrict__ dst, u32 dst_stride, u32 cols) {
+    pdl_entry();
     const u32 i = blockIdx.x * RW_THREADS + threadIdx.x;
     if (i >= cols) return;
     const u64 r = blockIdx.y;
@@ -51,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS)
 extern "C" __global__ void __launch_bounds__(RW_THREADS)
     copy_2d(const float* __restrict__ src, u32 src_stride, float* __restrict__ dst,
             u32 dst_stride, u32 cols) {
+    pdl_entry();
     const u32 i = blockIdx.x * RW_THREADS + threadIdx.x;
     if (i >= cols) return;
     const u64 r = blockIdx.y;

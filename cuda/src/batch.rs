@@ -24,6 +24,12 @@ fn table_rows_per_block(format: WeightFormat, nt: usize) -> usize {
         _ => 2,
     }
 }
+/// The most tokens per matrix a [`KernelSet::matvec_table_glu`] launch
+/// takes (MATVEC_FORMAT in kernels/matvec.cu: more would spill registers).
+pub const GLU_MAX_TOK: usize = 2;
+/// Rows a block of the GLU table kernel owns: 8 warps of 1 row
+/// (MV_GLU_ROWS_PER_WARP).
+const GLU_ROWS_PER_BLOCK: usize = 8;
 const MV_THREADS: u32 = 256;
 const RW_THREADS: u32 = 256;
 const MAX_GRID_YZ: usize = 65535;
@@ -45,6 +51,10 @@ pub struct MatvecTable<'a> {
     pub scale_ptrs: Option<(BufView<'a, u64>, usize)>,
     pub x: BufView<'a, f32>,
     pub x_tok_stride: usize,
+    /// Where the tokens are, when they are not packed by expert: the token
+    /// of pair row p is row `rows[p − first]` of x, for the pair rows
+    /// `first ..` of this launch (`(rows, first)`).
+    pub x_rows: Option<(BufView<'a, u32>, usize)>,
     pub tok_off: BufView<'a, u32>,
     pub tok_cnt: BufView<'a, u32>,
     /// The largest `tok_cnt[z]` (sizes the grid).
@@ -52,7 +62,7 @@ pub struct MatvecTable<'a> {
     pub y_tok_stride: usize,
 }
 
-fn table_kernel(format: WeightFormat, nt: usize) -> &'static str {
+fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
     const NAMES: [[&str; 4]; 6] = [
         [
             "matvec_f32_table_t1",
@@ -91,13 +101,26 @@ fn table_kernel(format: WeightFormat, nt: usize) -> &'static str {
             "matvec_q4_0_table_t8",
         ],
     ];
+    const GLU_NAMES: [[&str; 2]; 6] = [
+        ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
+        ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
+        ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
+        ["matvec_f8e4m3_table_glu_t1", "matvec_f8e4m3_table_glu_t2"],
+        ["matvec_q8_0_table_glu_t1", "matvec_q8_0_table_glu_t2"],
+        ["matvec_q4_0_table_glu_t1", "matvec_q4_0_table_glu_t2"],
+    ];
     let i = match nt {
         1 => 0,
         2 => 1,
         4 => 2,
         _ => 3,
     };
-    NAMES[format.code() as usize][i]
+    let f = format.code() as usize;
+    if glu {
+        GLU_NAMES[f][i.min(1)]
+    } else {
+        NAMES[f][i]
+    }
 }
 
 impl KernelSet {
@@ -112,12 +135,46 @@ impl KernelSet {
     /// `tok_cnt[z] ≤ max_tok`; and rows `tok_off[z] .. + tok_cnt[z]` must
     /// lie inside x and y (checked here only against the largest offset the
     /// caller could mean: the views' lengths), with no two matrices
-    /// writing the same row. The tables must hold these values when the
+    /// writing the same row; with `x_rows`, every entry read (pair rows
+    /// `tok_off[z] .. + tok_cnt[z]` minus `first`) must lie inside its view
+    /// and name a row inside x. The tables must hold these values when the
     /// kernel runs (stream order).
     pub unsafe fn matvec_table(
         &self,
         dev: &CudaDevice,
         t: &MatvecTable<'_>,
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.table_launch(dev, t, None, y) }
+    }
+
+    /// A gated MLP's first half for every matrix of a table at once:
+    /// `y = silu(gate · x) * (up · x)` per row, where `t` describes the gate
+    /// matrices and `up` (FP8: with its scale pointers) the up matrices of
+    /// the same shape, matrix z of each belonging together. Each row's two
+    /// sums are formed exactly as two [`KernelSet::matvec_table`] launches
+    /// form them and combined with [`KernelSet::swiglu`]'s operations, so
+    /// the result has the bits of those three launches.
+    ///
+    /// # Safety
+    /// [`KernelSet::matvec_table`]'s contract, for the up matrices too.
+    pub unsafe fn matvec_table_glu(
+        &self,
+        dev: &CudaDevice,
+        t: &MatvecTable<'_>,
+        up: (BufView<'_, u64>, Option<BufView<'_, u64>>),
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.table_launch(dev, t, Some(up), y) }
+    }
+
+    unsafe fn table_launch(
+        &self,
+        dev: &CudaDevice,
+        t: &MatvecTable<'_>,
+        up: Option<(BufView<'_, u64>, Option<BufView<'_, u64>>)>,
         y: BufMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "matvec_table";
@@ -165,30 +222,70 @@ impl KernelSet {
         if gy > MAX_GRID_YZ || t.matrices > MAX_GRID_YZ {
             return Err(CudaError::invalid(K, "too many tokens or matrices"));
         }
+        let (w2_ptrs, s2_ptrs) = match &up {
+            None => (0, 0),
+            Some((w2, s2)) => {
+                need(K, "up w_ptrs", t.matrices, w2.len())?;
+                let s2 = match (t.format, s2) {
+                    (WeightFormat::F8E4M3, Some(p)) => {
+                        need(K, "up scale pointers", t.matrices, p.len())?;
+                        p.device_ptr()
+                    }
+                    (WeightFormat::F8E4M3, None) => {
+                        return Err(CudaError::invalid(K, "fp8 up weights need their scales"));
+                    }
+                    (_, Some(_)) => {
+                        return Err(CudaError::invalid(K, "scales given for a non-fp8 format"));
+                    }
+                    (_, None) => 0,
+                };
+                (w2.device_ptr(), s2)
+            }
+        };
+        let glu = up.is_some();
+        if glu && t.max_tok > GLU_MAX_TOK {
+            return Err(CudaError::invalid(
+                K,
+                format!("a GLU launch takes at most {GLU_MAX_TOK} tokens per matrix"),
+            ));
+        }
         let mut a = Args::new();
         a.ptr(t.w_ptrs.device_ptr())
             .ptr(s_ptrs)
+            .ptr(w2_ptrs)
+            .ptr(s2_ptrs)
             .u32(u32_arg(K, "fp8 block", s_block)?)
             .u32(u32_arg(K, "fp8 scale columns", s_cols)?)
             .ptr(t.x.device_ptr())
             .u32(u32_arg(K, "x token stride", t.x_tok_stride)?)
+            .ptr(t.x_rows.map_or(0, |(r, _)| r.device_ptr()))
+            .u32(u32_arg(
+                K,
+                "first pair row",
+                t.x_rows.map_or(0, |(_, f)| f),
+            )?)
             .ptr(t.tok_off.device_ptr())
             .ptr(t.tok_cnt.device_ptr())
             .ptr(y.device_ptr())
             .u32(u32_arg(K, "y token stride", t.y_tok_stride)?)
             .u32(u32_arg(K, "rows", t.rows)?)
             .u32(u32_arg(K, "cols", t.cols)?);
-        // SAFETY: 12 arguments in the order and sizes of
-        // MATVEC_TABLE_KERNEL in kernels/matvec.cu (ptr, ptr, u32, u32, ptr,
-        // u32, ptr, ptr, ptr, u32, u32, u32); the tables' contents are the
-        // caller's contract (see above).
+        // SAFETY: 16 arguments in the order and sizes of
+        // MATVEC_TABLE_KERNEL in kernels/matvec.cu (ptr, ptr, ptr, ptr, u32,
+        // u32, ptr, u32, ptr, u32, ptr, ptr, ptr, u32, u32, u32); the tables'
+        // contents and the token rows are the caller's contract (see
+        // above).
         unsafe {
             self.launch(
                 dev,
-                table_kernel(t.format, nt),
+                table_kernel(t.format, nt, glu),
                 grid(
                     K,
-                    t.rows.div_ceil(table_rows_per_block(t.format, nt)),
+                    t.rows.div_ceil(if glu {
+                        GLU_ROWS_PER_BLOCK
+                    } else {
+                        table_rows_per_block(t.format, nt)
+                    }),
                     gy,
                     t.matrices,
                 )?,

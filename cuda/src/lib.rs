@@ -51,7 +51,7 @@ pub mod moe;
 pub mod nvrtc;
 pub mod ops;
 
-pub use batch::MatvecTable;
+pub use batch::{GLU_MAX_TOK, MatvecTable};
 pub use cache::KernelCache;
 pub use device::{
     BufMut, BufView, CounterSnapshot, CudaDevice, DeviceBuffer, DeviceElem, DeviceInfo, Event,

@@ -11,7 +11,7 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::result;
+use cudarc::driver::{result, sys};
 
 use crate::device::{BufMut, BufView, CudaDevice};
 use crate::error::{CudaError, DriverResultExt, Result};
@@ -103,6 +103,20 @@ impl WeightFormat {
                 "matvec_q4_0_t4",
                 "matvec_q4_0_t8",
             ],
+        }
+    }
+}
+
+impl WeightFormat {
+    /// The one-token kernel of [`KernelSet::matvec_seg`].
+    fn matvec_seg_kernel(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "matvec_f32_seg_t1",
+            WeightFormat::F16 => "matvec_f16_seg_t1",
+            WeightFormat::Bf16 => "matvec_bf16_seg_t1",
+            WeightFormat::F8E4M3 => "matvec_f8e4m3_seg_t1",
+            WeightFormat::Q8_0 => "matvec_q8_0_seg_t1",
+            WeightFormat::Q4_0 => "matvec_q4_0_seg_t1",
         }
     }
 }
@@ -300,6 +314,101 @@ pub(crate) fn grid(kernel: &'static str, x: usize, y: usize, z: usize) -> Result
     Ok((x as u32, y as u32, z as u32))
 }
 
+/// Checks a [`MatvecGroup`] launch against its views (every range a kernel
+/// may touch lies inside them, outputs do not overlap) and returns the FP8
+/// scale pointer, scale block and scale columns (0, 1, 0 without scales).
+fn check_group(g: &MatvecGroup<'_>, y: &BufMut<'_, f32>) -> Result<(u64, usize, usize)> {
+    const K: &str = "matvec";
+    let w = &g.w;
+    nonzero(K, "rows", w.rows)?;
+    nonzero(K, "cols", w.cols)?;
+    nonzero(K, "ntok", g.ntok)?;
+    nonzero(K, "matrices", g.matrices)?;
+    let rb = w.format.row_bytes(w.cols).ok_or_else(|| {
+        CudaError::invalid(
+            K,
+            format!(
+                "{:?} rows of {} columns are not whole 32-blocks",
+                w.format, w.cols
+            ),
+        )
+    })?;
+    let mat_bytes = span(K, &[(w.rows, rb)], 0)?;
+    need(
+        K,
+        "weights",
+        span(K, &[(g.matrices - 1, g.w_stride)], mat_bytes)?,
+        w.data.len(),
+    )?;
+    let align = w.format.alignment() as u64;
+    if !w.data.device_ptr().is_multiple_of(align)
+        || (g.matrices > 1 && !(g.w_stride as u64).is_multiple_of(align))
+    {
+        return Err(CudaError::invalid(
+            K,
+            format!("{:?} weights must be {align}-byte aligned", w.format),
+        ));
+    }
+    let scales = match (w.format, &w.fp8) {
+        (WeightFormat::F8E4M3, Some(s)) => {
+            if s.block == 0 || !s.block.is_multiple_of(32) {
+                return Err(CudaError::invalid(
+                    K,
+                    format!("fp8 block {} is not a multiple of 32", s.block),
+                ));
+            }
+            let (sr, sc) = (w.rows.div_ceil(s.block), w.cols.div_ceil(s.block));
+            need(
+                K,
+                "fp8 scales",
+                span(K, &[(g.matrices - 1, g.scale_stride), (sr, sc)], 0)?,
+                s.scales.len(),
+            )?;
+            (s.scales.device_ptr(), s.block, sc)
+        }
+        (WeightFormat::F8E4M3, None) => {
+            return Err(CudaError::invalid(K, "fp8 weights need their scales"));
+        }
+        (_, Some(_)) => return Err(CudaError::invalid(K, "scales given for a non-fp8 format")),
+        (_, None) => (0, 1, 0),
+    };
+    need(
+        K,
+        "x",
+        span(
+            K,
+            &[
+                (g.matrices - 1, g.x_mat_stride),
+                (g.ntok - 1, g.x_tok_stride),
+            ],
+            w.cols,
+        )?,
+        g.x.len(),
+    )?;
+    need(
+        K,
+        "y",
+        span(
+            K,
+            &[
+                (g.matrices - 1, g.y_mat_stride),
+                (g.ntok - 1, g.y_tok_stride),
+            ],
+            w.rows,
+        )?,
+        y.len(),
+    )?;
+    // Outputs must not overlap: one of the two strides nests the other.
+    let tok_span = span(K, &[(g.ntok - 1, g.y_tok_stride)], w.rows)?;
+    let mat_span = span(K, &[(g.matrices - 1, g.y_mat_stride)], w.rows)?;
+    let disjoint = (g.ntok == 1 || g.y_tok_stride >= w.rows)
+        && (g.matrices == 1 || g.y_mat_stride >= tok_span || g.y_tok_stride >= mat_span);
+    if !disjoint {
+        return Err(CudaError::invalid(K, "y strides make outputs overlap"));
+    }
+    Ok(scales)
+}
+
 impl KernelSet {
     /// # Safety
     /// `args` must match the parameter list of kernel `name` in count, order
@@ -320,6 +429,44 @@ impl KernelSet {
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
+        if self.pdl {
+            // Programmatic dependent launch: every kernel waits for its
+            // predecessor's completion itself (`pdl_entry()` in
+            // kernels/common.cuh, checked for every kernel by
+            // kernels::tests), so it may be scheduled while that predecessor
+            // still runs.
+            // SAFETY: a zeroed attribute value is a valid union (plain
+            // integers and arrays); only the programmatic-serialization
+            // field is read for this attribute id.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: dev.compute_stream().cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as for cuLaunchKernel below; `config` and `attr` live
+            // across the call (the driver copies them).
+            return unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .op("cuLaunchKernelEx");
+        }
         // SAFETY: the caller vouches for the arguments; `params` points into
         // `args`, which outlives the call (the driver copies the values at
         // launch).
@@ -364,6 +511,78 @@ impl KernelSet {
         )
     }
 
+    /// One token through one to three matrices of the same format and
+    /// width (a layer's q, k and v projections) in one launch: each output
+    /// gets exactly what [`KernelSet::matvec`] gives for its matrix (the
+    /// same device function on the same block shape).
+    pub fn matvec_seg(
+        &self,
+        dev: &CudaDevice,
+        x: BufView<'_, f32>,
+        mats: Vec<(WeightView<'_>, BufMut<'_, f32>)>,
+    ) -> Result<()> {
+        const K: &str = "matvec_seg";
+        if mats.is_empty() || mats.len() > 3 {
+            return Err(CudaError::invalid(K, "one to three matrices"));
+        }
+        let (format, cols) = (mats[0].0.format, mats[0].0.cols);
+        let mut segs = [(0u64, 0u64, 0u64, 0usize); 3];
+        let mut scale_geom = None;
+        let mut ends = [0usize; 3];
+        let mut blocks = 0usize;
+        for (i, (w, y)) in mats.iter().enumerate() {
+            if w.format != format || w.cols != cols {
+                return Err(CudaError::invalid(K, "matrices differ in format or width"));
+            }
+            let g = MatvecGroup {
+                w: *w,
+                matrices: 1,
+                w_stride: 0,
+                scale_stride: 0,
+                x,
+                x_tok_stride: cols,
+                x_mat_stride: 0,
+                ntok: 1,
+                y_tok_stride: w.rows,
+                y_mat_stride: 0,
+            };
+            let (sp, sb, sc) = check_group(&g, y)?;
+            if scale_geom.is_some_and(|geom| geom != (sb, sc)) {
+                return Err(CudaError::invalid(K, "matrices differ in fp8 scale block"));
+            }
+            scale_geom = Some((sb, sc));
+            segs[i] = (w.data.device_ptr(), sp, y.device_ptr(), w.rows);
+            blocks += w.rows.div_ceil(mv_rows_per_block(format, 1));
+            ends[i] = blocks;
+        }
+        let (s_block, s_cols) = scale_geom.unwrap_or((1, 0));
+        let n = mats.len();
+        let mut a = Args::new();
+        for &(w, sp, y, rows) in &segs {
+            a.ptr(w).ptr(sp).ptr(y).u32(u32_arg(K, "rows", rows)?);
+        }
+        // Blocks [0, b1) serve matrix 0, [b1, b2) matrix 1, the rest matrix 2.
+        a.u32(u32_arg(K, "blocks", ends[0])?)
+            .u32(u32_arg(K, "blocks", if n > 1 { ends[1] } else { blocks })?)
+            .u32(u32_arg(K, "fp8 block", s_block)?)
+            .u32(u32_arg(K, "fp8 scale columns", s_cols)?)
+            .ptr(x.device_ptr())
+            .u32(u32_arg(K, "cols", cols)?);
+        // SAFETY: 18 arguments in the order and sizes of MATVEC_SEG_KERNEL in
+        // kernels/matvec.cu (3 × (ptr, ptr, ptr, u32), u32, u32, u32, u32,
+        // ptr, u32); every matrix, its scales, x and its y were checked
+        // above as a one-token matvec; absent matrices have no blocks.
+        unsafe {
+            self.launch(
+                dev,
+                format.matvec_seg_kernel(),
+                grid(K, blocks, 1, 1)?,
+                MV_THREADS,
+                &mut a,
+            )
+        }
+    }
+
     /// The grouped matrix-vector product of [`MatvecGroup`].
     pub fn matvec_group(
         &self,
@@ -373,92 +592,7 @@ impl KernelSet {
     ) -> Result<()> {
         const K: &str = "matvec";
         let w = &g.w;
-        nonzero(K, "rows", w.rows)?;
-        nonzero(K, "cols", w.cols)?;
-        nonzero(K, "ntok", g.ntok)?;
-        nonzero(K, "matrices", g.matrices)?;
-        let rb = w.format.row_bytes(w.cols).ok_or_else(|| {
-            CudaError::invalid(
-                K,
-                format!(
-                    "{:?} rows of {} columns are not whole 32-blocks",
-                    w.format, w.cols
-                ),
-            )
-        })?;
-        let mat_bytes = span(K, &[(w.rows, rb)], 0)?;
-        need(
-            K,
-            "weights",
-            span(K, &[(g.matrices - 1, g.w_stride)], mat_bytes)?,
-            w.data.len(),
-        )?;
-        let align = w.format.alignment() as u64;
-        if !w.data.device_ptr().is_multiple_of(align)
-            || (g.matrices > 1 && !(g.w_stride as u64).is_multiple_of(align))
-        {
-            return Err(CudaError::invalid(
-                K,
-                format!("{:?} weights must be {align}-byte aligned", w.format),
-            ));
-        }
-        let (scales_ptr, s_block, s_cols) = match (w.format, &w.fp8) {
-            (WeightFormat::F8E4M3, Some(s)) => {
-                if s.block == 0 || !s.block.is_multiple_of(32) {
-                    return Err(CudaError::invalid(
-                        K,
-                        format!("fp8 block {} is not a multiple of 32", s.block),
-                    ));
-                }
-                let (sr, sc) = (w.rows.div_ceil(s.block), w.cols.div_ceil(s.block));
-                need(
-                    K,
-                    "fp8 scales",
-                    span(K, &[(g.matrices - 1, g.scale_stride), (sr, sc)], 0)?,
-                    s.scales.len(),
-                )?;
-                (s.scales.device_ptr(), s.block, sc)
-            }
-            (WeightFormat::F8E4M3, None) => {
-                return Err(CudaError::invalid(K, "fp8 weights need their scales"));
-            }
-            (_, Some(_)) => return Err(CudaError::invalid(K, "scales given for a non-fp8 format")),
-            (_, None) => (0, 1, 0),
-        };
-        need(
-            K,
-            "x",
-            span(
-                K,
-                &[
-                    (g.matrices - 1, g.x_mat_stride),
-                    (g.ntok - 1, g.x_tok_stride),
-                ],
-                w.cols,
-            )?,
-            g.x.len(),
-        )?;
-        need(
-            K,
-            "y",
-            span(
-                K,
-                &[
-                    (g.matrices - 1, g.y_mat_stride),
-                    (g.ntok - 1, g.y_tok_stride),
-                ],
-                w.rows,
-            )?,
-            y.len(),
-        )?;
-        // Outputs must not overlap: one of the two strides nests the other.
-        let tok_span = span(K, &[(g.ntok - 1, g.y_tok_stride)], w.rows)?;
-        let mat_span = span(K, &[(g.matrices - 1, g.y_mat_stride)], w.rows)?;
-        let disjoint = (g.ntok == 1 || g.y_tok_stride >= w.rows)
-            && (g.matrices == 1 || g.y_mat_stride >= tok_span || g.y_tok_stride >= mat_span);
-        if !disjoint {
-            return Err(CudaError::invalid(K, "y strides make outputs overlap"));
-        }
+        let (scales_ptr, s_block, s_cols) = check_group(g, &y)?;
         let (nt, name) = match g.ntok {
             1 => (1, w.format.matvec_kernels()[0]),
             2 => (2, w.format.matvec_kernels()[1]),
@@ -947,6 +1081,85 @@ impl KernelSet {
         hidden: usize,
         accumulate: bool,
     ) -> Result<()> {
+        // SAFETY: without slot rows every read is checked below.
+        unsafe {
+            self.combine_launch(
+                dev,
+                slot_out,
+                None,
+                experts,
+                weights,
+                shared,
+                shared_gate,
+                out,
+                (rows, k, hidden),
+                accumulate,
+            )
+        }
+    }
+
+    /// [`Self::moe_combine_into`] reading slot s of row r from row
+    /// `slot_rows[r·k + s]` of `slot_out` (the expert launches' outputs,
+    /// packed by expert) instead of row `r·k + s`: the same sums, without
+    /// gathering the slots first.
+    ///
+    /// # Safety
+    /// Every entry of `slot_rows[..rows·k]` must be below `rows·k` when the
+    /// kernel runs (stream order); `slot_out` is checked to hold that many
+    /// rows.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn moe_combine_rows_into(
+        &self,
+        dev: &CudaDevice,
+        slot_out: BufView<'_, f32>,
+        slot_rows: BufView<'_, u32>,
+        experts: BufView<'_, u32>,
+        weights: BufView<'_, f32>,
+        shared: Option<BufView<'_, f32>>,
+        shared_gate: Option<BufView<'_, f32>>,
+        out: BufMut<'_, f32>,
+        rows: usize,
+        k: usize,
+        hidden: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        need(
+            "moe_combine",
+            "slot rows",
+            span("moe_combine", &[(rows, k)], 0)?,
+            slot_rows.len(),
+        )?;
+        // SAFETY: the caller's contract on the slot rows, passed on.
+        unsafe {
+            self.combine_launch(
+                dev,
+                slot_out,
+                Some(slot_rows),
+                experts,
+                weights,
+                shared,
+                shared_gate,
+                out,
+                (rows, k, hidden),
+                accumulate,
+            )
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn combine_launch(
+        &self,
+        dev: &CudaDevice,
+        slot_out: BufView<'_, f32>,
+        slot_rows: Option<BufView<'_, u32>>,
+        experts: BufView<'_, u32>,
+        weights: BufView<'_, f32>,
+        shared: Option<BufView<'_, f32>>,
+        shared_gate: Option<BufView<'_, f32>>,
+        out: BufMut<'_, f32>,
+        (rows, k, hidden): (usize, usize, usize),
+        accumulate: bool,
+    ) -> Result<()> {
         const K: &str = "moe_combine";
         nonzero(K, "rows", rows)?;
         nonzero(K, "k", k)?;
@@ -978,6 +1191,7 @@ impl KernelSet {
         }
         let mut a = Args::new();
         a.ptr(slot_out.device_ptr())
+            .ptr(slot_rows.map_or(0, |r| r.device_ptr()))
             .ptr(experts.device_ptr())
             .ptr(weights.device_ptr())
             .ptr(shared.map_or(0, |s| s.device_ptr()))
@@ -986,10 +1200,11 @@ impl KernelSet {
             .u32(k as u32)
             .u32(u32_arg(K, "hidden", hidden)?)
             .u32(accumulate as u32);
-        // SAFETY: 9 arguments as moe_combine in kernels/elementwise.cu (6
-        // pointers, u32 ×3); every range checked above; null pointers only
-        // for the optional shared inputs, which the kernel tests; `out` is
-        // exclusive, so no input aliases it.
+        // SAFETY: 10 arguments as moe_combine in kernels/elementwise.cu (7
+        // pointers, u32 ×3); every range checked above (slot rows: the
+        // caller's contract keeps them below rows·k); null pointers only for
+        // the optional inputs, which the kernel tests; `out` is exclusive,
+        // so no input aliases it.
         unsafe {
             self.launch(
                 dev,

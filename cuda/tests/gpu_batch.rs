@@ -10,6 +10,7 @@ mod common;
 use colibri_cuda::{Fp8Scales, MatvecTable, WeightFormat, WeightView};
 use common::{gpu, nonzero, poisoned, random_weights, rng, upload};
 use rand::Rng;
+use rand::seq::SliceRandom;
 
 const FORMATS: [WeightFormat; 6] = [
     WeightFormat::F32,
@@ -88,6 +89,7 @@ fn table_matvec_equals_single_matvec_bits() {
             scale_ptrs: (fmt == WeightFormat::F8E4M3).then(|| (dsp.as_view(), ws[0].block)),
             x: dx.as_view(),
             x_tok_stride: cols,
+            x_rows: None,
             tok_off: doff.as_view(),
             tok_cnt: dcnt.as_view(),
             max_tok: 8,
@@ -127,6 +129,174 @@ fn table_matvec_equals_single_matvec_bits() {
             }
         }
     }
+}
+
+/// The fused gate/up/SwiGLU table launch gives the bits of a gate table
+/// launch, an up table launch and `swiglu`, for every format, for one and
+/// two tokens per matrix, with the gate and up matrices in separate
+/// buffers at unrelated offsets.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn glu_table_matvec_equals_three_launches() {
+    let g = gpu();
+    for (fi, &fmt) in FORMATS.iter().enumerate() {
+        for max_tok in [1usize, 2] {
+            let (rows, cols, experts) = (77usize, 320usize, 4usize);
+            let mut r = rng(300 + 10 * fi as u64 + max_tok as u64);
+            let rb = fmt.row_bytes(cols).unwrap();
+            let slot = (rows * rb).next_multiple_of(256) + 512;
+            // Gate matrices in one buffer, up matrices in another.
+            let mut sides = Vec::new();
+            for side in 0..2 {
+                let ws: Vec<_> = (0..experts)
+                    .map(|_| random_weights(&mut r, fmt, rows, cols))
+                    .collect();
+                let mut bytes = vec![0u8; slot * experts + 256 * side];
+                let mut scales = Vec::new();
+                let mut scale_at = Vec::new();
+                for (e, w) in ws.iter().enumerate() {
+                    let at = e * slot + 256 * side;
+                    bytes[at..at + rows * rb].copy_from_slice(&w.bytes);
+                    scale_at.push(scales.len());
+                    scales.extend_from_slice(&w.scales);
+                }
+                let dw = upload(&bytes);
+                let ds = upload(&if scales.is_empty() {
+                    vec![0.0f32]
+                } else {
+                    scales
+                });
+                let w_ptrs: Vec<u64> = (0..experts)
+                    .map(|e| dw.as_view().device_ptr() + (e * slot + 256 * side) as u64)
+                    .collect();
+                let s_ptrs: Vec<u64> = (0..experts)
+                    .map(|e| ds.as_view().device_ptr() + 4 * scale_at[e] as u64)
+                    .collect();
+                let (dp, dsp) = (upload(&w_ptrs), upload(&s_ptrs));
+                sides.push((dw, ds, dp, dsp, ws[0].block));
+            }
+            let counts: Vec<usize> = (0..experts).map(|e| 1 + (e % max_tok)).collect();
+            let total: usize = counts.iter().sum();
+            let offs: Vec<u32> = counts
+                .iter()
+                .scan(0u32, |at, &c| {
+                    let o = *at;
+                    *at += c as u32;
+                    Some(o)
+                })
+                .collect();
+            let x = nonzero(&mut r, total * cols, 0.1, 1.0);
+            let dx = upload(&x);
+            let (doff, dcnt) = (
+                upload(&offs),
+                upload(&counts.iter().map(|&c| c as u32).collect::<Vec<_>>()),
+            );
+            let fp8 = fmt == WeightFormat::F8E4M3;
+            let table = |side: usize| MatvecTable {
+                format: fmt,
+                rows,
+                cols,
+                matrices: experts,
+                w_ptrs: sides[side].2.as_view(),
+                scale_ptrs: fp8.then(|| (sides[side].3.as_view(), sides[side].4)),
+                x: dx.as_view(),
+                x_tok_stride: cols,
+                x_rows: None,
+                tok_off: doff.as_view(),
+                tok_cnt: dcnt.as_view(),
+                max_tok,
+                y_tok_stride: rows,
+            };
+            let (mut yg, mut yu, mut want, mut got) = (
+                poisoned(total * rows),
+                poisoned(total * rows),
+                poisoned(total * rows),
+                poisoned(total * rows),
+            );
+            // SAFETY: every pointer is a matrix (and scale grid) of the
+            // table's shape inside live buffers; token ranges are disjoint.
+            unsafe {
+                g.k.matvec_table(&g.dev, &table(0), yg.as_mut()).unwrap();
+                g.k.matvec_table(&g.dev, &table(1), yu.as_mut()).unwrap();
+                g.k.matvec_table_glu(
+                    &g.dev,
+                    &table(0),
+                    (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    got.as_mut(),
+                )
+                .unwrap();
+            }
+            g.k.swiglu(
+                &g.dev,
+                yg.as_view(),
+                yu.as_view(),
+                want.as_mut(),
+                total,
+                rows,
+            )
+            .unwrap();
+            // The same tokens read where they lie: x stored with its rows
+            // shuffled (and one spare row), found through x_rows.
+            let mut perm: Vec<u32> = (0..total as u32).collect();
+            perm.shuffle(&mut r);
+            let mut xs = nonzero(&mut r, (total + 1) * cols, 0.1, 1.0);
+            for (p, &row) in perm.iter().enumerate() {
+                let row = row as usize;
+                xs[row * cols..(row + 1) * cols].copy_from_slice(&x[p * cols..(p + 1) * cols]);
+            }
+            let (dxs, dperm) = (upload(&xs), upload(&perm));
+            let mut got_rows = poisoned(total * rows);
+            let mut by_rows = table(0);
+            by_rows.x = dxs.as_view();
+            by_rows.x_rows = Some((dperm.as_view(), 0));
+            // SAFETY: as above; perm names rows inside xs.
+            unsafe {
+                g.k.matvec_table_glu(
+                    &g.dev,
+                    &by_rows,
+                    (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    got_rows.as_mut(),
+                )
+                .unwrap();
+            }
+            let (got, want, got_rows) = (
+                g.dev.download(got.as_view()).unwrap(),
+                g.dev.download(want.as_view()).unwrap(),
+                g.dev.download(got_rows.as_view()).unwrap(),
+            );
+            for (i, (a, b)) in got_rows.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{fmt:?} t{max_tok} x_rows element {i}"
+                );
+            }
+            assert!(
+                want.iter().all(|v| v.is_finite()),
+                "{fmt:?}: reference incomplete"
+            );
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{fmt:?} t{max_tok} element {i}");
+            }
+            // More tokens than the fused kernel takes are refused.
+            let mut big = table(0);
+            big.max_tok = colibri_cuda::GLU_MAX_TOK + 1;
+            // SAFETY: refused before any launch.
+            let refused = unsafe {
+                g.k.matvec_table_glu(
+                    &g.dev,
+                    &big,
+                    (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    got_buf(total * rows).as_mut(),
+                )
+            };
+            assert!(refused.is_err());
+        }
+    }
+}
+
+fn got_buf(n: usize) -> colibri_cuda::DeviceBuffer<f32> {
+    poisoned(n)
 }
 
 #[test]

@@ -230,6 +230,70 @@ fn matvec_grouped_equals_single() {
     }
 }
 
+/// Three matrices of different heights (a layer's q, k and v) through one
+/// `matvec_seg` launch, for every format: each output equals its own
+/// one-token matvec, bit for bit; two matrices work too.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_seg_equals_single() {
+    let g = gpu();
+    let formats = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::Bf16,
+        WeightFormat::F8E4M3,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+    ];
+    for (fi, &fmt) in formats.iter().enumerate() {
+        let mut rng = rng(70 + fi as u64);
+        let cols = 2304;
+        let heights = [263usize, 37, 128];
+        let ws: Vec<_> = heights
+            .iter()
+            .map(|&h| random_weights(&mut rng, fmt, h, cols))
+            .collect();
+        let x = nonzero(&mut rng, cols, 0.01, 1.0);
+        let xb = upload(&x);
+        let wbs: Vec<_> = ws.iter().map(|w| upload(&w.bytes)).collect();
+        let sbs: Vec<_> = ws
+            .iter()
+            .map(|w| {
+                upload(&if w.scales.is_empty() {
+                    vec![0.0f32]
+                } else {
+                    w.scales.clone()
+                })
+            })
+            .collect();
+        let view = |i: usize| WeightView {
+            format: fmt,
+            rows: heights[i],
+            cols,
+            data: wbs[i].as_view(),
+            fp8: (fmt == WeightFormat::F8E4M3).then(|| colibri_cuda::Fp8Scales {
+                scales: sbs[i].as_view(),
+                block: ws[i].block,
+            }),
+        };
+        for n in [3usize, 2] {
+            let mut ys: Vec<_> = heights.iter().map(|&h| poisoned(h)).collect();
+            let outs = ys
+                .iter_mut()
+                .take(n)
+                .enumerate()
+                .map(|(i, y)| (view(i), y.as_mut()))
+                .collect();
+            g.k.matvec_seg(&g.dev, xb.as_view(), outs).unwrap();
+            for i in 0..n {
+                let got = g.dev.download(ys[i].as_view()).unwrap();
+                let single = run(fmt, &ws[i], heights[i], cols, &x, 1, 0);
+                assert_bits(&format!("{fmt:?} matrix {i} of {n}"), &got, &single);
+            }
+        }
+    }
+}
+
 /// Views that do not fit are refused before anything is launched.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]

@@ -279,6 +279,38 @@ fn moe_combine_matches_cpu_bits() {
         } else {
             assert_bits(&format!("moe_combine mode {mode}"), &got, &want);
         }
+        // The same slots stored in a shuffled row order and read through
+        // their rows: the same bits as the packed layout.
+        let mut perm: Vec<u32> = (0..(rows * k) as u32).collect();
+        perm.shuffle(&mut rng);
+        let mut shuffled = vec![0.0f32; rows * k * hidden];
+        for (j, &p) in perm.iter().enumerate() {
+            let p = p as usize;
+            shuffled[p * hidden..(p + 1) * hidden]
+                .copy_from_slice(&slot[j * hidden..(j + 1) * hidden]);
+        }
+        let (shuf, pb) = (upload(&shuffled), upload(&perm));
+        let mut out2 = poisoned(rows * hidden);
+        // SAFETY: perm is a permutation of 0..rows·k.
+        unsafe {
+            g.k.moe_combine_rows_into(
+                &g.dev,
+                shuf.as_view(),
+                pb.as_view(),
+                eb.as_view(),
+                wb.as_view(),
+                sh,
+                gt,
+                out2.as_mut(),
+                rows,
+                k,
+                hidden,
+                false,
+            )
+            .unwrap();
+        }
+        let got2 = g.dev.download(out2.as_view()).unwrap();
+        assert_bits(&format!("moe_combine_rows_into mode {mode}"), &got2, &got);
     }
 }
 

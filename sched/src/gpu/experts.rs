@@ -353,8 +353,9 @@ pub(crate) struct MoeBufs {
     pub eg: DeviceBuffer<f32>,
     pub eu: DeviceBuffer<f32>,
     pub ea: DeviceBuffer<f32>,
+    /// The expert outputs, packed by expert (pair rows); the combine reads
+    /// them through the pair row of each (row, slot).
     pub eo: DeviceBuffer<f32>,
-    pub so: DeviceBuffer<f32>,
     /// The launch tables, packed per chunk ([`MetaLayout`]).
     d_meta: DeviceBuffer<u8>,
     h_meta: HostBuffer,
@@ -378,7 +379,7 @@ impl MoeBufs {
         [
             (pairs * d.hidden, 4),                 // xin
             (pairs * d.moe_inter.max(1), 4 * 3),   // eg, eu, ea
-            (pairs * d.hidden, 4 * 2),             // eo, so
+            (pairs * d.hidden, 4),                 // eo
             (MetaLayout::bytes(e, pairs) + 16, 1), // launch tables
             (pairs, 4 * 3),                        // combine idx, ids, weights
         ]
@@ -403,7 +404,6 @@ impl MoeBufs {
             eu: z(pairs * inter)?,
             ea: z(pairs * inter)?,
             eo: z(pairs * d.hidden)?,
-            so: z(pairs * d.hidden)?,
             d_meta: super::zeros::<u8>(dev, meta)?,
             h_meta: dev.alloc_host(meta)?,
             d_comb: super::zeros::<u8>(dev, 12 * pairs)?,
@@ -420,6 +420,14 @@ impl MoeBufs {
     fn comb_range(&self, which: usize, nk: usize) -> std::ops::Range<usize> {
         let a = 4 * nk * which;
         a..a + 4 * nk
+    }
+
+    /// The pair row (row of `eo`) of each of `nk` (row, slot) pairs: every
+    /// entry is below `nk` once the layer's routing is written (the host
+    /// checks its table before uploading it; moe_route_plan assigns each
+    /// pair one of the nk rows).
+    pub fn comb_slot_rows(&self, nk: usize) -> Result<BufView<'_, u32>, GpuError> {
+        Ok(self.d_comb.view(self.comb_range(0, nk))?.cast::<u32>()?)
     }
 
     /// The combine's expert ids of `nk` (row, slot) pairs.
@@ -704,8 +712,8 @@ impl ExpertTier {
     /// router `logits` are routed and the launches planned on the device
     /// (kernels/moe.cu), then the same expert launches and gathers as
     /// [`Self::moe_layer`] run, so the host issues the layer without
-    /// waiting for anything. Slot outputs go to `bufs.so`, the combine's
-    /// ids and weights to `bufs` as there.
+    /// waiting for anything. Expert outputs go to `bufs.eo` (pair rows),
+    /// the combine's slot rows, ids and weights to `bufs` as there.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_layer_resident(
         &mut self,
@@ -775,7 +783,6 @@ impl ExpertTier {
         // resident slots' addresses and pair rows < n; launch indices past
         // the used experts have no tokens.
         unsafe { run_chunk(dev, kern, dims, &shape, fp8, h, n, bufs, &lay, 0, n)? };
-        gather_slots(dev, kern, dims.hidden, nk, bufs)?;
         self.counters.device_routed += 1;
         Ok(())
     }
@@ -847,8 +854,9 @@ impl ExpertTier {
     }
 
     /// The routed experts of MoE layer `layer` for `n` rows of normed hidden
-    /// states `h`: slot outputs `[n][k][hidden]` into `bufs.so` and the
-    /// combine metadata (expert ids, weights) uploaded to `bufs`.
+    /// states `h`: expert outputs into `bufs.eo` (one pair row per (row,
+    /// slot), packed by expert) and the combine metadata (each pair's row,
+    /// expert id, weight) uploaded to `bufs`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_layer(
         &mut self,
@@ -863,7 +871,6 @@ impl ExpertTier {
     ) -> Result<(), GpuError> {
         let n = routing.len();
         let k = dims.top_k;
-        let hidden = dims.hidden;
         let ne = self.per_layer;
         let shape = self
             .shapes
@@ -1069,7 +1076,7 @@ impl ExpertTier {
                 bufs.d_comb.view_mut(all)?,
             )?;
         }
-        gather_slots(dev, kern, hidden, nk, bufs)
+        Ok(())
     }
 
     /// Launches the current chunk: gather its rows, gate/up/SwiGLU/down,
@@ -1336,19 +1343,22 @@ unsafe fn run_chunk(
     let inter = shape.mats[0].rows;
     let p1 = p0 + lay.pairs;
     let meta = &bufs.d_meta;
-    // SAFETY (of the gather): pair rows are rows < n of h (the caller's
-    // contract).
-    unsafe {
-        kern.gather_rows(
-            dev,
-            h,
-            hidden,
-            n,
-            meta.view(lay.pair_rows())?.cast::<u32>()?,
-            bufs.xin.view_mut(p0 * hidden..p1 * hidden)?,
-            hidden,
-            hidden,
-        )?;
+    let glu = max_tok <= colibri_cuda::GLU_MAX_TOK;
+    if !glu {
+        // SAFETY (of the gather): pair rows are rows < n of h (the caller's
+        // contract).
+        unsafe {
+            kern.gather_rows(
+                dev,
+                h,
+                hidden,
+                n,
+                meta.view(lay.pair_rows())?.cast::<u32>()?,
+                bufs.xin.view_mut(p0 * hidden..p1 * hidden)?,
+                hidden,
+                hidden,
+            )?;
+        }
     }
     let table = |t: usize| -> Result<BufView<'_, u64>, GpuError> {
         Ok(meta.view(lay.ptrs(t))?.cast::<u64>()?)
@@ -1373,6 +1383,7 @@ unsafe fn run_chunk(
             },
             x,
             x_tok_stride: x_stride,
+            x_rows: None,
             tok_off: meta.view(lay.off())?.cast::<u32>()?,
             tok_cnt: meta.view(lay.cnt())?.cast::<u32>()?,
             max_tok,
@@ -1385,28 +1396,60 @@ unsafe fn run_chunk(
         Ok(())
     };
     let pairs = n * dims.top_k;
-    run(
-        0,
-        bufs.xin.as_view(),
-        hidden,
-        bufs.eg.view_mut(0..pairs * inter)?,
-        inter,
-    )?;
-    run(
-        1,
-        bufs.xin.as_view(),
-        hidden,
-        bufs.eu.view_mut(0..pairs * inter)?,
-        inter,
-    )?;
-    kern.swiglu(
-        dev,
-        bufs.eg.view(p0 * inter..p1 * inter)?,
-        bufs.eu.view(p0 * inter..p1 * inter)?,
-        bufs.ea.view_mut(p0 * inter..p1 * inter)?,
-        p1 - p0,
-        inter,
-    )?;
+    if glu {
+        // Gate, up and SwiGLU in one launch (the bits of the three),
+        // reading each pair's token where it is in h.
+        let ms = &shape.mats[0];
+        let t = MatvecTable {
+            format: ms.format,
+            rows: ms.rows,
+            cols: ms.cols,
+            matrices: lay.m,
+            w_ptrs: table(0)?,
+            scale_ptrs: if fp8 {
+                Some((table(3)?, ms.scales.map_or(0, |s| s.0)))
+            } else {
+                None
+            },
+            x: h,
+            x_tok_stride: hidden,
+            x_rows: Some((meta.view(lay.pair_rows())?.cast::<u32>()?, p0)),
+            tok_off: meta.view(lay.off())?.cast::<u32>()?,
+            tok_cnt: meta.view(lay.cnt())?.cast::<u32>()?,
+            max_tok,
+            y_tok_stride: inter,
+        };
+        let up = (table(1)?, if fp8 { Some(table(4)?) } else { None });
+        // SAFETY: as for `run` above: the gate and up tables of the same
+        // experts, filled by the caller; the chunk's pair rows p0..p1 map
+        // to rows < n of h (the caller's contract, as for the gather).
+        unsafe {
+            kern.matvec_table_glu(dev, &t, up, bufs.ea.view_mut(0..pairs * inter)?)?;
+        }
+    } else {
+        run(
+            0,
+            bufs.xin.as_view(),
+            hidden,
+            bufs.eg.view_mut(0..pairs * inter)?,
+            inter,
+        )?;
+        run(
+            1,
+            bufs.xin.as_view(),
+            hidden,
+            bufs.eu.view_mut(0..pairs * inter)?,
+            inter,
+        )?;
+        kern.swiglu(
+            dev,
+            bufs.eg.view(p0 * inter..p1 * inter)?,
+            bufs.eu.view(p0 * inter..p1 * inter)?,
+            bufs.ea.view_mut(p0 * inter..p1 * inter)?,
+            p1 - p0,
+            inter,
+        )?;
+    }
     run(
         2,
         bufs.ea.as_view(),
@@ -1414,32 +1457,4 @@ unsafe fn run_chunk(
         bufs.eo.view_mut(0..pairs * hidden)?,
         hidden,
     )
-}
-
-/// The expert outputs back in (row, slot) order for the combine:
-/// `so[j] = eo[pair_of[j]]` for the `nk` pairs.
-fn gather_slots(
-    dev: &CudaDevice,
-    kern: &KernelSet,
-    hidden: usize,
-    nk: usize,
-    bufs: &mut MoeBufs,
-) -> Result<(), GpuError> {
-    let idx = bufs.d_comb.view(bufs.comb_range(0, nk))?.cast::<u32>()?;
-    // SAFETY: every index is a pair row < nk: the host checked pair_of
-    // (no unassigned entry) before uploading it, and the device plan
-    // (moe_route_plan) assigns each of the nk pairs one of the nk rows.
-    unsafe {
-        kern.gather_rows(
-            dev,
-            bufs.eo.view(0..nk * hidden)?,
-            hidden,
-            nk,
-            idx,
-            bufs.so.view_mut(0..nk * hidden)?,
-            hidden,
-            hidden,
-        )?;
-    }
-    Ok(())
 }

@@ -1253,27 +1253,32 @@ impl State {
                 self.s.gl.view_mut(0..n)?,
             )?;
         }
-        self.k.moe_combine_into(
-            &self.dev,
-            self.moe.so.view(0..n * k * hd)?,
-            self.moe.comb_ids(n * k)?,
-            self.moe.comb_w(n * k)?,
-            if has_shared {
-                Some(self.s.sh.view(0..n * hd)?)
-            } else {
-                None
-            },
-            if has_gate {
-                Some(self.s.gl.view(0..n)?)
-            } else {
-                None
-            },
-            self.s.x.view_mut(0..n * hd)?,
-            n,
-            k,
-            hd,
-            true,
-        )?;
+        // SAFETY: the slot rows are pair rows < n·k (comb_slot_rows), in
+        // stream order before this launch.
+        unsafe {
+            self.k.moe_combine_rows_into(
+                &self.dev,
+                self.moe.eo.view(0..n * k * hd)?,
+                self.moe.comb_slot_rows(n * k)?,
+                self.moe.comb_ids(n * k)?,
+                self.moe.comb_w(n * k)?,
+                if has_shared {
+                    Some(self.s.sh.view(0..n * hd)?)
+                } else {
+                    None
+                },
+                if has_gate {
+                    Some(self.s.gl.view(0..n)?)
+                } else {
+                    None
+                },
+                self.s.x.view_mut(0..n * hd)?,
+                n,
+                k,
+                hd,
+                true,
+            )?;
+        }
         Ok(())
     }
 }

@@ -96,33 +96,38 @@ impl State {
         let eps = dims.eps;
         let base = self.dense.view(l)?;
         let h = self.s.h.view(0..n * dims.hidden)?;
-        linear(
-            &self.dev,
-            &self.k,
-            base,
-            &wq,
-            h,
-            n,
-            self.s.q.view_mut(0..n * qd)?,
-        )?;
-        linear(
-            &self.dev,
-            &self.k,
-            base,
-            &wk,
-            h,
-            n,
-            self.s.k.view_mut(0..n * kvd)?,
-        )?;
-        linear(
-            &self.dev,
-            &self.k,
-            base,
-            &wv,
-            h,
-            n,
-            self.s.v.view_mut(0..n * kvd)?,
-        )?;
+        let (w_q, w_k, w_v) = (wq.w.view(base)?, wk.w.view(base)?, wv.w.view(base)?);
+        if n == 1 && w_q.format == w_k.format && w_q.format == w_v.format {
+            // One token: the three projections in one launch (the same
+            // arithmetic per matrix as three), then any biases.
+            self.k.matvec_seg(
+                &self.dev,
+                h,
+                vec![
+                    (w_q, self.s.q.view_mut(0..qd)?),
+                    (w_k, self.s.k.view_mut(0..kvd)?),
+                    (w_v, self.s.v.view_mut(0..kvd)?),
+                ],
+            )?;
+            for (l, y, len) in [
+                (&wq, &mut self.s.q, qd),
+                (&wk, &mut self.s.k, kvd),
+                (&wv, &mut self.s.v, kvd),
+            ] {
+                if let Some(b) = &l.bias {
+                    self.k
+                        .add_bias(&self.dev, y.view_mut(0..len)?, b.view(base)?, 1)?;
+                }
+            }
+        } else {
+            for (l, y, len) in [
+                (&wq, &mut self.s.q, qd),
+                (&wk, &mut self.s.k, kvd),
+                (&wv, &mut self.s.v, kvd),
+            ] {
+                linear(&self.dev, &self.k, base, l, h, n, y.view_mut(0..n * len)?)?;
+            }
+        }
         let norm_w = |r: Option<VecRef>| -> Result<BufView<'_, f32>, GpuError> {
             r.ok_or_else(|| GpuError::Internal("q/k norm weights missing".into()))?
                 .view(base)
