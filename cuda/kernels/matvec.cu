@@ -325,6 +325,12 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
     const u32 row0 = bx * (MV_WARPS * R) + warp * R;
     const u64 rb = row_bytes<FMT>(cols);
     const u32 ngroups = (cols + 31) / 32;
+    // One token's row is staged a float4 at a time when it starts 16-byte
+    // aligned and the columns come in fours (then a float4 at col < cols
+    // lies inside the row); the same values either way. (Several tokens
+    // keep the scalar staging, as does f32: the wider one made ptxas spill
+    // there.)
+    const bool x_vec = NT == 1 && FMT != FMT_F32 && ((u64)xm & 15) == 0 && (x_tstride & 3) == 0 && (cols & 3) == 0;
     const u8* const w[2] = {w0, w1};  // only the first M are used
     const float* const s[2] = {s0, s1};
 
@@ -346,10 +352,22 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
 
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
-        for (u32 i = threadIdx.x; i < NT * TILE; i += MV_THREADS) {
-            const u32 t = i / TILE, j = i % TILE, col = c0 + j;
-            const u64 xr = xrows != nullptr && t < nt ? xrows[t] : t;
-            xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[xr * x_tstride + col] : 0.0f;
+        if (NT == 1 && FMT != FMT_F32 && x_vec) {
+            // Four columns per thread and step (a float4 never straddles a
+            // padded group of 32).
+            for (u32 i = threadIdx.x; i < NT * TILE / 4; i += MV_THREADS) {
+                const u32 t = i / (TILE / 4), j = 4 * (i % (TILE / 4)), col = c0 + j;
+                const u64 xr = xrows != nullptr && t < nt ? xrows[t] : t;
+                const float4 v = (t < nt && col < cols) ? *(const float4*)(xm + xr * x_tstride + col)
+                                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                *(float4*)&xs[t][j + (j >> 5) * 4] = v;
+            }
+        } else {
+            for (u32 i = threadIdx.x; i < NT * TILE; i += MV_THREADS) {
+                const u32 t = i / TILE, j = i % TILE, col = c0 + j;
+                const u64 xr = xrows != nullptr && t < nt ? xrows[t] : t;
+                xs[t][j + (j >> 5) * 4] = (t < nt && col < cols) ? xm[xr * x_tstride + col] : 0.0f;
+            }
         }
         __syncthreads();
         if (!EARLY || c0 != 0)
