@@ -8,18 +8,9 @@
 mod common;
 
 use colibri_cuda::{Fp8Scales, MatvecTable, WeightFormat, WeightView};
-use common::{gpu, nonzero, poisoned, random_weights, rng, upload};
+use common::{FORMATS, gpu, nonzero, poisoned, random_weights, rng, upload};
 use rand::Rng;
 use rand::seq::SliceRandom;
-
-const FORMATS: [WeightFormat; 6] = [
-    WeightFormat::F32,
-    WeightFormat::F16,
-    WeightFormat::Bf16,
-    WeightFormat::F8E4M3,
-    WeightFormat::Q8_0,
-    WeightFormat::Q4_0,
-];
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]

@@ -237,15 +237,7 @@ fn matvec_grouped_equals_single() {
 #[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
 fn matvec_seg_equals_single() {
     let g = gpu();
-    let formats = [
-        WeightFormat::F32,
-        WeightFormat::F16,
-        WeightFormat::Bf16,
-        WeightFormat::F8E4M3,
-        WeightFormat::Q8_0,
-        WeightFormat::Q4_0,
-    ];
-    for (fi, &fmt) in formats.iter().enumerate() {
+    for (fi, &fmt) in FORMATS.iter().enumerate() {
         let mut rng = rng(70 + fi as u64);
         let cols = 2304;
         let heights = [263usize, 37, 128];

@@ -10,6 +10,16 @@ use colibri_cuda::{CudaDevice, DeviceBuffer, KernelCache, KernelSet, WeightForma
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// Every weight format the kernels take.
+pub const FORMATS: [WeightFormat; 6] = [
+    WeightFormat::F32,
+    WeightFormat::F16,
+    WeightFormat::Bf16,
+    WeightFormat::F8E4M3,
+    WeightFormat::Q8_0,
+    WeightFormat::Q4_0,
+];
+
 pub struct Gpu {
     pub dev: CudaDevice,
     pub k: KernelSet,

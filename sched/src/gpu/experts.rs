@@ -1363,14 +1363,12 @@ unsafe fn run_chunk(
     let table = |t: usize| -> Result<BufView<'_, u64>, GpuError> {
         Ok(meta.view(lay.ptrs(t))?.cast::<u64>()?)
     };
-    let run = |mat: usize,
-               x: BufView<'_, f32>,
-               x_stride: usize,
-               y: colibri_cuda::BufMut<'_, f32>,
-               y_stride: usize|
-     -> Result<(), GpuError> {
+    // The table launch of matrix `mat` (0 gate, 1 up, 2 down) over the
+    // chunk's experts, reading its tokens from h through the pair rows
+    // (the caller may point x elsewhere, packed by pair row, instead).
+    let launch = |mat: usize, x_stride: usize, y_stride: usize| {
         let ms = &shape.mats[mat];
-        let t = MatvecTable {
+        Ok::<_, GpuError>(MatvecTable {
             format: ms.format,
             rows: ms.rows,
             cols: ms.cols,
@@ -1381,14 +1379,23 @@ unsafe fn run_chunk(
             } else {
                 None
             },
-            x,
+            x: h,
             x_tok_stride: x_stride,
-            x_rows: None,
+            x_rows: Some((meta.view(lay.pair_rows())?.cast::<u32>()?, p0)),
             tok_off: meta.view(lay.off())?.cast::<u32>()?,
             tok_cnt: meta.view(lay.cnt())?.cast::<u32>()?,
             max_tok,
             y_tok_stride: y_stride,
-        };
+        })
+    };
+    let run = |mat: usize,
+               x: BufView<'_, f32>,
+               x_stride: usize,
+               y: colibri_cuda::BufMut<'_, f32>,
+               y_stride: usize|
+     -> Result<(), GpuError> {
+        let mut t = launch(mat, x_stride, y_stride)?;
+        (t.x, t.x_rows) = (x, None);
         // SAFETY: the tables' pointers and pair rows are the caller's
         // contract; each expert's tokens are its own pair rows inside x
         // and y.
@@ -1399,26 +1406,7 @@ unsafe fn run_chunk(
     if glu {
         // Gate, up and SwiGLU in one launch (the bits of the three),
         // reading each pair's token where it is in h.
-        let ms = &shape.mats[0];
-        let t = MatvecTable {
-            format: ms.format,
-            rows: ms.rows,
-            cols: ms.cols,
-            matrices: lay.m,
-            w_ptrs: table(0)?,
-            scale_ptrs: if fp8 {
-                Some((table(3)?, ms.scales.map_or(0, |s| s.0)))
-            } else {
-                None
-            },
-            x: h,
-            x_tok_stride: hidden,
-            x_rows: Some((meta.view(lay.pair_rows())?.cast::<u32>()?, p0)),
-            tok_off: meta.view(lay.off())?.cast::<u32>()?,
-            tok_cnt: meta.view(lay.cnt())?.cast::<u32>()?,
-            max_tok,
-            y_tok_stride: inter,
-        };
+        let t = launch(0, hidden, inter)?;
         let up = (table(1)?, if fp8 { Some(table(4)?) } else { None });
         // SAFETY: as for `run` above: the gate and up tables of the same
         // experts, filled by the caller; the chunk's pair rows p0..p1 map
