@@ -15,20 +15,24 @@
 // Everything about one (row, head) is fixed by its position, window and the
 // cache contents, never by the batch or the launch.
 //
-// Launch: block = AT_THREADS (4 warps), grid = (heads, rows). Warps take the
-// keys of a chunk round-robin, AT_KEYS at a time (lanes over dims); thread
-// i owns output dims i, i + 128, ...
+// Launch: block = AT_THREADS (16 warps), grid = (heads, rows). Warps take
+// the keys of a chunk round-robin, AT_KEYS at a time (lanes over dims). For
+// Σ e·v the threads form KG = AT_THREADS / dvp groups of dvp (dv rounded up
+// to 128) threads, thread d of a group owning output dim d: group g sums
+// the g-th of KG contiguous slices of the chunk's positions in position
+// order, and the group sums are added in group order. (A decode step is
+// one block per head: the more warps share a chunk, the shorter its serial
+// chains of loads.)
 //
 // Not yet done (later work): splitting long contexts across blocks
 // (flash-decoding) and sharing K/V loads between the heads of a group.
 #include "common.cuh"
 
-#define AT_THREADS 128
+#define AT_THREADS 512
 #define AT_WARPS (AT_THREADS / 32)
 #define AT_CHUNK 256
 #define AT_MAX_DQ 640
 #define AT_MAX_DV 512
-#define AT_DV_PER_THREAD (AT_MAX_DV / AT_THREADS)
 #define AT_KEYS 4
 #define AT_VUNROLL 8
 
@@ -43,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
     __shared__ float qs[AT_MAX_DQ];
     __shared__ float sc[AT_CHUNK];
     __shared__ float scratch[AT_WARPS];
+    __shared__ float vpart[AT_THREADS];
     const u32 head = blockIdx.x, row = blockIdx.y;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 kvh = head / group;
@@ -63,9 +68,12 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
     for (u32 i = threadIdx.x; i < dq; i += AT_THREADS) qs[i] = qr[i];
     __syncthreads();
 
-    float o[AT_DV_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < AT_DV_PER_THREAD; ++i) o[i] = 0.0f;
+    // This thread's place in the Σ e·v pass: group kg, output dim d.
+    const u32 dvp = (dv + 127) / 128 * 128;
+    const u32 groups = AT_THREADS / dvp;
+    const u32 kg = threadIdx.x / dvp, d = threadIdx.x % dvp;
+    const bool owns = kg < groups && d < dv;
+    float o = 0.0f;
     float m = -f32_inf(), l = 0.0f;
 
     for (u32 cb = first / AT_CHUNK * AT_CHUNK; cb <= p; cb += AT_CHUNK) {
@@ -120,23 +128,28 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
         const float mn = fmaxf(m, mc);
         const float a_old = expf(__fsub_rn(m, mn)), a_new = expf(__fsub_rn(mc, mn));
         const float* vb = v + (s0 + cstart) * v_tstride + (u64)kvh * v_hstride;
+        // Group kg's slice of the chunk, in position order, AT_VUNROLL
+        // values loaded ahead of use.
+        float oc = 0.0f;
+        if (owns) {
+            const u32 per = (len + groups - 1) / groups;
+            const u32 t1 = min(len, (kg + 1) * per);
+            u32 t = min(len, kg * per);
+            for (; t + AT_VUNROLL <= t1; t += AT_VUNROLL) {
+                float vv[AT_VUNROLL];
 #pragma unroll
-        for (int k = 0; k < AT_DV_PER_THREAD; ++k) {
-            const u32 d = threadIdx.x + k * AT_THREADS;
-            if (d < dv) {
-                // In position order, AT_VUNROLL values loaded ahead of use.
-                float oc = 0.0f;
-                u32 t = 0;
-                for (; t + AT_VUNROLL <= len; t += AT_VUNROLL) {
-                    float vv[AT_VUNROLL];
+                for (int u = 0; u < AT_VUNROLL; ++u) vv[u] = vb[(u64)(t + u) * v_tstride + d];
 #pragma unroll
-                    for (int u = 0; u < AT_VUNROLL; ++u) vv[u] = vb[(u64)(t + u) * v_tstride + d];
-#pragma unroll
-                    for (int u = 0; u < AT_VUNROLL; ++u) oc = fmaf(sc[t + u], vv[u], oc);
-                }
-                for (; t < len; ++t) oc = fmaf(sc[t], vb[(u64)t * v_tstride + d], oc);
-                o[k] = __fadd_rn(__fmul_rn(o[k], a_old), __fmul_rn(oc, a_new));
+                for (int u = 0; u < AT_VUNROLL; ++u) oc = fmaf(sc[t + u], vv[u], oc);
             }
+            for (; t < t1; ++t) oc = fmaf(sc[t], vb[(u64)t * v_tstride + d], oc);
+            if (kg > 0) vpart[threadIdx.x] = oc;
+        }
+        __syncthreads();
+        if (owns && kg == 0) {
+            // The group sums in group order.
+            for (u32 g = 1; g < groups; ++g) oc = __fadd_rn(oc, vpart[g * dvp + d]);
+            o = __fadd_rn(__fmul_rn(o, a_old), __fmul_rn(oc, a_new));
         }
         l = __fadd_rn(__fmul_rn(l, a_old), __fmul_rn(lc, a_new));
         m = mn;
@@ -144,11 +157,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
         __syncthreads();
     }
 
-#pragma unroll
-    for (int k = 0; k < AT_DV_PER_THREAD; ++k) {
-        const u32 d = threadIdx.x + k * AT_THREADS;
-        if (d < dv) orow[d] = __fdiv_rn(o[k], l);
-    }
+    if (owns && kg == 0) orow[d] = __fdiv_rn(o, l);
 }
 
 // Element (row, col) of a weight matrix in any format, exactly as the CPU
