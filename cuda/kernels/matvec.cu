@@ -1,8 +1,10 @@
 // matvec.cu: y[t][r] = dot(W[r], x[t]) for every weight format, for up to a
 // few tokens per pass (decode and small batches), over one matrix, a
-// strided group of matrices, or a table of matrices anywhere in memory
-// (grid.z: the experts of a layer in VRAM cache and staging slots, each
-// applied to its own tokens).
+// strided group of matrices, up to three matrices of one width for one
+// token (`_seg`: a layer's q, k and v), or a table of matrices anywhere in
+// memory (grid.z: the experts of a layer in VRAM cache and staging slots,
+// each applied to its own tokens; `_table_glu` computes a gate and an up
+// matrix per row and writes silu(gate)·up).
 //
 // The reduction order of one output element is fixed by `cols` alone:
 //
@@ -20,8 +22,11 @@
 // matrices are in the group.
 //
 // Launch: block = MV_THREADS (8 warps), each warp owns R consecutive rows
-// (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP); grid = (ceil(rows / 8R),
-// ceil(ntok / NT), matrices). The tokens of a pass are staged in shared
+// (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP, MV_GLU_ROWS_PER_WARP);
+// grid = (ceil(rows / 8R), ceil(ntok / NT), matrices) (`_seg`: the three
+// matrices' block counts side by side in x). Every launch begins with
+// `pdl_entry()` (common.cuh), a one-token plain launch after loading its
+// first tile of weights. The tokens of a pass are staged in shared
 // memory a tile of MV_TILE_FOR(FMT, NT) columns at a time, padded by 4 floats
 // every 32 so the lanes' float4 reads hit distinct banks.
 //
