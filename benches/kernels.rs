@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
-use colibri_model::kernels::{kernels, matmul, matvec, read_bandwidth};
+use colibri_model::kernels::{
+    kernels, matmul, matvec, q4_0_tiles, q4_0_tiles_run_here, read_bandwidth,
+};
 use colibri_model::quant::{quantize_q4_0, quantize_q8_0};
 use colibri_model::tensor::{Bytes, QMatrix};
 use rand::{Rng, SeedableRng};
@@ -52,6 +54,23 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) ->
     QMatrix::new("bench", rows, cols, format, data, None).expect("matrix")
 }
 
+/// `w` (row-major Q4_0) rearranged into tiles.
+fn tile(w: QMatrix) -> QMatrix {
+    let blocks = w.cols / 32;
+    let mut bytes = w.data().as_slice().to_vec();
+    q4_0_tiles::tile_in_place(&mut bytes, w.rows, blocks, &mut Vec::new());
+    QMatrix::new(
+        "bench",
+        w.rows,
+        w.cols,
+        w.format,
+        Bytes::from_vec(bytes),
+        None,
+    )
+    .and_then(QMatrix::tiled_q4_0)
+    .expect("tiled matrix")
+}
+
 fn main() {
     let threads = arg(
         "--threads",
@@ -68,24 +87,32 @@ fn main() {
     println!("kernels: {}, threads: {threads}", kernels().name);
     println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
     println!(
-        "{:<6} {:>12} {:>6} {:>10} {:>10} {:>9} {:>14}",
+        "{:<10} {:>12} {:>6} {:>10} {:>10} {:>9} {:>14}",
         "format", "shape", "batch", "ms/iter", "GB/s", "of read", "GB/s × batch"
     );
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let cols = 2048;
-    for format in [
-        WeightFormat::F32,
-        WeightFormat::Bf16,
-        WeightFormat::F16,
-        WeightFormat::Q8_0,
-        WeightFormat::Q4_0,
+    // Q4_0 twice: row-major (as GGUF files store it) and in the tiles the
+    // RAM tier gives experts where a tile kernel runs.
+    let tiles = q4_0_tiles_run_here();
+    for (format, tiled) in [
+        (WeightFormat::F32, false),
+        (WeightFormat::Bf16, false),
+        (WeightFormat::F16, false),
+        (WeightFormat::Q8_0, false),
+        (WeightFormat::Q4_0, false),
+        (WeightFormat::Q4_0, true),
     ] {
-        if only.as_deref().is_some_and(|f| f != format.name()) {
+        if only.as_deref().is_some_and(|f| f != format.name()) || (tiled && !tiles) {
             continue;
         }
         let row_bytes = format.row_bytes(cols).expect("row bytes");
         let rows = ((mib << 20) / row_bytes).max(64);
-        let w = matrix(format, rows, cols, &mut rng);
+        let mut w = matrix(format, rows, cols, &mut rng);
+        if tiled {
+            w = tile(w);
+        }
+        let name = if tiled { "q4_0 tiled" } else { format.name() };
         for batch in [1usize, 4, 8, 16, 32] {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
@@ -107,8 +134,8 @@ fn main() {
             let secs = t.elapsed().as_secs_f64() / iters as f64;
             let gbs = w.stored_bytes() as f64 / secs / 1e9;
             println!(
-                "{:<6} {:>12} {:>6} {:>10.2} {:>10.2} {:>8.0}% {:>14.1}",
-                format.name(),
+                "{:<10} {:>12} {:>6} {:>10.2} {:>10.2} {:>8.0}% {:>14.1}",
+                name,
                 format!("{rows}x{cols}"),
                 batch,
                 secs * 1e3,

@@ -254,6 +254,12 @@ fn decode_run(
     evaluate: bool,
 ) -> Result<(DecodeRun, Engine)> {
     let dir = setup.dir;
+    let gpu = GpuOptions {
+        device: args.device,
+        vram_budget: args.vram_budget.map(ByteSize::bytes),
+        devices: args.devices.clone(),
+        ..GpuOptions::default()
+    };
     let options = TierOptions {
         ram_budget: args.ram_budget.map(ByteSize::bytes),
         pin_budget: Some(0),
@@ -267,13 +273,9 @@ fn decode_run(
         },
         // A cold benchmark: nothing learned is used, nothing is recorded.
         usage: UsageMode::Off,
+        // CPU tiles only for experts the CPU will compute.
+        tile_q4_0: !colibri_sched::gpu::likely(&gpu),
         ..TierOptions::default()
-    };
-    let gpu = GpuOptions {
-        device: args.device,
-        vram_budget: args.vram_budget.map(ByteSize::bytes),
-        devices: args.devices.clone(),
-        ..GpuOptions::default()
     };
     colibri_sched::gpu::preflight(&gpu).with_context(|| format!("--device {}", args.device))?;
     let mut engine = Engine::load(

@@ -122,6 +122,8 @@ impl ModelArgs {
             } else {
                 colibri_sched::engine::PREFETCH_LAYERS
             },
+            // CPU tiles only for experts the CPU will compute.
+            tile_q4_0: !colibri_sched::gpu::likely(&self.gpu_options()),
             ..TierOptions::default()
         }
     }

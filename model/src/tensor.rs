@@ -183,6 +183,9 @@ pub struct QMatrix {
     pub format: WeightFormat,
     data: Bytes,
     scales: Option<BlockScales>,
+    /// Q4_0 rows in tiles of 16 ([`crate::kernels::q4_0_tiles`]) rather
+    /// than row-major.
+    tiled: bool,
 }
 
 impl QMatrix {
@@ -240,7 +243,32 @@ impl QMatrix {
             format,
             data,
             scales,
+            tiled: false,
         })
+    }
+
+    /// This matrix with its bytes read as Q4_0 tiles: for bytes that
+    /// [`crate::kernels::q4_0_tiles::tile_in_place`] has rearranged (the
+    /// RAM tier tiles experts in place once they are read and verified).
+    pub fn tiled_q4_0(self) -> Result<QMatrix> {
+        if self.format != WeightFormat::Q4_0 || self.tiled {
+            return Err(ModelError::Invalid(format!(
+                "only a row-major Q4_0 matrix can be read as tiles, not {}{}",
+                self.format.name(),
+                if self.tiled { " tiles" } else { "" }
+            )));
+        }
+        Ok(QMatrix {
+            tiled: true,
+            ..self
+        })
+    }
+
+    /// Whether the bytes are Q4_0 tiles rather than row-major rows: code
+    /// that reads [`data`](Self::data) directly (a copy to a GPU, a
+    /// checksum) needs row-major bytes and must check.
+    pub fn is_tiled(&self) -> bool {
+        self.tiled
     }
 
     /// An f32 matrix over owned values (tests, small derived weights).
@@ -271,6 +299,11 @@ impl QMatrix {
     /// A view of rows `[start, start + n)`; `start` must be a multiple of
     /// the scale block for FP8 matrices so that the tiles stay aligned.
     pub fn rows_view(&self, start: usize, n: usize) -> Result<QMatrix> {
+        if self.tiled {
+            return Err(ModelError::Invalid(
+                "a matrix of Q4_0 tiles has no row views".into(),
+            ));
+        }
         if start + n > self.rows {
             return Err(ModelError::Invalid(format!(
                 "rows {start}+{n} outside a matrix of {} rows",
@@ -303,6 +336,7 @@ impl QMatrix {
             format: self.format,
             data,
             scales,
+            tiled: false,
         })
     }
 

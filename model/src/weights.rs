@@ -8,6 +8,7 @@
 
 use crate::config::{AttentionSpec, Family, FfnKind, ModelSpec, QkNorm, RouterKind};
 use crate::error::{ModelError, Result};
+use crate::format::WeightFormat;
 use crate::source::Checkpoint;
 use crate::tensor::QMatrix;
 
@@ -100,6 +101,9 @@ pub struct DenseWeights {
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
     pub lm_head: QMatrix,
+    /// Whether [`DenseWeights::set_q4_0_tiles`] has tiled the product
+    /// matrices.
+    q4_0_tiled: bool,
 }
 
 /// Hub tensor names of a family.
@@ -249,6 +253,7 @@ impl GlobalWeights {
             layers,
             norm: self.norm,
             lm_head: self.lm_head,
+            q4_0_tiled: false,
         }
     }
 }
@@ -260,6 +265,89 @@ impl DenseWeights {
             .map(|i| load_layer(spec, ck, i))
             .collect::<Result<Vec<_>>>()?;
         Ok(g.with_layers(layers))
+    }
+
+    /// The matrices that only whole-matrix products read: attention
+    /// projections and dense or shared-expert MLPs. Not the embedding and
+    /// MLA's `kv_b` (read row by row), the output head (it may be the
+    /// embedding) or the routers.
+    fn product_matrices(&mut self) -> Vec<&mut QMatrix> {
+        let mut out = Vec::new();
+        for l in &mut self.layers {
+            match &mut l.attn {
+                AttnWeights::Gqa(a) => {
+                    out.extend([&mut a.q.w, &mut a.k.w, &mut a.v.w, &mut a.o.w]);
+                }
+                AttnWeights::Mla(a) => {
+                    match &mut a.q {
+                        MlaQuery::Direct(q) => out.push(&mut q.w),
+                        MlaQuery::LowRank { a, b, .. } => out.extend([&mut a.w, &mut b.w]),
+                    }
+                    out.extend([&mut a.kv_a.w, &mut a.o.w]);
+                }
+            }
+            let mlp = match &mut l.ffn {
+                FfnWeights::Dense(m) => Some(m),
+                FfnWeights::Moe(m) => m.shared.as_mut(),
+            };
+            if let Some(m) = mlp {
+                out.extend([&mut m.gate, &mut m.up, &mut m.down]);
+            }
+        }
+        out
+    }
+
+    /// Bytes of the Q4_0 matrices that [`set_q4_0_tiles`](Self::set_q4_0_tiles)
+    /// rewrites.
+    pub fn q4_0_product_bytes(&mut self) -> u64 {
+        self.product_matrices()
+            .iter()
+            .filter(|m| m.format == WeightFormat::Q4_0)
+            .map(|m| m.stored_bytes() as u64)
+            .sum()
+    }
+
+    /// Rewrites the Q4_0 product matrices (see `product_matrices`) into
+    /// the CPU's tiles ([`crate::kernels::q4_0_tiles`]; `on`) or back to
+    /// row-major rows, each into an owned copy (memory the page cache no
+    /// longer backs). Products give the same bits either way. Returns the
+    /// bytes rewritten.
+    pub fn set_q4_0_tiles(&mut self, on: bool) -> Result<u64> {
+        use crate::kernels::q4_0_tiles;
+        if self.q4_0_tiled == on {
+            return Ok(0);
+        }
+        let mut scratch = Vec::new();
+        let mut done = 0u64;
+        for m in self.product_matrices() {
+            if m.format != WeightFormat::Q4_0 || m.is_tiled() == on {
+                continue;
+            }
+            let mut bytes = m.data().as_slice().to_vec();
+            let blocks = m.cols / crate::quant::QK;
+            if on {
+                q4_0_tiles::tile_in_place(&mut bytes, m.rows, blocks, &mut scratch);
+            } else {
+                q4_0_tiles::untile_in_place(&mut bytes, m.rows, blocks, &mut scratch);
+            }
+            let fresh = QMatrix::new(
+                "q4_0",
+                m.rows,
+                m.cols,
+                m.format,
+                crate::tensor::Bytes::from_vec(bytes),
+                None,
+            )?;
+            *m = if on { fresh.tiled_q4_0()? } else { fresh };
+            done += m.stored_bytes() as u64;
+        }
+        self.q4_0_tiled = on;
+        Ok(done)
+    }
+
+    /// Whether the product matrices are tiled ([`Self::set_q4_0_tiles`]).
+    pub fn q4_0_tiled(&self) -> bool {
+        self.q4_0_tiled
     }
 }
 

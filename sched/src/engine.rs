@@ -86,11 +86,44 @@ fn placed_pool(threads: usize, drive: Option<&Path>) -> Result<(Pool, Placement)
     Ok((Pool::with_setup(n, setup)?, placement))
 }
 
+/// Tiles the dense Q4_0 matrices for the CPU's tile kernel where one runs
+/// ([`colibri_model::weights::DenseWeights::set_q4_0_tiles`]). The tiled
+/// copies are anonymous memory, which a memory cap cannot reclaim the way
+/// it reclaims the page cache's pages of the file: with less than 4× their
+/// size usable, they stay in the page cache as stored.
+fn tile_dense_q4_0(model: &mut Model) -> Result<(), ModelError> {
+    if !colibri_model::kernels::q4_0_tiles_run_here() {
+        return Ok(());
+    }
+    let bytes = model.weights.q4_0_product_bytes();
+    if bytes == 0 {
+        return Ok(());
+    }
+    let usable = crate::tier::MemoryLimits::probe().usable();
+    if usable.is_some_and(|u| u < 4 * bytes) {
+        tracing::info!(
+            "dense Q4_0 weights left untiled: {bytes} bytes against {} usable",
+            usable.unwrap_or(0)
+        );
+        return Ok(());
+    }
+    let t = std::time::Instant::now();
+    let done = model.weights.set_q4_0_tiles(true)?;
+    tracing::debug!(
+        "tiled {done} bytes of dense Q4_0 weights in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 impl Engine {
     /// Loads a Hugging Face checkpoint directory; routed experts stream
     /// from disk through the RAM tier within `opts.tier`'s budgets.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
-        let (model, src) = Model::load(dir)?;
+        let (mut model, src) = Model::load(dir)?;
+        if opts.tier.tile_q4_0 {
+            tile_dense_q4_0(&mut model)?;
+        }
         let mut tier_options = opts.tier.clone();
         if opts.prefetch.enabled {
             tier_options.prefetch_layers = PREFETCH_LAYERS;

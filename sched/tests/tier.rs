@@ -15,5 +15,7 @@ mod invariance;
 mod plan;
 #[path = "tier/prefetch.rs"]
 mod prefetch;
+#[path = "tier/tiles.rs"]
+mod tiles;
 #[path = "tier/usage.rs"]
 mod usage;

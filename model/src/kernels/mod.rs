@@ -13,6 +13,7 @@
 pub mod neon;
 pub mod pool;
 pub mod q4_0;
+pub mod q4_0_tiles;
 pub mod q8act;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -30,6 +31,11 @@ use crate::tensor::QMatrix;
 
 /// One quantized row against up to [`q8act::MULTI`] activations.
 pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
+
+/// `(tile, blocks, x, out)`: the 16 rows of a Q4_0 tile (see
+/// [`q4_0_tiles`]) against one activation, each result identical to
+/// `dot_q4_0_q8`'s for that row.
+pub type TileDot = fn(&[u8], usize, &Q8Activation, &mut [f32; q4_0_tiles::TILE_ROWS]);
 
 /// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
 /// [`KernelSet::dot_f32_rows_group`]).
@@ -68,6 +74,9 @@ pub struct KernelSet {
     /// Q4_0 rows against many tokens (prefill, batched decode), each result
     /// identical to `dot_q4_0_q8`'s; `None` computes token by token.
     pub gemm_q4_0_q8: Option<GemmQ4>,
+    /// Q4_0 tiles against one token; `None`: this CPU keeps Q4_0 rows
+    /// row-major (see [`q4_0_tiles_run_here`]).
+    pub dot_q4_0_tile: Option<TileDot>,
     /// Matrix products over Q8_0/Q4_0 weights quantize their input to
     /// 8-bit blocks and use the integer kernels (the default); false keeps
     /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
@@ -139,6 +148,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
+    dot_q4_0_tile: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -233,6 +243,7 @@ pub const AVX2: KernelSet = KernelSet {
         min_tokens: 6,
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
+    dot_q4_0_tile: None,
     int_activations: true,
     vector_quantize: true,
 };
@@ -256,6 +267,22 @@ mod avx512_wrappers {
         super::check_gemm_args(w, t, out, super::q4_0::avx512::WIDTH);
         unsafe { super::q4_0::avx512::gemm_q4_0_q8(w, t, row, out) }
     }
+    /// Also checks the tile's and the activation's lengths, which the
+    /// kernel's safety contract asks for.
+    pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
+        assert_eq!(
+            tile.len(),
+            super::q4_0_tiles::tile_bytes(blocks),
+            "one whole tile"
+        );
+        assert!(
+            x.quants.len() >= blocks * super::QK
+                && x.scales.len() >= blocks
+                && x.bsums8.len() >= blocks,
+            "an activation of the tile's length"
+        );
+        unsafe { super::q4_0_tiles::avx512::dot_tile(tile, blocks, x, out) }
+    }
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
@@ -269,6 +296,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
         min_tokens: 6,
         run: avx512_wrappers::gemm_q4_0_q8,
     }),
+    dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
     ..AVX2
 };
 
@@ -358,6 +386,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
+    dot_q4_0_tile: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -457,9 +486,37 @@ pub fn kernels() -> &'static KernelSet {
     K.get_or_init(select)
 }
 
+/// Whether Q4_0 matrices computed on this CPU should be tiled
+/// ([`q4_0_tiles`]): there is a tile kernel, products quantize their input
+/// and `COLIBRI_NO_TILES` is unset. Tiled or not, every product gives the
+/// same bits; tiles are the faster layout where this holds.
+pub fn q4_0_tiles_run_here() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var_os("COLIBRI_NO_TILES").is_some_and(|v| v != "0"));
+    let k = kernels();
+    k.dot_q4_0_tile.is_some() && k.int_activations && !off
+}
+
+/// `f(row)` with row `r` of a tiled Q4_0 matrix in row-major form (copied
+/// into a per-thread buffer): the slow path of one-row reads.
+fn with_tiled_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let blocks = w.cols / QK;
+    ROW.with_borrow_mut(|row| {
+        row.resize(blocks * Q4_0_BLOCK_BYTES, 0);
+        q4_0_tiles::row_of(w.data().as_slice(), w.rows, blocks, r, row);
+        f(row)
+    })
+}
+
 /// Dot of row `r` of `w` with `x` (`x.len() == w.cols`).
 #[inline]
 pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
+    if w.is_tiled() {
+        return with_tiled_row(w, r, |row| (k.dot_q4_0)(row, x));
+    }
     let bytes = w.data().as_slice();
     let c = w.cols;
     match w.format {
@@ -498,6 +555,9 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
 
 /// Row `r` of `w` widened to f32 into `out` (exact).
 pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
+    if w.is_tiled() {
+        return with_tiled_row(w, r, |row| quant::dequantize_q4_0(row, out));
+    }
     let bytes = w.data().as_slice();
     let c = w.cols;
     match w.format {
@@ -547,6 +607,17 @@ pub fn row_axpy(w: &QMatrix, r: usize, alpha: f32, out: &mut [f32], scratch: &mu
 impl Pool {
     fn rows_per_task(&self, rows: usize) -> usize {
         (rows / (self.threads() * 4)).clamp(8, 1024)
+    }
+
+    /// [`rows_per_task`](Self::rows_per_task) for `w`: whole tiles when
+    /// `w` is tiled.
+    fn task_rows(&self, w: &QMatrix) -> usize {
+        let chunk = self.rows_per_task(w.rows);
+        if w.is_tiled() {
+            chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
+        } else {
+            chunk
+        }
     }
 }
 
@@ -602,6 +673,7 @@ impl<'a> Input<'a> {
 fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
     match x {
         Input::F32(x) => dot_row(k, w, r, x),
+        Input::Q8(a) if w.is_tiled() => with_tiled_row(w, r, |row| (k.dot_q4_0_q8)(row, a)),
         Input::Q8(a) => {
             let bytes = w.data().as_slice();
             let blocks = w.cols / QK;
@@ -619,19 +691,66 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
     }
 }
 
+/// Rows `r0..r0 + len` of a tiled matrix (`r0` a multiple of the tile
+/// height) against each of `xs`, token-major into `out` (`out[t · len +
+/// i]`): whole tiles through the tile kernel, each tile once for every
+/// token while it is in L1; the rows past the last tile through the row
+/// kernel.
+fn tiled_rows(
+    k: &KernelSet,
+    tile: TileDot,
+    w: &QMatrix,
+    xs: &[&Q8Activation],
+    r0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    use q4_0_tiles::TILE_ROWS;
+    debug_assert!(r0.is_multiple_of(TILE_ROWS) && out.len() >= xs.len() * len);
+    let blocks = w.cols / QK;
+    let (tb, rb) = (q4_0_tiles::tile_bytes(blocks), blocks * Q4_0_BLOCK_BYTES);
+    let full = w.rows / TILE_ROWS * TILE_ROWS;
+    let bytes = w.data().as_slice();
+    let mut rows = [0.0f32; TILE_ROWS];
+    for i0 in (0..len).step_by(TILE_ROWS) {
+        let r = r0 + i0;
+        let n = TILE_ROWS.min(len - i0);
+        if r < full {
+            let t = &bytes[r / TILE_ROWS * tb..][..tb];
+            for (j, x) in xs.iter().enumerate() {
+                tile(t, blocks, x, &mut rows);
+                out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
+            }
+        } else {
+            for i in 0..n {
+                let row = &bytes[(r + i) * rb..(r + i + 1) * rb];
+                for (j, x) in xs.iter().enumerate() {
+                    out[j * len + i0 + i] = (k.dot_q4_0_q8)(row, x);
+                }
+            }
+        }
+    }
+}
+
+/// Rows `r0..r0 + ys.len()` of `w` with a prepared input, `r0` at one of
+/// [`Pool::task_rows`]'s boundaries.
+fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32]) {
+    if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
+        return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
+    }
+    for (i, o) in ys.iter_mut().enumerate() {
+        *o = dot_input(k, w, r0 + i, x);
+    }
+}
+
 /// `y = W x` for one vector.
 pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols, "matvec input length");
     assert_eq!(y.len(), w.rows, "matvec output length");
     let k = kernels();
     let input = Input::prepare(k, w, x);
-    let chunk = pool.rows_per_task(w.rows);
-    pool.for_each_chunk_mut(y, chunk, |ci, ys| {
-        let r0 = ci * chunk;
-        for (i, o) in ys.iter_mut().enumerate() {
-            *o = dot_input(k, w, r0 + i, &input);
-        }
-    });
+    let chunk = pool.task_rows(w);
+    pool.for_each_chunk_mut(y, chunk, |ci, ys| rows_into(k, w, &input, ci * chunk, ys));
 }
 
 /// `ys[i] = ws[i] X` for several matrices that share their input (gate and
@@ -681,17 +800,14 @@ pub fn matmul_shared_input(
     let mut tasks = Vec::new();
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
         assert_eq!(y.len(), w.rows, "matvec output length");
-        let chunk = pool.rows_per_task(w.rows);
+        let chunk = pool.task_rows(w);
         for (c, part) in y.chunks_mut(chunk).enumerate() {
             tasks.push((i, c * chunk, part));
         }
     }
     pool.for_each_chunk_mut(&mut tasks, 1, |_, task| {
         let (i, r0, part) = &mut task[0];
-        let (w, input) = (ws[*i], &inputs[input_of[*i]].1);
-        for (j, o) in part.iter_mut().enumerate() {
-            *o = dot_input(k, w, *r0 + j, input);
-        }
+        rows_into(k, ws[*i], &inputs[input_of[*i]].1, *r0, part)
     });
 }
 
@@ -746,7 +862,7 @@ impl<'a> Batch<'a> {
 fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     let k = kernels();
     let n = batch.inputs.len();
-    let chunk = pool.rows_per_task(w.rows);
+    let chunk = pool.task_rows(w);
     let rows = w.rows;
     let inputs = &batch.inputs;
     let q8: Vec<&Q8Activation> = inputs
@@ -768,7 +884,12 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
             // read from memory once and reused from L1 for every token.
             let len = r1 - r0;
             let mut out = vec![0.0f32; len * n];
-            if let Some((g, tiles)) = &gemm {
+            // Tiles: a token at a time through each tile while it is in
+            // L1, which beats the matrix–matrix kernel at every batch
+            // measured (docs/benchmarks.md).
+            if let Some(tile) = k.dot_q4_0_tile.filter(|_| w.is_tiled() && q8.len() == n) {
+                tiled_rows(k, tile, w, &q8, r0, len, &mut out);
+            } else if let Some((g, tiles)) = gemm.filter(|_| !w.is_tiled()) {
                 let stride = tiles.row_stride();
                 let mut tmp = vec![0.0f32; len * stride];
                 (g.run)(
@@ -787,7 +908,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 WeightFormat::Q4_0 => k.dot_q4_0_q8_multi,
                 _ => None,
             }
-            .filter(|_| q8.len() == n)
+            .filter(|_| q8.len() == n && !w.is_tiled())
             {
                 // One pass over each row serves up to MULTI tokens (same
                 // results as one token at a time).
@@ -1284,6 +1405,79 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `m` (row-major Q4_0) rearranged into tiles.
+    fn tiled(m: &QMatrix) -> QMatrix {
+        let mut bytes = m.data().as_slice().to_vec();
+        q4_0_tiles::tile_in_place(&mut bytes, m.rows, m.cols / QK, &mut Vec::new());
+        let data = crate::tensor::Bytes::from_vec(bytes);
+        QMatrix::new("t", m.rows, m.cols, m.format, data, None)
+            .and_then(QMatrix::tiled_q4_0)
+            .unwrap()
+    }
+
+    /// A tiled matrix gives exactly the row-major matrix's bits in every
+    /// product (one token, few tokens, the matrix–matrix kernel, shared
+    /// inputs, one row at a time, dequantization), whatever the thread
+    /// count; row counts with and without a remainder past the last tile.
+    #[test]
+    fn tiled_q4_0_products_equal_row_major_ones_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (rows, cols) in [
+            (16usize, 64usize),
+            (37, 96),
+            (130, 768),
+            (768, 2048),
+            (9, 32),
+        ] {
+            let m = q4_matrix(&mut rng, rows, cols);
+            let t = tiled(&m);
+            assert!(t.is_tiled() && !m.is_tiled());
+            if rows >= q4_0_tiles::TILE_ROWS {
+                assert_ne!(t.data().as_slice(), m.data().as_slice());
+            }
+            let x = rand_vec(&mut rng, 17 * cols);
+            for threads in [1, 2, 3] {
+                let pool = Pool::new(threads).unwrap();
+                for batch in [1usize, 2, 4, 5, 6, 17] {
+                    let (mut a, mut b) = (vec![f32::NAN; batch * rows], vec![0.5; batch * rows]);
+                    matmul(&pool, &m, &x[..batch * cols], batch, &mut a);
+                    matmul(&pool, &t, &x[..batch * cols], batch, &mut b);
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "{rows}x{cols}, batch {batch}, {threads} threads"
+                    );
+                }
+                let f = QMatrix::from_f32(5, cols, rand_vec(&mut rng, 5 * cols)).unwrap();
+                for n in [1usize, 3, 7] {
+                    let mut want = [vec![f32::NAN; n * rows], vec![f32::NAN; n * 5]];
+                    let mut got = [vec![0.5; n * rows], vec![0.5; n * 5]];
+                    let [w0, w1] = &mut want;
+                    matmul_shared_input(&pool, &[&m, &f], &x[..n * cols], n, &mut [w0, w1]);
+                    let [g0, g1] = &mut got;
+                    matmul_shared_input(&pool, &[&t, &f], &x[..n * cols], n, &mut [g0, g1]);
+                    assert_eq!(bits(&want[0]), bits(&got[0]), "shared input, {n} tokens");
+                    assert_eq!(bits(&want[1]), bits(&got[1]), "shared input, {n} tokens");
+                }
+            }
+            let k = kernels();
+            let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+            for r in 0..rows {
+                assert_eq!(
+                    dot_row(k, &m, r, &x[..cols]).to_bits(),
+                    dot_row(k, &t, r, &x[..cols]).to_bits()
+                );
+                row_to_f32(&m, r, &mut a);
+                row_to_f32(&t, r, &mut b);
+                assert_eq!(bits(&a), bits(&b), "row {r} dequantized");
+            }
+            assert!(t.rows_view(0, 1).is_err(), "tiles have no row views");
+        }
+        let f = QMatrix::from_f32(2, 32, rand_vec(&mut rng, 64)).unwrap();
+        assert!(f.tiled_q4_0().is_err(), "only Q4_0 is tiled");
     }
 
     #[test]

@@ -196,6 +196,8 @@ macro_rules! blocks_into_lanes {
         }
     }};
 }
+#[cfg(target_arch = "x86_64")]
+pub(crate) use blocks_into_lanes;
 
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl RowScratch {

@@ -604,7 +604,7 @@ impl ExpertTier {
                         let mut last = None;
                         for (i, m) in [&w.gate, &w.up, &w.down].iter().enumerate() {
                             let at = slot.slot * sb + shape.off[i];
-                            let src = m.data().as_slice();
+                            let src = stored_bytes(m)?;
                             // SAFETY: `w` stays alive until the event below
                             // has been waited for; the slot is reserved and
                             // read by no kernel yet.
@@ -817,7 +817,7 @@ impl ExpertTier {
         let mut last = None;
         let mut bytes = 0u64;
         for (i, m) in mats.iter().enumerate() {
-            let src = m.data().as_slice();
+            let src = stored_bytes(m)?;
             let at = r * sb + shape.off[i];
             let dst = ring.buf.view_mut(at..at + src.len())?;
             // SAFETY: `src` lies in the lease `w`, kept in the ring slot
@@ -1231,7 +1231,7 @@ impl ExpertTier {
                     let mats = [&w.gate, &w.up, &w.down];
                     for (i, m) in mats.iter().enumerate() {
                         let at = slot.slot * sb + shape.off[i];
-                        let src = m.data().as_slice();
+                        let src = stored_bytes(m)?;
                         // SAFETY: `w` is alive until the synchronize below;
                         // the slot is reserved and read by no kernel yet.
                         let ev = unsafe {
@@ -1445,4 +1445,16 @@ unsafe fn run_chunk(
         bufs.eo.view_mut(0..pairs * hidden)?,
         hidden,
     )
+}
+
+/// A matrix's bytes as stored, which is what the device kernels read; the
+/// RAM tier's CPU tiles never reach here (the GPU tier turns them off when
+/// it attaches), and this refuses them rather than compute garbage.
+fn stored_bytes(m: &colibri_model::tensor::QMatrix) -> Result<&[u8], GpuError> {
+    if m.is_tiled() {
+        return Err(GpuError::Internal(
+            "an expert in the CPU's tile layout reached the GPU tier".into(),
+        ));
+    }
+    Ok(m.data().as_slice())
 }

@@ -500,7 +500,22 @@ pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuErr
     if opts.device == DeviceChoice::Cpu {
         return Ok(Attached::Cpu { reason: None });
     }
-    match open(engine, opts) {
+    // The GPU copies weights as stored: no CPU tiles, dense or expert.
+    let tiling = engine.tier.as_ref().map(|t| t.tiles_q4_0());
+    if let Some(tier) = &engine.tier {
+        tier.set_tile_q4_0(false).map_err(ModelError::from)?;
+    }
+    let dense_tiled = set_dense_tiles(engine, false)?;
+    let result = open(engine, opts);
+    if result.is_err() {
+        if let (Some(tier), Some(on)) = (&engine.tier, tiling) {
+            tier.set_tile_q4_0(on).map_err(ModelError::from)?;
+        }
+        if dense_tiled {
+            set_dense_tiles(engine, true)?;
+        }
+    }
+    match result {
         Ok(tier) => {
             let summary = tier.summary.clone();
             engine.gpu = Some(Arc::new(tier));
@@ -510,6 +525,31 @@ pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuErr
             reason: Some(e.to_string()),
         }),
         Err(e) => Err(e),
+    }
+}
+
+/// Rewrites the engine's dense Q4_0 matrices into CPU tiles or back
+/// (before any sequence shares the model); whether anything changed.
+fn set_dense_tiles(engine: &mut Engine, on: bool) -> Result<bool, GpuError> {
+    if engine.model.weights.q4_0_tiled() == on {
+        return Ok(false);
+    }
+    let Some(model) = Arc::get_mut(&mut engine.model) else {
+        return Err(GpuError::Internal(
+            "the model is shared: its weights cannot change layout now".into(),
+        ));
+    };
+    Ok(model.weights.set_q4_0_tiles(on)? > 0)
+}
+
+/// Whether `opts` will probably give a GPU tier: `cuda`, or `auto` with a
+/// CUDA device present. Callers use it to leave the RAM tier's experts as
+/// stored (no CPU tiles) when the GPU will compute them.
+pub fn likely(opts: &GpuOptions) -> bool {
+    match opts.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => CudaDevice::count().is_ok_and(|n| n > 0),
     }
 }
 

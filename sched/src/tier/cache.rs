@@ -66,8 +66,8 @@ use colibri_io::{
     Priority, ReadRequest, Reader, ReaderConfig, Slot, Ticket, completion_channel,
 };
 use colibri_model::experts::{ExpertSource, ExpertWeights, SourceStats};
-use colibri_model::source::ExpertLocator;
-use colibri_model::tensor::{ByteStorage, Bytes};
+use colibri_model::source::{ExpertLocation, ExpertLocator};
+use colibri_model::tensor::{ByteStorage, Bytes, QMatrix};
 use colibri_model::{ModelError, ModelSpec};
 
 use super::layout::{ExpertLayout, FileFacts};
@@ -99,6 +99,9 @@ struct SlotStorage {
     /// so later leases skip the hash (2.5 MB of xxh3 per lease was the
     /// largest cost of a RAM hit on the GPU tier's copy path).
     verified: std::sync::atomic::AtomicBool,
+    /// Its Q4_0 matrices are in the CPU's tile layout
+    /// ([`colibri_model::kernels::q4_0_tiles`]), not as stored.
+    tiled: bool,
 }
 
 /// One lease of a resident expert; the owner of the byte views handed out.
@@ -259,6 +262,55 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     counters: Counters,
     latency: ReadLatency,
+    /// Tile the Q4_0 matrices of experts as they arrive (see
+    /// [`TierCache::set_tile_q4_0`]).
+    tile_q4_0: std::sync::atomic::AtomicBool,
+}
+
+/// Rearranges the Q4_0 matrices of one expert in `bytes` (its slot;
+/// `ranges[i]` where matrix `i` is) into the CPU's tiles, or back to rows.
+/// Whether it had any.
+fn retile_q4_0(
+    location: &ExpertLocation,
+    bytes: &mut [u8],
+    ranges: &[std::ops::Range<usize>; 3],
+    to_tiles: bool,
+) -> Result<bool, String> {
+    use colibri_model::format::WeightFormat;
+    use colibri_model::kernels::q4_0_tiles;
+    let mut scratch = Vec::new();
+    let mut any = false;
+    for (m, range) in location.matrices().into_iter().zip(ranges) {
+        if m.format != WeightFormat::Q4_0 {
+            continue;
+        }
+        let blocks = m.cols / colibri_model::quant::QK;
+        let want = m.rows * blocks * colibri_model::quant::Q4_0_BLOCK_BYTES;
+        let Some(part) = bytes.get_mut(range.clone()).filter(|p| p.len() == want) else {
+            return Err(format!(
+                "a {}×{} Q4_0 matrix in {range:?} of a {}-byte slot",
+                m.rows,
+                m.cols,
+                bytes.len()
+            ));
+        };
+        if to_tiles {
+            q4_0_tiles::tile_in_place(part, m.rows, blocks, &mut scratch);
+        } else {
+            q4_0_tiles::untile_in_place(part, m.rows, blocks, &mut scratch);
+        }
+        any = true;
+    }
+    Ok(any)
+}
+
+/// What the installer did to a read's bytes before making them resident.
+#[derive(Default)]
+struct Prepared {
+    /// Checked against the record's checksum (before tiling: the checksum
+    /// covers the bytes as stored).
+    verified: bool,
+    tiled: bool,
 }
 
 /// The outcome of a fetch's first look at one expert.
@@ -507,12 +559,39 @@ impl Shared {
         }
     }
 
+    /// Verifies an expert that has Q4_0 matrices and tiles them in its
+    /// slot; experts without any are left as read (and verified on first
+    /// use, as always).
+    fn tile_expert(
+        location: &ExpertLocation,
+        slot: &mut Slot,
+        ranges: &[std::ops::Range<usize>; 3],
+    ) -> Result<Prepared, String> {
+        let has_q4_0 = location
+            .matrices()
+            .iter()
+            .any(|m| m.format == colibri_model::format::WeightFormat::Q4_0);
+        if !has_q4_0 {
+            return Ok(Prepared::default());
+        }
+        let bytes = slot.bytes_mut();
+        let part = |r: &std::ops::Range<usize>| bytes.get(r.clone()).unwrap_or(&[]);
+        location
+            .verify([part(&ranges[0]), part(&ranges[1]), part(&ranges[2])])
+            .map_err(|e| e.to_string())?;
+        let tiled = retile_q4_0(location, bytes, ranges, true)?;
+        Ok(Prepared {
+            verified: true,
+            tiled,
+        })
+    }
+
     /// Turns a finished read into a resident entry (or a failure) and
     /// hands a lease to every waiter.
     fn install(self: &Arc<Self>, done: Completion) {
         let Completion {
             tag,
-            slot,
+            mut slot,
             result,
             issue_seq,
             ..
@@ -523,6 +602,18 @@ impl Shared {
         if e as usize >= self.layout.records.len() {
             return;
         }
+        // Tiling rewrites the bytes, so it happens here, before they are
+        // resident and anyone can read them, and outside the lock.
+        let prepared = match &result {
+            Ok(ranges) if self.tile_q4_0.load(std::sync::atomic::Ordering::Relaxed) => {
+                let record = &self.layout.records[e as usize];
+                match record.matrix_ranges(ranges) {
+                    Some(m) => Self::tile_expert(&record.location, &mut slot, &m),
+                    None => Ok(Prepared::default()),
+                }
+            }
+            _ => Ok(Prepared::default()),
+        };
         let weak = Arc::downgrade(self);
         let mut undeliverable = Vec::new();
         {
@@ -560,14 +651,16 @@ impl Shared {
                     record.matrix_ranges(&ranges).ok_or_else(|| {
                         format!("the reader placed the reads outside the slot ({ranges:?})")
                     })
-                });
+                })
+                .and_then(|m| prepared.map(|p| (m, p)));
             match ranges {
-                Ok(matrices) => {
+                Ok((matrices, prepared)) => {
                     st.entries[e as usize] = Entry::Resident(Resident {
                         storage: Arc::new(SlotStorage {
                             slot,
                             matrices,
-                            verified: std::sync::atomic::AtomicBool::new(false),
+                            verified: std::sync::atomic::AtomicBool::new(prepared.verified),
+                            tiled: prepared.tiled,
                         }),
                         leases: 0,
                         pinned: loading.pin,
@@ -728,6 +821,9 @@ impl TierCache {
             }),
             counters: Counters::default(),
             latency: ReadLatency::new(),
+            tile_q4_0: std::sync::atomic::AtomicBool::new(
+                options.tile_q4_0 && colibri_model::kernels::q4_0_tiles_run_here(),
+            ),
         });
         let (reply, completions) = completion_channel();
         let installer = spawn_installer(Arc::clone(&shared), completions)?;
@@ -864,12 +960,79 @@ impl TierCache {
             part(&matrices[2])?,
         ];
         use std::sync::atomic::Ordering;
-        if storage.verified.load(Ordering::Acquire) {
-            return record.location.assemble_unverified(parts);
+        let w = if storage.verified.load(Ordering::Acquire) {
+            record.location.assemble_unverified(parts)?
+        } else {
+            let w = record.location.assemble(parts)?;
+            storage.verified.store(true, Ordering::Release);
+            w
+        };
+        if !storage.tiled {
+            return Ok(w);
         }
-        let w = record.location.assemble(parts)?;
-        storage.verified.store(true, Ordering::Release);
-        Ok(w)
+        let tiles = |m: QMatrix| {
+            if m.format == colibri_model::format::WeightFormat::Q4_0 {
+                m.tiled_q4_0()
+            } else {
+                Ok(m)
+            }
+        };
+        Ok(ExpertWeights {
+            gate: tiles(w.gate)?,
+            up: tiles(w.up)?,
+            down: tiles(w.down)?,
+        })
+    }
+
+    /// Whether experts read from now on are tiled ([`Self::set_tile_q4_0`]).
+    pub fn tiles_q4_0(&self) -> bool {
+        self.shared
+            .tile_q4_0
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether experts read from now on have their Q4_0 matrices tiled for
+    /// the CPU's tile kernel (only where one runs:
+    /// [`colibri_model::kernels::q4_0_tiles_run_here`]). Products give the
+    /// same bits either way; tiles are the CPU's faster layout and wrong
+    /// for anything that copies the bytes as stored (the GPU tier). Turning
+    /// it off also returns every resident tiled expert to its stored
+    /// layout; that fails if one is in use (leased), which the GPU tier
+    /// avoids by attaching before the first forward pass.
+    pub fn set_tile_q4_0(&self, on: bool) -> Result<(), TierError> {
+        use std::sync::atomic::Ordering;
+        let on = on && colibri_model::kernels::q4_0_tiles_run_here();
+        self.shared.tile_q4_0.store(on, Ordering::SeqCst);
+        if on {
+            return Ok(());
+        }
+        let mut st = self.shared.lock();
+        for (e, entry) in st.entries.iter_mut().enumerate() {
+            let Entry::Resident(r) = entry else {
+                continue;
+            };
+            if !r.storage.tiled {
+                continue;
+            }
+            let location = &self.shared.layout.records[e].location;
+            let Some(storage) = Arc::get_mut(&mut r.storage) else {
+                return Err(TierError::Model(ModelError::Expert {
+                    layer: location.layer,
+                    expert: location.expert,
+                    reason: "in use while its layout was to change back from CPU tiles".into(),
+                }));
+            };
+            let ranges = storage.matrices.clone();
+            retile_q4_0(location, storage.slot.bytes_mut(), &ranges, false).map_err(|reason| {
+                TierError::Model(ModelError::Expert {
+                    layer: location.layer,
+                    expert: location.expert,
+                    reason,
+                })
+            })?;
+            storage.tiled = false;
+        }
+        Ok(())
     }
 
     /// The placement in effect.

@@ -119,6 +119,11 @@ pub struct TierOptions {
     /// size class. 0: none (prefetch only uses free slots beyond half the
     /// staging area).
     pub prefetch_layers: usize,
+    /// Tile the Q4_0 matrices of experts for the CPU's tile kernel as they
+    /// arrive, where one runs ([`TierCache::set_tile_q4_0`]): for experts
+    /// computed on this CPU. The GPU tier turns it off when it attaches;
+    /// leaving it off where a GPU will attach saves the work.
+    pub tile_q4_0: bool,
 }
 
 impl TierOptions {
@@ -167,6 +172,7 @@ impl Default for TierOptions {
             memory: None,
             prefetch_layers: 0,
             prefetch_limit: None,
+            tile_q4_0: true,
         }
     }
 }

@@ -1,0 +1,346 @@
+//! Q4_0 rows in tiles of 16: the layout the RAM tier gives routed experts
+//! where a tile kernel runs, so that one-token products stream at memory
+//! speed.
+//!
+//! Row-major Q4_0 keeps each row's 18-byte blocks one after another. A
+//! vector product over one row has to realign every block's 16 packed
+//! bytes (they sit 2 bytes past its scale) and reduce each block's partial
+//! sums across lanes before scaling them: about 4.4 instructions per block,
+//! and the single-token kernel runs at 0.66 of the memory read pass on Zen 4
+//! (docs/benchmarks.md, "Where the warm decode goes").
+//!
+//! A tile puts 16 rows side by side instead. For block `b` it holds the
+//! 16 rows' packed bytes as 4 groups of 64 (group `j`: bytes `4j..4j + 4`
+//! of row 0, then of row 1, …, row 15), so one 64-byte load carries 4 bytes
+//! of every row, and one `vpdpbusd` against 4 broadcast activation bytes
+//! advances all 16 rows' sums: no realignment and no horizontal reduction.
+//! Blocks come in pairs: the pair's 2 × 16 f16 scales (64 bytes), then its
+//! 2 × 256 bytes of codes, so a tile is one stream read front to back with
+//! every load 64-byte aligned within it. (Scales kept apart after all the
+//! codes made a second stream per tile and halved the kernel's speed from
+//! memory, 10 against 20 GB/s on one Zen 4 core.)
+//!
+//! A matrix of `R` rows and `B` blocks per row is laid out as `R / 16`
+//! tiles of `B × 288` bytes, then its last `R % 16` rows row-major. It has
+//! exactly the size of the row-major matrix, so a cache slot is tiled in
+//! place.
+//!
+//! Bits: a tile kernel gives every row exactly what
+//! [`super::q4_0::dot_q4_0_q8`] gives for it (the same exact integer sum
+//! per block, the same product of scales, the same fused multiply-add into
+//! lane `b mod 4` and the same final reduction); the tests compare them.
+
+use super::Q8Activation;
+use crate::quant::Q4_0_BLOCK_BYTES;
+
+/// Rows per tile.
+pub const TILE_ROWS: usize = 16;
+/// Bytes of one block's codes in a tile.
+const CODE_BYTES: usize = TILE_ROWS * (Q4_0_BLOCK_BYTES - 2);
+/// Packed bytes of one row's block.
+const PACKED: usize = Q4_0_BLOCK_BYTES - 2;
+
+/// Bytes of one tile of rows of `blocks` blocks.
+pub fn tile_bytes(blocks: usize) -> usize {
+    TILE_ROWS * blocks * Q4_0_BLOCK_BYTES
+}
+
+/// Bytes of one block's 16 scales in a tile.
+const SCALE_BYTES: usize = 2 * TILE_ROWS;
+
+/// Where block `b`'s scales start in a tile of `blocks` blocks: blocks
+/// come in pairs, the pair's scales (64 bytes) before its codes, so a
+/// tile is read front to back and every load of codes is 64-byte aligned
+/// within it.
+#[inline(always)]
+fn scales_at(_blocks: usize, b: usize) -> usize {
+    let pair = b / 2 * 2 * (SCALE_BYTES + CODE_BYTES);
+    pair + b % 2 * SCALE_BYTES
+}
+
+/// Where block `b`'s codes start in a tile of `blocks` blocks (see
+/// [`scales_at`]; a last, unpaired block has 32 bytes of scales).
+#[inline(always)]
+fn codes_at(blocks: usize, b: usize) -> usize {
+    let p = b / 2 * 2;
+    let in_pair = (blocks - p).min(2);
+    p * (SCALE_BYTES + CODE_BYTES) + in_pair * SCALE_BYTES + b % 2 * CODE_BYTES
+}
+
+/// Rearranges a row-major Q4_0 matrix of `rows` rows of `blocks` blocks
+/// (`bytes.len() == rows × blocks × 18`) into tiles, in place: every full
+/// group of 16 rows becomes a tile, the remaining rows stay as they are.
+/// `scratch` holds one tile's rows while it is rewritten.
+pub fn tile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
+    let rb = blocks * Q4_0_BLOCK_BYTES;
+    assert_eq!(bytes.len(), rows * rb, "whole Q4_0 rows");
+    let tb = tile_bytes(blocks);
+    for tile in bytes.chunks_exact_mut(tb).take(rows / TILE_ROWS) {
+        scratch.clear();
+        scratch.extend_from_slice(tile);
+        for (r, row) in scratch.chunks_exact(rb).enumerate() {
+            for (b, blk) in row.chunks_exact(Q4_0_BLOCK_BYTES).enumerate() {
+                tile[scales_at(blocks, b) + 2 * r..][..2].copy_from_slice(&blk[..2]);
+                for j in 0..PACKED / 4 {
+                    let at = codes_at(blocks, b) + (j * TILE_ROWS + r) * 4;
+                    tile[at..at + 4].copy_from_slice(&blk[2 + 4 * j..6 + 4 * j]);
+                }
+            }
+        }
+    }
+}
+
+/// Undoes [`tile_in_place`]: the tiles of a matrix of `rows` rows of
+/// `blocks` blocks back to row-major rows, in place.
+pub fn untile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
+    let rb = blocks * Q4_0_BLOCK_BYTES;
+    assert_eq!(bytes.len(), rows * rb, "whole Q4_0 rows");
+    let tb = tile_bytes(blocks);
+    for tile in bytes.chunks_exact_mut(tb).take(rows / TILE_ROWS) {
+        scratch.clear();
+        scratch.extend_from_slice(tile);
+        for (r, row) in tile.chunks_exact_mut(rb).enumerate() {
+            row_of(scratch, TILE_ROWS, blocks, r, row);
+        }
+    }
+}
+
+/// Row `r` of a tiled matrix (`rows` rows of `blocks` blocks) in its
+/// row-major form, into `out` (`blocks × 18` bytes): what the generic
+/// paths (one row at a time, dequantization) read.
+pub fn row_of(bytes: &[u8], rows: usize, blocks: usize, r: usize, out: &mut [u8]) {
+    let rb = blocks * Q4_0_BLOCK_BYTES;
+    assert!(r < rows && bytes.len() == rows * rb && out.len() == rb);
+    let full = rows / TILE_ROWS * TILE_ROWS;
+    if r >= full {
+        out.copy_from_slice(&bytes[r * rb..(r + 1) * rb]);
+        return;
+    }
+    let tile = &bytes[r / TILE_ROWS * tile_bytes(blocks)..][..tile_bytes(blocks)];
+    let i = r % TILE_ROWS;
+    for (b, blk) in out.chunks_exact_mut(Q4_0_BLOCK_BYTES).enumerate() {
+        blk[..2].copy_from_slice(&tile[scales_at(blocks, b) + 2 * i..][..2]);
+        for j in 0..PACKED / 4 {
+            let at = codes_at(blocks, b) + (j * TILE_ROWS + i) * 4;
+            blk[2 + 4 * j..6 + 4 * j].copy_from_slice(&tile[at..at + 4]);
+        }
+    }
+}
+
+/// Scalar reference of the tile kernels: the 16 rows of `tile` (of
+/// `blocks` blocks) against `x`, row by row through
+/// [`super::q4_0::dot_q4_0_q8`].
+pub fn dot_tile_ref(tile: &[u8], blocks: usize, x: &Q8Activation, out: &mut [f32; TILE_ROWS]) {
+    let mut row = vec![0u8; blocks * Q4_0_BLOCK_BYTES];
+    for (r, o) in out.iter_mut().enumerate() {
+        row_of(tile, TILE_ROWS, blocks, r, &mut row);
+        *o = super::q4_0::dot_q4_0_q8(&row, x);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! The tile kernel on AVX-512 VNNI: the 16 rows in the 16 lanes of a
+    //! register. Weight codes enter `vpdpbusd` unsigned (0..15) and the
+    //! zero point is taken off exactly afterwards, `Σ(w−8)q = Σwq − 8Σq`.
+    //!
+    //! # Safety
+    //! Requires AVX-512 F, BW, VL and VNNI, FMA and F16C (checked by the
+    //! caller with `is_x86_feature_detected!`), `tile.len() ==
+    //! tile_bytes(blocks)` and an activation of `blocks × 32` quants.
+
+    use std::arch::x86_64::*;
+
+    use super::{Q8Activation, codes_at, scales_at};
+    use crate::kernels::q4_0::LANES;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_tile(tile: &[u8], blocks: usize, x: &Q8Activation, out: &mut [f32; 16]) {
+        debug_assert_eq!(tile.len(), super::tile_bytes(blocks));
+        debug_assert!(x.quants.len() >= blocks * 32 && x.scales.len() >= blocks);
+        let base = tile.as_ptr();
+        let q = x.quants.as_ptr() as *const i32;
+        // SAFETY: block `b < blocks` reads codes `b × 256..+256`, scales
+        // `b × 32..+32` of the tile and quants `b × 32..+32`, scale `b`
+        // and `bsums8[b]` of the activation, all in bounds (module docs);
+        // the rest is register arithmetic.
+        unsafe {
+            let nibble = _mm512_set1_epi8(0x0f);
+            let step = |b: usize, acc: &mut __m512| {
+                let c = base.add(codes_at(blocks, b)) as *const __m512i;
+                let qb = q.add(b * 8);
+                // Low nibbles pair with the block's first 16 quants, high
+                // ones with its last 16; two chains halve the latency.
+                let mut lo = _mm512_setzero_si512();
+                let mut hi = _mm512_setzero_si512();
+                for j in 0..4 {
+                    let w = _mm512_loadu_si512(c.add(j));
+                    let wl = _mm512_and_si512(w, nibble);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                    lo = _mm512_dpbusd_epi32(lo, wl, _mm512_set1_epi32(qb.add(j).read_unaligned()));
+                    hi = _mm512_dpbusd_epi32(
+                        hi,
+                        wh,
+                        _mm512_set1_epi32(qb.add(4 + j).read_unaligned()),
+                    );
+                }
+                let zero = _mm512_set1_epi32(*x.bsums8.get_unchecked(b));
+                let s = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), zero);
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    base.add(scales_at(blocks, b)) as *const __m256i
+                ));
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*x.scales.get_unchecked(b)));
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *acc);
+            };
+            let mut acc = [_mm512_setzero_ps(); LANES];
+            crate::kernels::q4_0::blocks_into_lanes!(blocks, acc, step);
+            let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+            _mm512_storeu_ps(out.as_mut_ptr(), v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::q4_0::dot_q4_0_q8;
+    use crate::kernels::q8act::tests::data;
+    use crate::quant::{QK, quantize_q4_0};
+    use rand::{Rng, SeedableRng};
+
+    /// A row-major Q4_0 matrix with every nibble value, zero and negative
+    /// scales.
+    fn matrix(rng: &mut impl Rng, rows: usize, blocks: usize) -> Vec<u8> {
+        let mut w = quantize_q4_0(&data(rng, rows * blocks * QK, 1.0)).unwrap();
+        for (i, b) in w.iter_mut().enumerate() {
+            match (i % Q4_0_BLOCK_BYTES, i / Q4_0_BLOCK_BYTES % 5) {
+                (0 | 1, 3) => *b = 0,
+                (1, 4) => *b |= 0x80,
+                (j, 2) if j >= 2 => *b = (i as u8).wrapping_mul(37),
+                _ => {}
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn tiling_moves_every_byte_and_rows_come_back_unchanged() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
+        let mut scratch = Vec::new();
+        for (rows, blocks) in [(16, 1), (17, 3), (37, 24), (48, 64), (5, 2), (33, 65)] {
+            let w = matrix(&mut rng, rows, blocks);
+            let mut t = w.clone();
+            tile_in_place(&mut t, rows, blocks, &mut scratch);
+            if rows >= TILE_ROWS {
+                assert_ne!(t, w, "{rows}×{blocks}: a full tile is rearranged");
+            }
+            let mut sorted = (t.clone(), w.clone());
+            sorted.0.sort_unstable();
+            sorted.1.sort_unstable();
+            assert_eq!(sorted.0, sorted.1, "a permutation of the bytes");
+            let rb = blocks * Q4_0_BLOCK_BYTES;
+            let mut row = vec![0u8; rb];
+            for r in 0..rows {
+                row_of(&t, rows, blocks, r, &mut row);
+                assert_eq!(row, w[r * rb..(r + 1) * rb], "{rows}×{blocks}, row {r}");
+            }
+            untile_in_place(&mut t, rows, blocks, &mut scratch);
+            assert_eq!(t, w, "{rows}×{blocks}: untiled back to the rows");
+        }
+    }
+
+    /// The layout the module docs describe: blocks in pairs, each pair's
+    /// 16 + 16 scales before its codes; block `b`'s code group `j` holds 4
+    /// packed bytes of each row in turn. An odd block count leaves the last
+    /// block alone with its 16 scales.
+    #[test]
+    fn a_tile_is_laid_out_as_documented() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
+        for blocks in [3, 4] {
+            let w = matrix(&mut rng, TILE_ROWS, blocks);
+            let mut t = w.clone();
+            tile_in_place(&mut t, TILE_ROWS, blocks, &mut Vec::new());
+            let rb = blocks * Q4_0_BLOCK_BYTES;
+            for r in 0..TILE_ROWS {
+                for b in 0..blocks {
+                    let blk = &w[r * rb + b * Q4_0_BLOCK_BYTES..][..Q4_0_BLOCK_BYTES];
+                    let pair = b / 2 * 576;
+                    let paired = if b / 2 * 2 + 1 < blocks { 2 } else { 1 };
+                    let s = pair + b % 2 * 32 + 2 * r;
+                    assert_eq!(
+                        t[s..s + 2],
+                        blk[..2],
+                        "{blocks} blocks: scale of row {r} block {b}"
+                    );
+                    for j in 0..4 {
+                        let c = pair + paired * 32 + b % 2 * 256 + j * 64 + 4 * r;
+                        assert_eq!(t[c..c + 4], blk[2 + 4 * j..6 + 4 * j]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_equals_the_row_kernel() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(43);
+        for blocks in [1, 2, 3, 5, 24, 64, 65] {
+            let w = matrix(&mut rng, TILE_ROWS, blocks);
+            let x = Q8Activation::quantize(&data(&mut rng, blocks * QK, 2.0));
+            let mut t = w.clone();
+            tile_in_place(&mut t, TILE_ROWS, blocks, &mut Vec::new());
+            let mut out = [f32::NAN; TILE_ROWS];
+            dot_tile_ref(&t, blocks, &x, &mut out);
+            let rb = blocks * Q4_0_BLOCK_BYTES;
+            for (r, o) in out.iter().enumerate() {
+                let want = dot_q4_0_q8(&w[r * rb..(r + 1) * rb], &x);
+                assert_eq!(o.to_bits(), want.to_bits(), "{blocks} blocks, row {r}");
+            }
+        }
+    }
+
+    /// The AVX-512 tile kernel gives each row the row kernel's bits, on
+    /// block counts around the 4 accumulator lanes and the model sizes,
+    /// with zero, huge and infinite activation blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_tile_kernel_equals_the_row_kernel_bit_for_bit() {
+        if !crate::kernels::has_avx512_vnni() {
+            eprintln!("SKIP avx512: this CPU has no AVX-512 VNNI (probe: is_x86_feature_detected)");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(44);
+        for blocks in [1, 2, 3, 4, 5, 7, 9, 24, 31, 64, 65] {
+            for spread in [0.01f32, 1.0, 300.0] {
+                let w = matrix(&mut rng, TILE_ROWS, blocks);
+                let mut t = w.clone();
+                tile_in_place(&mut t, TILE_ROWS, blocks, &mut Vec::new());
+                let mut x = data(&mut rng, blocks * QK, spread);
+                for (b, blk) in x.chunks_mut(QK).enumerate() {
+                    match b % 7 {
+                        1 => blk.fill(0.0),
+                        4 => blk[5] = 1e30,
+                        6 => blk[9] = f32::INFINITY,
+                        _ => {}
+                    }
+                }
+                let x = Q8Activation::quantize(&x);
+                let mut out = [f32::NAN; TILE_ROWS];
+                // SAFETY: features checked above; the tile and the
+                // activation have `blocks` blocks.
+                unsafe { avx512::dot_tile(&t, blocks, &x, &mut out) };
+                let rb = blocks * Q4_0_BLOCK_BYTES;
+                for (r, o) in out.iter().enumerate() {
+                    let want = dot_q4_0_q8(&w[r * rb..(r + 1) * rb], &x);
+                    assert_eq!(
+                        o.to_bits(),
+                        want.to_bits(),
+                        "{blocks} blocks, spread {spread}, row {r}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Q4_0 experts tiled for the CPU's tile kernel as they arrive in RAM, and
+//! dense Q4_0 weights tiled at load: the same bits as the stored layout,
+//! checksums still checked on the bytes as stored, and the stored layout
+//! back when the tiles are turned off (as the GPU tier does).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use colibri_io::IoBackendChoice;
+use colibri_model::convert::cast::Quant;
+use colibri_model::convert::{ConvertOptions, Silent, convert};
+use colibri_model::format::WeightFormat;
+use colibri_model::kernels::q4_0_tiles_run_here;
+use colibri_model::source::ExpertLocator;
+use colibri_model::source::packed::PackedStore;
+use colibri_model::{ExpertSource, Model, ResidentExperts};
+use colibri_sched::tier::{Footprint, TierCache, TierOptions, TierSetup};
+use colibri_sched::{Engine, EngineOptions};
+
+use crate::common::*;
+
+fn gguf(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/gguf")
+        .join(name)
+}
+
+/// A tier over the model at `path` (a GGUF file or a packed store).
+fn tier_over(path: &Path, options: TierOptions) -> (Model, Arc<TierCache>) {
+    let (model, src) = Model::load(path).unwrap();
+    let locator: Arc<dyn ExpertLocator> = Arc::from(src.locator(&model.spec).unwrap());
+    let setup = TierSetup {
+        options,
+        footprint: Footprint::of(&model.spec, &model.weights, 0),
+        config_json: Vec::new(),
+    };
+    let tier = TierCache::open(&model.spec, locator, &setup).unwrap();
+    (model, Arc::new(tier))
+}
+
+fn tiles(on: bool, budget: u64) -> TierOptions {
+    TierOptions {
+        tile_q4_0: on,
+        ..options(budget, IoBackendChoice::Auto)
+    }
+}
+
+/// The fixture's first MoE layer.
+fn first_moe_layer(model: &Model) -> usize {
+    (0..model.spec.num_layers())
+        .find(|&l| model.spec.layers[l].ffn == colibri_model::config::FfnKind::Moe)
+        .unwrap()
+}
+
+/// A Q4_0 packed store converted from the HF fixture `name`.
+fn q4_0_store(dir: &Path, name: &str) -> PathBuf {
+    let out = dir.join("store");
+    convert(
+        &fixture(name),
+        &out,
+        &ConvertOptions::new(Quant::Q4_0),
+        &Silent,
+    )
+    .unwrap();
+    out
+}
+
+#[test]
+fn tiled_experts_give_the_oracles_logits_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = q4_0_store(dir.path(), "qwen3_moe");
+    for path in [
+        gguf("qwen3_moe.q4_0.gguf"),
+        gguf("deepseek_v3.q4_0.gguf"),
+        store,
+    ] {
+        let oracle = {
+            let (model, src) = Model::load(&path).unwrap();
+            let experts = ResidentExperts::load(&model.spec, &src).unwrap();
+            logits_all(
+                &engine_with(model, Arc::new(experts), 2),
+                &[3, 1, 4, 1, 5, 9, 2],
+            )
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (on, budget) in [(true, 0), (true, 1 << 30), (false, 1 << 30)] {
+            let (model, tier) = tier_over(&path, tiles(on, budget));
+            assert_eq!(tier.tiles_q4_0(), on && q4_0_tiles_run_here());
+            let layer = first_moe_layer(&model);
+            let kept = fetch_keep(tier.as_ref(), layer, &[0, 1]);
+            let w = &kept[0].1;
+            assert_eq!(w.gate.format, WeightFormat::Q4_0, "{}", path.display());
+            assert!(
+                w.gate.rows >= 16 && w.down.rows >= 16,
+                "whole tiles to exercise"
+            );
+            for m in [&w.gate, &w.up, &w.down] {
+                assert_eq!(m.is_tiled(), tier.tiles_q4_0(), "{}", path.display());
+            }
+            drop(kept);
+            for threads in [1, 3] {
+                let engine = engine_with(
+                    Model::load(&path).unwrap().0,
+                    tier.clone() as Arc<dyn ExpertSource>,
+                    threads,
+                );
+                assert_eq!(
+                    bits(&logits_all(&engine, &[3, 1, 4, 1, 5, 9, 2])),
+                    bits(&oracle),
+                    "{}: tiles {on}, budget {budget}, {threads} threads",
+                    path.display()
+                );
+            }
+            drop(model);
+        }
+    }
+}
+
+#[test]
+fn turning_tiles_off_restores_the_stored_bytes() {
+    if !q4_0_tiles_run_here() {
+        eprintln!("SKIP: this CPU runs no Q4_0 tile kernel, so nothing is tiled");
+        return;
+    }
+    let path = gguf("qwen3_moe.q4_0.gguf");
+    let (model, src) = Model::load(&path).unwrap();
+    let layer = first_moe_layer(&model);
+    let stored = expert_bytes(
+        &fetch_keep(
+            &ResidentExperts::load(&model.spec, &src).unwrap(),
+            layer,
+            &[2],
+        )[0]
+        .1,
+    );
+    let (_, tier) = tier_over(&path, tiles(true, 1 << 30));
+    let kept = fetch_keep(tier.as_ref(), layer, &[2]);
+    assert!(kept[0].1.gate.is_tiled());
+    assert_ne!(
+        expert_bytes(&kept[0].1),
+        stored,
+        "the tiles differ from the rows"
+    );
+    // An expert in use cannot change layout under its reader.
+    assert!(tier.set_tile_q4_0(false).is_err());
+    drop(kept);
+    tier.set_tile_q4_0(false).unwrap();
+    assert!(!tier.tiles_q4_0());
+    let kept = fetch_keep(tier.as_ref(), layer, &[2, 3]);
+    assert!(!kept[0].1.gate.is_tiled() && !kept[1].1.gate.is_tiled());
+    assert_eq!(
+        expert_bytes(&kept[0].1),
+        stored,
+        "the cached expert as stored"
+    );
+    let s = ExpertSource::stats(tier.as_ref());
+    assert_eq!((s.ram_hits, s.ram_misses), (1, 2), "expert 2 stayed cached");
+}
+
+#[test]
+fn a_corrupt_q4_0_record_fails_its_checksum_before_it_is_tiled() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = q4_0_store(dir.path(), "qwen3_moe");
+    let store = PackedStore::open(&out).unwrap();
+    let layer = store.manifest().experts.layers[1].clone();
+    let victim = 3;
+    let at = layer.record_offset(victim) + layer.down.offset + 11;
+    drop(store);
+    let path = out.join("experts.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at as usize] ^= 0x04;
+    std::fs::write(&path, &bytes).unwrap();
+    let (_, tier) = tier_over(&out, tiles(true, 1 << 30));
+    tier.fetch(layer.layer, &[0, 1], &mut |_, _| Ok(()))
+        .unwrap();
+    for _ in 0..2 {
+        let msg = tier
+            .fetch(layer.layer, &[victim], &mut |_, _| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("checksum"), "{msg}");
+        assert!(
+            msg.contains(&format!("layer {} expert {victim}", layer.layer)),
+            "{msg}"
+        );
+    }
+}
+
+/// `Engine::load` tiles the dense Q4_0 weights where the tile kernel runs
+/// (and memory allows), and computes the same bits as the stored layout.
+#[test]
+fn an_engine_with_tiled_dense_weights_computes_the_same_bits() {
+    let path = gguf("qwen3_moe.q4_0.gguf");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let load = |tile: bool| {
+        Engine::load(
+            &path,
+            &EngineOptions {
+                threads: 2,
+                tier: tiles(tile, 1 << 30),
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let (tiled, plain) = (load(true), load(false));
+    assert_eq!(tiled.model.weights.q4_0_tiled(), q4_0_tiles_run_here());
+    assert!(!plain.model.weights.q4_0_tiled());
+    let tokens = [7, 7, 2, 9, 1, 1, 30];
+    assert_eq!(
+        bits(&logits_all(&tiled, &tokens)),
+        bits(&logits_all(&plain, &tokens))
+    );
+}
