@@ -33,6 +33,9 @@ pub struct SourceStats {
     pub uncovered_misses: u64,
 }
 
+/// Experts delivered together: `(expert, weights)` pairs.
+pub type ExpertGroup = Vec<(usize, Arc<ExpertWeights>)>;
+
 /// Hands out routed experts.
 pub trait ExpertSource: Send + Sync {
     /// Calls `ready(expert, weights)` exactly once for every id in `ids`
@@ -44,6 +47,21 @@ pub trait ExpertSource: Send + Sync {
         ids: &[usize],
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()>,
     ) -> Result<()>;
+
+    /// [`fetch`](Self::fetch), delivering the experts in groups of those
+    /// available at the same time (a tier hands over all its hits at once,
+    /// then each completed read with any that completed meanwhile), so the
+    /// caller can compute a group in one pass of its thread pool. Every id
+    /// of `ids` is in exactly one group. The default delivers one expert
+    /// per group.
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(ExpertGroup) -> Result<()>,
+    ) -> Result<()> {
+        self.fetch(layer, ids, &mut |e, w| ready(vec![(e, w)]))
+    }
 
     /// A hint that `ids` of `layer` will probably be needed soon. Sources
     /// that read from disk start reading; others ignore it.
@@ -210,6 +228,21 @@ impl ResidentExperts {
 }
 
 impl ExpertSource for ResidentExperts {
+    /// Every expert is at hand: one group.
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(ExpertGroup) -> Result<()>,
+    ) -> Result<()> {
+        let mut group = Vec::with_capacity(ids.len());
+        self.fetch(layer, ids, &mut |e, w| {
+            group.push((e, w));
+            Ok(())
+        })?;
+        ready(group)
+    }
+
     fn fetch(
         &self,
         layer: usize,

@@ -7,13 +7,13 @@
 //! available. Outputs are combined per row in ascending expert order (as
 //! transformers does), so arrival order never changes a result.
 
-use std::sync::Arc;
-
 use crate::config::{MoeSpec, RouterKind};
 use crate::error::{ModelError, Result};
-use crate::experts::{ExpertSource, ExpertWeights};
-use crate::kernels::{Pool, matmul, matmul_shared_input};
+use crate::experts::ExpertGroup;
+use crate::experts::ExpertSource;
+use crate::kernels::{Pool, matmul, matmul_shared_input, matvecs};
 use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
+use crate::tensor::QMatrix;
 use crate::weights::{MlpWeights, MoeWeights};
 
 /// `down(silu(gate x) * up x)` for `n` rows.
@@ -38,6 +38,48 @@ pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<
     let mut y = vec![0.0f32; n * w.down.rows];
     matmul(pool, &w.down, &g, n, &mut y);
     y
+}
+
+/// One expert for the rows `us` names (`(row, slot)` pairs) of `h`.
+fn expert_rows(
+    pool: &Pool,
+    w: &MlpWeights,
+    h: &[f32],
+    hidden: usize,
+    us: &[(usize, usize)],
+) -> Vec<f32> {
+    let mut xs = Vec::with_capacity(us.len() * hidden);
+    for &(row, _) in us {
+        xs.extend_from_slice(&h[row * hidden..(row + 1) * hidden]);
+    }
+    mlp_rows(pool, w, &xs, us.len())
+}
+
+/// [`mlp_rows`] of one token `x` through each expert of `group`, as two
+/// pool jobs: every gate and up product, then every down product.
+fn mlp_group(pool: &Pool, group: &ExpertGroup, x: &[f32]) -> Vec<Vec<f32>> {
+    let mut gu: Vec<Vec<f32>> = group
+        .iter()
+        .flat_map(|(_, w)| [vec![0.0f32; w.gate.rows], vec![0.0f32; w.up.rows]])
+        .collect();
+    {
+        let ws: Vec<&QMatrix> = group.iter().flat_map(|(_, w)| [&w.gate, &w.up]).collect();
+        let mut outs: Vec<&mut [f32]> = gu.iter_mut().map(|v| v.as_mut_slice()).collect();
+        matvecs(pool, &ws, &vec![x; ws.len()], &mut outs);
+    }
+    let acts: Vec<Vec<f32>> = gu
+        .chunks_exact(2)
+        .map(|p| p[0].iter().zip(&p[1]).map(|(g, u)| silu(*g) * u).collect())
+        .collect();
+    let mut ys: Vec<Vec<f32>> = group
+        .iter()
+        .map(|(_, w)| vec![0.0f32; w.down.rows])
+        .collect();
+    let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
+    let xs: Vec<&[f32]> = acts.iter().map(|a| a.as_slice()).collect();
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
+    matvecs(pool, &ws, &xs, &mut outs);
+    ys
 }
 
 /// The experts one row chose: ids and combine weights, in router order.
@@ -172,7 +214,9 @@ pub(crate) fn moe_rows(
     let k = moe.top_k;
     let mut slot_out = vec![0.0f32; n * k * hidden];
     let mut done = vec![false; moe.num_experts];
-    let mut apply = |e: usize, ew: Arc<ExpertWeights>| -> Result<()> {
+    // The (row, slot) pairs of a delivered expert, checked: requested and
+    // not delivered before.
+    let mut accept = |e: usize| -> Result<&Vec<(usize, usize)>> {
         let us = users.get(&e).ok_or_else(|| ModelError::Expert {
             layer,
             expert: e,
@@ -185,22 +229,40 @@ pub(crate) fn moe_rows(
                 reason: "source returned the expert twice".into(),
             });
         }
-        let m = us.len();
-        let mut xs = Vec::with_capacity(m * hidden);
-        for &(row, _) in us {
-            xs.extend_from_slice(&h[row * hidden..(row + 1) * hidden]);
+        Ok(us)
+    };
+    let mut apply = |group: ExpertGroup| -> Result<()> {
+        if n == 1 && group.len() > 1 {
+            // One token: every expert of the group takes the same input,
+            // so the group runs as two pool jobs (every gate and up, then
+            // every down) instead of two per expert; each product is the
+            // one `mlp_rows` computes.
+            let users = group
+                .iter()
+                .map(|(e, _)| accept(*e).cloned())
+                .collect::<Result<Vec<_>>>()?;
+            let ys = mlp_group(pool, &group, h);
+            for (us, y) in users.iter().zip(ys) {
+                for &(_, slot) in us {
+                    slot_out[slot * hidden..(slot + 1) * hidden].copy_from_slice(&y);
+                }
+            }
+            return Ok(());
         }
-        let ys = mlp_rows(pool, &ew, &xs, m);
-        for (j, &(row, slot)) in us.iter().enumerate() {
-            let dst = (row * k + slot) * hidden;
-            slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
+        for (e, ew) in group {
+            let us = accept(e)?;
+            let ys = expert_rows(pool, &ew, h, hidden, us);
+            for (j, &(row, slot)) in us.iter().enumerate() {
+                let dst = (row * k + slot) * hidden;
+                slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
+            }
         }
         Ok(())
     };
     // Before fetching: a prefetching source submits its reads of later
     // layers' predicted experts together with this layer's demand reads.
     experts.moe_input(layer, h, n);
-    experts.fetch(layer, &ids, &mut apply)?;
+    experts.fetch_groups(layer, &ids, &mut apply)?;
     if let Some(missing) = ids.iter().find(|&&e| !done[e]) {
         return Err(ModelError::Expert {
             layer,

@@ -62,6 +62,19 @@ impl ExpertSource for CountingExperts {
         self.inner.fetch(layer, ids, ready)
     }
 
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(colibri_model::experts::ExpertGroup) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        self.counters.fetch_calls.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .experts_fetched
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.inner.fetch_groups(layer, ids, ready)
+    }
+
     fn prefetch(&self, layer: usize, ids: &[usize]) {
         self.inner.prefetch(layer, ids)
     }

@@ -782,15 +782,29 @@ pub fn matmul_shared_input(
         }
         return;
     }
+    matvecs(pool, ws, &vec![x; ws.len()], ys);
+}
+
+/// `ys[i] = ws[i] xs[i]` for one vector per matrix, in one pool job over
+/// every matrix's rows (each distinct input prepared once per weight
+/// format): the results of separate [`matvec`] calls, with one wait for
+/// the pool instead of one per matrix.
+pub fn matvecs(pool: &Pool, ws: &[&QMatrix], xs: &[&[f32]], ys: &mut [&mut [f32]]) {
+    assert!(
+        ws.len() == ys.len() && ws.len() == xs.len(),
+        "one input and one output per matrix"
+    );
     let k = kernels();
-    let mut inputs: Vec<(WeightFormat, Input<'_>)> = Vec::new();
+    // Keyed by the input's address and length and the weight format.
+    let mut inputs: Vec<((usize, usize, WeightFormat), Input<'_>)> = Vec::new();
     let mut input_of = Vec::with_capacity(ws.len());
-    for w in ws {
+    for (w, x) in ws.iter().zip(xs) {
         assert_eq!(x.len(), w.cols, "matvec input length");
-        let i = match inputs.iter().position(|(f, _)| *f == w.format) {
+        let key = (x.as_ptr() as usize, x.len(), w.format);
+        let i = match inputs.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
             None => {
-                inputs.push((w.format, Input::prepare(k, w, x)));
+                inputs.push((key, Input::prepare(k, w, x)));
                 inputs.len() - 1
             }
         };

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use colibri_model::experts::{ExpertSource, ExpertWeights, SourceStats};
+use colibri_model::experts::{ExpertGroup, ExpertSource, ExpertWeights, SourceStats};
 use colibri_model::{Model, ModelError, Pool};
 
 use super::logic::{PredictorScore, PrefetchLogic};
@@ -225,6 +225,35 @@ impl ExpertSource for Prefetcher {
         ids: &[usize],
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
+        let guesses = self.before_fetch(layer, ids);
+        self.tier.fetch_with_prefetch(layer, ids, &guesses, ready)
+    }
+
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(ExpertGroup) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let guesses = self.before_fetch(layer, ids);
+        self.tier
+            .fetch_groups_with_prefetch(layer, ids, &guesses, ready)
+    }
+
+    fn prefetch(&self, layer: usize, ids: &[usize]) {
+        self.tier.prefetch(layer, ids);
+    }
+
+    fn stats(&self) -> SourceStats {
+        ExpertSource::stats(self.tier.as_ref())
+    }
+}
+
+impl Prefetcher {
+    /// What a fetch of `ids` of `layer` does first: learns the routing,
+    /// records the trace, drops the predictions it made stale, and returns
+    /// the predictions to read along with it.
+    fn before_fetch(&self, layer: usize, ids: &[usize]) -> Vec<(usize, Vec<usize>)> {
         let (stale, guesses) = {
             let mut inner = self.lock();
             let stale = inner.logic.routed(layer, ids);
@@ -255,14 +284,6 @@ impl ExpertSource for Prefetcher {
             self.stale_dropped
                 .fetch_add(dropped as u64, Ordering::Relaxed);
         }
-        self.tier.fetch_with_prefetch(layer, ids, &guesses, ready)
-    }
-
-    fn prefetch(&self, layer: usize, ids: &[usize]) {
-        self.tier.prefetch(layer, ids);
-    }
-
-    fn stats(&self) -> SourceStats {
-        ExpertSource::stats(self.tier.as_ref())
+        guesses
     }
 }

@@ -65,7 +65,7 @@ use colibri_io::{
     BackendInfo, Completion, CompletionSender, CounterSnapshot, FileSet, IoError, PinnedArena,
     Priority, ReadRequest, Reader, ReaderConfig, Slot, Ticket, completion_channel,
 };
-use colibri_model::experts::{ExpertSource, ExpertWeights, SourceStats};
+use colibri_model::experts::{ExpertGroup, ExpertSource, ExpertWeights, SourceStats};
 use colibri_model::source::{ExpertLocation, ExpertLocator};
 use colibri_model::tensor::{ByteStorage, Bytes, QMatrix};
 use colibri_model::{ModelError, ModelSpec};
@@ -1211,6 +1211,21 @@ impl TierCache {
         prefetch: &[(usize, Vec<usize>)],
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
+        self.fetch_groups_with_prefetch(layer, ids, prefetch, &mut |group| {
+            group.into_iter().try_for_each(|(e, w)| ready(e, w))
+        })
+    }
+
+    /// [`fetch_with_prefetch`](Self::fetch_with_prefetch), delivering
+    /// groups ([`ExpertSource::fetch_groups`]): the hits together, then
+    /// each completed read with any others that completed meanwhile.
+    pub fn fetch_groups_with_prefetch(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        prefetch: &[(usize, Vec<usize>)],
+        ready: &mut dyn FnMut(ExpertGroup) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let started = Instant::now();
         let sh = &self.shared;
         let mut pending = Vec::with_capacity(ids.len());
@@ -1264,10 +1279,15 @@ impl TierCache {
         let mut io_wait_busy = 0u64;
         let result = (|| -> Result<(), ModelError> {
             let expert_of = |e: u32| sh.layout.records[e as usize].expert;
-            let mut deliver = |lease: Lease| -> Result<(), ModelError> {
-                let expert = expert_of(lease.entry);
-                let weights = self.assemble(lease)?;
-                ready(expert, Arc::new(weights))
+            let mut deliver = |leases: Vec<Lease>| -> Result<(), ModelError> {
+                let group = leases
+                    .into_iter()
+                    .map(|lease| {
+                        let expert = expert_of(lease.entry);
+                        Ok((expert, Arc::new(self.assemble(lease)?)))
+                    })
+                    .collect::<Result<ExpertGroup, ModelError>>()?;
+                ready(group)
             };
             let mut delivered = 0usize;
             let mut in_flight = 0usize;
@@ -1315,9 +1335,9 @@ impl TierCache {
                 self.promote(&promote);
                 // Reads first, so they run while the hits are computed.
                 self.submit_with_prefetch(batch, speculative)?;
-                for lease in hits {
-                    deliver(lease)?;
-                    delivered += 1;
+                if !hits.is_empty() {
+                    delivered += hits.len();
+                    deliver(hits)?;
                 }
                 if delivered == ids.len() {
                     return Ok(());
@@ -1332,8 +1352,32 @@ impl TierCache {
                     Ok(Msg::Ready { lease, .. }) => {
                         in_flight -= 1;
                         waited_since = None;
-                        deliver(lease)?;
-                        delivered += 1;
+                        // Reads that completed meanwhile join the group.
+                        let mut group = vec![lease];
+                        let mut failed = None;
+                        while let Ok(more) = rx.try_recv() {
+                            match more {
+                                Msg::Ready { lease, .. } => {
+                                    in_flight -= 1;
+                                    group.push(lease);
+                                }
+                                Msg::Failed { entry, reason } => {
+                                    failed = Some((entry, reason));
+                                    break;
+                                }
+                                // The loop looks at blocked claims again anyway.
+                                Msg::Wake => {}
+                            }
+                        }
+                        delivered += group.len();
+                        deliver(group)?;
+                        if let Some((entry, reason)) = failed {
+                            return Err(ModelError::Expert {
+                                layer,
+                                expert: expert_of(entry),
+                                reason,
+                            });
+                        }
                     }
                     Ok(Msg::Failed { entry, reason }) => {
                         return Err(ModelError::Expert {
@@ -1395,6 +1439,15 @@ impl ExpertSource for TierCache {
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         self.fetch_with_prefetch(layer, ids, &[], ready)
+    }
+
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(ExpertGroup) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        self.fetch_groups_with_prefetch(layer, ids, &[], ready)
     }
 
     fn prefetch(&self, layer: usize, ids: &[usize]) {
