@@ -73,12 +73,8 @@ fn codes_at(blocks: usize, b: usize) -> usize {
 /// `scratch` holds one tile's rows while it is rewritten.
 pub fn tile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
     let rb = blocks * Q4_0_BLOCK_BYTES;
-    assert_eq!(bytes.len(), rows * rb, "whole Q4_0 rows");
-    let tb = tile_bytes(blocks);
-    for tile in bytes.chunks_exact_mut(tb).take(rows / TILE_ROWS) {
-        scratch.clear();
-        scratch.extend_from_slice(tile);
-        for (r, row) in scratch.chunks_exact(rb).enumerate() {
+    for_each_tile(bytes, rows, blocks, scratch, |tile, old| {
+        for (r, row) in old.chunks_exact(rb).enumerate() {
             for (b, blk) in row.chunks_exact(Q4_0_BLOCK_BYTES).enumerate() {
                 tile[scales_at(blocks, b) + 2 * r..][..2].copy_from_slice(&blk[..2]);
                 for j in 0..PACKED / 4 {
@@ -87,21 +83,42 @@ pub fn tile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut
                 }
             }
         }
-    }
+    });
 }
 
 /// Undoes [`tile_in_place`]: the tiles of a matrix of `rows` rows of
 /// `blocks` blocks back to row-major rows, in place.
 pub fn untile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
     let rb = blocks * Q4_0_BLOCK_BYTES;
-    assert_eq!(bytes.len(), rows * rb, "whole Q4_0 rows");
-    let tb = tile_bytes(blocks);
-    for tile in bytes.chunks_exact_mut(tb).take(rows / TILE_ROWS) {
+    for_each_tile(bytes, rows, blocks, scratch, |tile, old| {
+        for (r, row) in tile.chunks_exact_mut(rb).enumerate() {
+            row_of(old, TILE_ROWS, blocks, r, row);
+        }
+    });
+}
+
+/// `rewrite(tile, old)` for each full group of 16 rows of a matrix of
+/// `rows` rows of `blocks` blocks, with `old` a copy of the group's bytes
+/// (in `scratch`).
+fn for_each_tile(
+    bytes: &mut [u8],
+    rows: usize,
+    blocks: usize,
+    scratch: &mut Vec<u8>,
+    mut rewrite: impl FnMut(&mut [u8], &[u8]),
+) {
+    assert_eq!(
+        bytes.len(),
+        rows * blocks * Q4_0_BLOCK_BYTES,
+        "whole Q4_0 rows"
+    );
+    for tile in bytes
+        .chunks_exact_mut(tile_bytes(blocks))
+        .take(rows / TILE_ROWS)
+    {
         scratch.clear();
         scratch.extend_from_slice(tile);
-        for (r, row) in tile.chunks_exact_mut(rb).enumerate() {
-            row_of(scratch, TILE_ROWS, blocks, r, row);
-        }
+        rewrite(tile, scratch);
     }
 }
 
