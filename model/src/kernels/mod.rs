@@ -100,6 +100,17 @@ fn check_gemm_args(w: &[u8], t: &Q8Tiles, out: &[f32], width: usize) {
     );
 }
 
+/// What the tile kernels' safety contract asks of their arguments: one
+/// whole tile, an activation of its length.
+#[cfg(target_arch = "x86_64")]
+fn check_tile_args(tile: &[u8], blocks: usize, x: &Q8Activation) {
+    assert_eq!(tile.len(), q4_0_tiles::tile_bytes(blocks), "one whole tile");
+    assert!(
+        x.quants.len() >= blocks * QK && x.scales.len() >= blocks && x.bsums8.len() >= blocks,
+        "an activation of the tile's length"
+    );
+}
+
 /// What `dot_f32_rows_group`'s safety contract asks of its arguments.
 #[cfg(target_arch = "x86_64")]
 fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
@@ -220,6 +231,12 @@ mod avx2_wrappers {
         super::check_gemm_args(w, t, out, super::q4_0::avx2::WIDTH);
         unsafe { super::q4_0::avx2::gemm_q4_0_q8(w, t, row, out) }
     }
+    /// Also checks the tile's and the activation's lengths, which the
+    /// kernel's safety contract asks for.
+    pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
+        super::check_tile_args(tile, blocks, x);
+        unsafe { super::q4_0_tiles::avx2::dot_tile(tile, blocks, x, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -243,7 +260,7 @@ pub const AVX2: KernelSet = KernelSet {
         min_tokens: 6,
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
-    dot_q4_0_tile: None,
+    dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     int_activations: true,
     vector_quantize: true,
 };
@@ -270,17 +287,7 @@ mod avx512_wrappers {
     /// Also checks the tile's and the activation's lengths, which the
     /// kernel's safety contract asks for.
     pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
-        assert_eq!(
-            tile.len(),
-            super::q4_0_tiles::tile_bytes(blocks),
-            "one whole tile"
-        );
-        assert!(
-            x.quants.len() >= blocks * super::QK
-                && x.scales.len() >= blocks
-                && x.bsums8.len() >= blocks,
-            "an activation of the tile's length"
-        );
+        super::check_tile_args(tile, blocks, x);
         unsafe { super::q4_0_tiles::avx512::dot_tile(tile, blocks, x, out) }
     }
 }
