@@ -82,6 +82,22 @@ pub trait ExpertSource: Send + Sync {
     }
 }
 
+/// [`ExpertSource::fetch_groups`] for a source that has every expert at
+/// hand (memory-mapped): all of `ids` in one group.
+pub fn one_group(
+    source: &(impl ExpertSource + ?Sized),
+    layer: usize,
+    ids: &[usize],
+    ready: &mut dyn FnMut(ExpertGroup) -> Result<()>,
+) -> Result<()> {
+    let mut group = Vec::with_capacity(ids.len());
+    source.fetch(layer, ids, &mut |e, w| {
+        group.push((e, w));
+        Ok(())
+    })?;
+    ready(group)
+}
+
 /// Loads expert `e` of layer `layer` from a checkpoint, in either the Hub's
 /// per-expert layout or transformers 5's fused per-layer layout.
 pub fn load_expert(
@@ -228,19 +244,13 @@ impl ResidentExperts {
 }
 
 impl ExpertSource for ResidentExperts {
-    /// Every expert is at hand: one group.
     fn fetch_groups(
         &self,
         layer: usize,
         ids: &[usize],
         ready: &mut dyn FnMut(ExpertGroup) -> Result<()>,
     ) -> Result<()> {
-        let mut group = Vec::with_capacity(ids.len());
-        self.fetch(layer, ids, &mut |e, w| {
-            group.push((e, w));
-            Ok(())
-        })?;
-        ready(group)
+        one_group(self, layer, ids, ready)
     }
 
     fn fetch(

@@ -152,4 +152,13 @@ impl ExpertSource for GgufExperts {
         }
         Ok(())
     }
+
+    fn fetch_groups(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        ready: &mut dyn FnMut(crate::experts::ExpertGroup) -> Result<()>,
+    ) -> Result<()> {
+        crate::experts::one_group(self, layer, ids, ready)
+    }
 }
