@@ -10,6 +10,13 @@
 //! (batched decode, prefill) also report the weight bytes per second times
 //! the batch: what a token-at-a-time product would have to stream to keep
 //! up.
+//!
+//! `-- --pages` instead compares the same matrices held in 4 KiB pages and
+//! in transparent huge pages (as the engine holds owned weights), rounds
+//! interleaved so that drifting memory bandwidth hits both alike.
+//!
+//! `-- --tiling` measures rearranging Q4_0 rows into tiles and back (what
+//! the RAM tier does on its installer thread to every expert it reads).
 
 use std::time::Instant;
 
@@ -71,6 +78,97 @@ fn tile(w: QMatrix) -> QMatrix {
     .expect("tiled matrix")
 }
 
+/// A copy of `w`'s bytes in fresh anonymous memory, in huge pages or
+/// (`huge == false`) explicitly in 4 KiB pages.
+fn in_pages(w: &QMatrix, huge: bool) -> QMatrix {
+    let src = w.data().as_slice();
+    let mut map = memmap2::MmapMut::map_anon(src.len()).expect("anonymous map");
+    let advice = if huge {
+        memmap2::Advice::HugePage
+    } else {
+        memmap2::Advice::NoHugePage
+    };
+    map.advise(advice).expect("madvise");
+    map.copy_from_slice(src);
+    let map = map.make_read_only().expect("read-only");
+    let bytes = Bytes::new(std::sync::Arc::new(map), 0, src.len()).expect("bytes");
+    let m = QMatrix::new("bench", w.rows, w.cols, w.format, bytes, None).expect("matrix");
+    if w.is_tiled() {
+        m.tiled_q4_0().expect("tiled")
+    } else {
+        m
+    }
+}
+
+fn anon_huge_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/smaps_rollup")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("AnonHugePages:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// `--pages`: batch-1 products from 4 KiB pages and from huge pages,
+/// alternating for `rounds` rounds.
+fn compare_pages(pool: &Pool, mib: usize, rng: &mut impl Rng) {
+    let cols = 2048;
+    let rounds = arg("--rounds", 8);
+    let mut cases = vec![(WeightFormat::Bf16, false)];
+    if q4_0_tiles_run_here() {
+        cases.push((WeightFormat::Q4_0, true));
+    }
+    cases.push((WeightFormat::Q4_0, false));
+    for (format, tiled) in cases {
+        let rows = ((mib << 20) / format.row_bytes(cols).expect("row bytes")).max(64);
+        let mut w = matrix(format, rows, cols, rng);
+        if tiled {
+            w = tile(w);
+        }
+        let before = anon_huge_kib();
+        let small = in_pages(&w, false);
+        let huge = in_pages(&w, true);
+        drop(w);
+        let name = if tiled { "q4_0 tiled" } else { format.name() };
+        println!(
+            "{name} {rows}x{cols}: {} MiB of the huge-page copy in huge pages",
+            anon_huge_kib().saturating_sub(before) >> 10
+        );
+        let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let mut y = vec![0.0f32; rows];
+        let mut rate = |m: &QMatrix| {
+            matvec(pool, m, &x, &mut y);
+            let iters = 5;
+            let t = Instant::now();
+            for _ in 0..iters {
+                matvec(pool, m, &x, &mut y);
+            }
+            m.stored_bytes() as f64 * iters as f64 / t.elapsed().as_secs_f64() / 1e9
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            a.push(rate(&small));
+            b.push(rate(&huge));
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let bw = read_bandwidth(pool, mib << 20);
+        println!(
+            "  4 KiB pages: median {:.2} GB/s (min {:.2}, max {:.2}); huge pages: median {:.2} GB/s (min {:.2}, max {:.2}); read pass after: {bw:.2} GB/s",
+            median(&mut a),
+            a[0],
+            a[a.len() - 1],
+            median(&mut b),
+            b[0],
+            b[b.len() - 1],
+        );
+    }
+}
+
 fn main() {
     let threads = arg(
         "--threads",
@@ -83,6 +181,39 @@ fn main() {
         .position(|a| a == "--format")
         .and_then(|i| args.get(i + 1).cloned());
     let pool = Pool::new(threads).expect("pool");
+    if args.iter().any(|a| a == "--tiling") {
+        let cols = 2048;
+        let rows = ((mib << 20) / WeightFormat::Q4_0.row_bytes(cols).expect("row bytes")) / 16 * 16;
+        let w = matrix(
+            WeightFormat::Q4_0,
+            rows,
+            cols,
+            &mut rand_chacha::ChaCha8Rng::seed_from_u64(1),
+        );
+        let mut bytes = w.data().as_slice().to_vec();
+        let mut scratch = Vec::new();
+        for round in 0..3 {
+            let t = Instant::now();
+            q4_0_tiles::tile_in_place(&mut bytes, rows, cols / 32, &mut scratch);
+            let tiled = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            q4_0_tiles::untile_in_place(&mut bytes, rows, cols / 32, &mut scratch);
+            let untiled = t.elapsed().as_secs_f64();
+            assert!(bytes == w.data().as_slice(), "tiling round trip");
+            println!(
+                "round {round}: tiling {:.2} GB/s, untiling {:.2} GB/s ({} MiB, one thread)",
+                bytes.len() as f64 / tiled / 1e9,
+                bytes.len() as f64 / untiled / 1e9,
+                bytes.len() >> 20
+            );
+        }
+        return;
+    }
+    if args.iter().any(|a| a == "--pages") {
+        println!("kernels: {}, threads: {threads}", kernels().name);
+        compare_pages(&pool, mib, &mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
+        return;
+    }
     let bw = read_bandwidth(&pool, mib << 20);
     println!("kernels: {}, threads: {threads}", kernels().name);
     println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");

@@ -37,6 +37,56 @@ impl ByteStorage for memmap2::Mmap {
     }
 }
 
+/// Whether large owned buffers ask for transparent huge pages (the default;
+/// `COLIBRI_NO_HUGEPAGES=1` turns it off). Streaming kernels touch weights
+/// a page at a time: with 2 MiB pages a gigabyte costs 512 TLB fills
+/// instead of 262144, which in a virtual machine are two-level walks.
+pub fn huge_pages_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var_os("COLIBRI_NO_HUGEPAGES").is_none_or(|v| v == "0"))
+}
+
+/// Owned, zero-initialised anonymous memory that asks the kernel for
+/// transparent huge pages ([`huge_pages_wanted`]): the home of weights that
+/// colibri copies out of the checkpoint to keep in RAM (repacked Q4_0
+/// tiles) and of the bandwidth probe that bounds them.
+pub struct AnonStorage {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+impl AnonStorage {
+    /// `len` zero bytes (a mapping of at least one byte, so `len` may be 0).
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .map_err(|e| ModelError::Invalid(format!("mapping {len} bytes of memory: {e}")))?;
+        #[cfg(target_os = "linux")]
+        if huge_pages_wanted() {
+            // A hint: where the kernel has no huge page the memory is
+            // ordinary pages, so a failure changes nothing but speed.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        Ok(AnonStorage { map, len })
+    }
+
+    /// A copy of `src`.
+    pub fn copy_of(src: &[u8]) -> Result<Self> {
+        let mut s = Self::zeroed(src.len())?;
+        s.bytes_mut().copy_from_slice(src);
+        Ok(s)
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
+    }
+}
+
+impl ByteStorage for AnonStorage {
+    fn bytes(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+}
+
 impl ByteStorage for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
@@ -85,6 +135,16 @@ impl Bytes {
             )));
         }
         Ok(Bytes { owner, start, len })
+    }
+
+    /// A view of all of `s`.
+    pub fn from_anon(s: AnonStorage) -> Self {
+        let len = s.len;
+        Bytes {
+            owner: Arc::new(s),
+            start: 0,
+            len,
+        }
     }
 
     pub fn from_vec(v: Vec<u8>) -> Self {
@@ -352,5 +412,26 @@ impl QMatrix {
             self.row_to_f32(r, &mut out[r * self.cols..(r + 1) * self.cols]);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anonymous_storage_holds_exactly_the_bytes_copied_in() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let copy = AnonStorage::copy_of(&src).unwrap();
+        assert_eq!(copy.bytes(), &src[..]);
+        let view = Bytes::from_anon(copy);
+        assert_eq!(view.as_slice(), &src[..]);
+        let empty = AnonStorage::zeroed(0).unwrap();
+        assert!(empty.bytes().is_empty());
+        let mut zeros = AnonStorage::zeroed(4097).unwrap();
+        assert!(zeros.bytes().iter().all(|&b| b == 0));
+        zeros.bytes_mut()[4096] = 9;
+        assert_eq!(zeros.bytes()[4096], 9);
+        assert_eq!(zeros.bytes().len(), 4097);
     }
 }

@@ -323,19 +323,20 @@ impl DenseWeights {
             if m.format != WeightFormat::Q4_0 || m.is_tiled() == on {
                 continue;
             }
-            let mut bytes = m.data().as_slice().to_vec();
+            let mut owned = crate::tensor::AnonStorage::copy_of(m.data().as_slice())?;
+            let bytes = owned.bytes_mut();
             let blocks = m.cols / crate::quant::QK;
             if on {
-                q4_0_tiles::tile_in_place(&mut bytes, m.rows, blocks, &mut scratch);
+                q4_0_tiles::tile_in_place(bytes, m.rows, blocks, &mut scratch);
             } else {
-                q4_0_tiles::untile_in_place(&mut bytes, m.rows, blocks, &mut scratch);
+                q4_0_tiles::untile_in_place(bytes, m.rows, blocks, &mut scratch);
             }
             let fresh = QMatrix::new(
                 "q4_0",
                 m.rows,
                 m.cols,
                 m.format,
-                crate::tensor::Bytes::from_vec(bytes),
+                crate::tensor::Bytes::from_anon(owned),
                 None,
             )?;
             *m = if on { fresh.tiled_q4_0()? } else { fresh };

@@ -634,26 +634,67 @@ impl Pool {
 /// the way the kernels read (every thread summing its own chunks). Use a
 /// size well above the last-level cache.
 pub fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
-    let buf: Vec<u32> = (0..bytes / 4).map(|i| (i % 7) as u32).collect();
-    // Integer adds vectorize (float sums would be latency-bound), so this
-    // measures how fast the cores pull bytes from memory.
-    let chunk = 1 << 16;
-    let pass = || {
-        pool.map_collect(buf.len().div_ceil(chunk), |i| {
-            let c = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
-            c.iter().fold(0u32, |a, &b| a.wrapping_add(b))
-        })
-        .into_iter()
-        .fold(0u32, u32::wrapping_add)
-    };
-    std::hint::black_box(pass());
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = std::time::Instant::now();
-        std::hint::black_box(pass());
-        best = best.min(t.elapsed().as_secs_f64());
+    BandwidthProbe::new(bytes).measure(pool, 5)
+}
+
+/// A buffer for repeated [`read_bandwidth`] passes (allocated and filled
+/// once), so that a benchmark can measure the bandwidth beside each stretch
+/// of work it bounds.
+pub struct BandwidthProbe {
+    store: Option<crate::tensor::AnonStorage>,
+    fallback: Vec<u32>,
+}
+
+impl BandwidthProbe {
+    pub fn new(bytes: usize) -> BandwidthProbe {
+        // The weights it bounds live in huge pages where the kernel gives
+        // them (`AnonStorage`), so the probe asks for them too.
+        let mut store = crate::tensor::AnonStorage::zeroed(bytes / 4 * 4).ok();
+        let mut fallback = Vec::new();
+        let buf: &mut [u32] = match store.as_mut() {
+            // A mapping is page-aligned, so its bytes are u32-aligned.
+            Some(s) => bytemuck::cast_slice_mut(s.bytes_mut()),
+            None => {
+                fallback.resize(bytes / 4, 0u32);
+                &mut fallback
+            }
+        };
+        for (i, w) in buf.iter_mut().enumerate() {
+            *w = (i % 7) as u32;
+        }
+        BandwidthProbe { store, fallback }
     }
-    (buf.len() * 4) as f64 / best.max(1e-9) / 1e9
+
+    fn words(&self) -> &[u32] {
+        match &self.store {
+            Some(s) => bytemuck::cast_slice(crate::tensor::ByteStorage::bytes(s)),
+            None => &self.fallback,
+        }
+    }
+
+    /// GB/s of the best of `passes` passes after one warm-up pass.
+    pub fn measure(&self, pool: &Pool, passes: usize) -> f64 {
+        let buf = self.words();
+        // Integer adds vectorize (float sums would be latency-bound), so
+        // this measures how fast the cores pull bytes from memory.
+        let chunk = 1 << 16;
+        let pass = || {
+            pool.map_collect(buf.len().div_ceil(chunk), |i| {
+                let c = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
+                c.iter().fold(0u32, |a, &b| a.wrapping_add(b))
+            })
+            .into_iter()
+            .fold(0u32, u32::wrapping_add)
+        };
+        std::hint::black_box(pass());
+        let mut best = f64::MAX;
+        for _ in 0..passes.max(1) {
+            let t = std::time::Instant::now();
+            std::hint::black_box(pass());
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        (buf.len() * 4) as f64 / best.max(1e-9) / 1e9
+    }
 }
 
 /// A matrix product's input vector, prepared once for the weight format:

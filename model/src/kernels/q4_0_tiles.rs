@@ -75,12 +75,20 @@ fn codes_at(blocks: usize, b: usize) -> usize {
 pub fn tile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
     let rb = blocks * Q4_0_BLOCK_BYTES;
     for_each_tile(bytes, rows, blocks, scratch, |tile, old| {
-        for (r, row) in old.chunks_exact(rb).enumerate() {
-            for (b, blk) in row.chunks_exact(Q4_0_BLOCK_BYTES).enumerate() {
-                tile[scales_at(blocks, b) + 2 * r..][..2].copy_from_slice(&blk[..2]);
-                for j in 0..PACKED / 4 {
-                    let at = codes_at(blocks, b) + (j * TILE_ROWS + r) * 4;
-                    tile[at..at + 4].copy_from_slice(&blk[2 + 4 * j..6 + 4 * j]);
+        // Block by block, so that every write goes forward through the
+        // tile and the fixed-size copies compile to plain moves.
+        for b in 0..blocks {
+            let mut codes = [[0u8; PACKED]; TILE_ROWS];
+            let scales = &mut tile[scales_at(blocks, b)..][..SCALE_BYTES];
+            for (r, (code, scale)) in codes.iter_mut().zip(scales.chunks_exact_mut(2)).enumerate() {
+                let blk = &old[r * rb + b * Q4_0_BLOCK_BYTES..][..Q4_0_BLOCK_BYTES];
+                scale.copy_from_slice(&blk[..2]);
+                code.copy_from_slice(&blk[2..]);
+            }
+            let out = &mut tile[codes_at(blocks, b)..][..CODE_BYTES];
+            for (j, group) in out.chunks_exact_mut(4 * TILE_ROWS).enumerate() {
+                for (word, code) in group.chunks_exact_mut(4).zip(&codes) {
+                    word.copy_from_slice(&code[4 * j..4 * j + 4]);
                 }
             }
         }

@@ -771,7 +771,10 @@ impl TierCache {
             let slots = class.arena_slots().max(1);
             let slot_bytes = usize::try_from(class.slot_bytes)
                 .map_err(|_| TierError::Budget(format!("slot of {} bytes", class.slot_bytes)))?;
-            let arena = PinnedArena::new(slot_bytes, slots)?;
+            // Huge pages only where every expert of the class has a slot:
+            // such an arena fills once, and nothing waits on it later.
+            let every_expert = class.pinned_slots + class.cache_slots >= class.experts;
+            let arena = PinnedArena::with_pages(slot_bytes, slots, every_expert)?;
             arenas.push(Arc::clone(&arena));
             let base = (c * 3) as ListId;
             classes.push(ClassState {
