@@ -31,7 +31,12 @@
 //! - `--model DIR --warm`: the same decode with every routed expert read
 //!   into RAM first, against the memory-bandwidth roofline: weight bytes a
 //!   decode token reads (dense weights + top-k experts per MoE layer) over
-//!   the read bandwidth of the compute threads, measured in the same run.
+//!   the read bandwidth of the compute threads, measured in the same run:
+//!   a read pass every `--bandwidth-window` tokens (their time left out of
+//!   the decode's), so that each window of tokens is also compared with the
+//!   bandwidth measured on either side of it. Shared hosts drift by tens of
+//!   percent within minutes; a pass taken once after the decode compares
+//!   the decode with another minute's memory.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -115,6 +120,9 @@ pub struct BenchIoArgs {
     /// last-level cache).
     #[arg(long, value_name = "SIZE", default_value = "512MiB")]
     pub bandwidth_bytes: ByteSize,
+    /// --warm: decode tokens between two memory bandwidth measurements.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub bandwidth_window: u64,
     /// --model: where the forward pass runs, as `run`: `cpu` (the
     /// default here), `cuda` (the GPU tier; experts still come from disk
     /// through the RAM tier and its staging ring), or `auto`.
@@ -239,6 +247,44 @@ struct DecodeRun {
     /// What the kernel counted as read from the model's block device
     /// during the decode (None where /proc/diskstats does not say).
     kernel_decode_bytes: Option<u64>,
+    /// --warm: the memory bandwidth measured between decode tokens.
+    #[serde(skip)]
+    bandwidth: Vec<BandwidthMark>,
+}
+
+/// One memory bandwidth measurement taken between two decode tokens.
+#[derive(Clone, Debug)]
+struct BandwidthMark {
+    /// Tokens generated when it was taken.
+    generated: usize,
+    gb_s: f64,
+    began: Instant,
+    ended: Instant,
+}
+
+/// Tokens between two bandwidth marks against the bandwidth measured on
+/// either side of them.
+#[derive(Serialize)]
+struct BandwidthWindow {
+    tokens: usize,
+    tok_s: f64,
+    gb_s: f64,
+}
+
+fn bandwidth_windows(marks: &[BandwidthMark]) -> Vec<BandwidthWindow> {
+    marks
+        .windows(2)
+        .filter(|w| w[1].generated > w[0].generated)
+        .map(|w| {
+            let tokens = w[1].generated - w[0].generated;
+            let secs = w[1].began.duration_since(w[0].ended).as_secs_f64();
+            BandwidthWindow {
+                tokens,
+                tok_s: tokens as f64 / secs.max(1e-9),
+                gb_s: (w[0].gb_s + w[1].gb_s) / 2.0,
+            }
+        })
+        .collect()
 }
 
 /// What every run shares.
@@ -339,6 +385,14 @@ fn decode_run(
             kernel_bytes: device.and_then(kernel_bytes_read),
         }
     };
+    // --warm: a read pass at the first token, every `bandwidth_window`
+    // tokens and at the last; the decode's time leaves them out.
+    let probe = args.warm.then(|| {
+        let bytes = usize::try_from(args.bandwidth_bytes.bytes()).unwrap_or(usize::MAX);
+        colibri_model::kernels::BandwidthProbe::new(bytes)
+    });
+    let window = usize::try_from(args.bandwidth_window).unwrap_or(usize::MAX);
+    let mut marks = Vec::new();
     let start = snapshot();
     let mut first: Option<Phase> = None;
     let mut generated = 0usize;
@@ -349,6 +403,18 @@ fn decode_run(
             // Latencies from here on are the decode's.
             tier.read_latency(true);
         }
+        if let Some(probe) = &probe
+            && ((generated - 1).is_multiple_of(window) || generated == args.tokens)
+        {
+            let began = Instant::now();
+            let gb_s = probe.measure(&engine.pool, 3);
+            marks.push(BandwidthMark {
+                generated,
+                gb_s,
+                began,
+                ended: Instant::now(),
+            });
+        }
         true
     })?;
     let end = snapshot();
@@ -356,7 +422,10 @@ fn decode_run(
         bail!("no token was generated");
     };
     let decode_tokens = generated.saturating_sub(1).max(1) as f64;
-    let decode_s = end.at.duration_since(first.at).as_secs_f64().max(1e-9);
+    let probing: Duration = marks.iter().map(|m| m.ended - m.began).sum();
+    let decode_s = (end.at.duration_since(first.at).saturating_sub(probing))
+        .as_secs_f64()
+        .max(1e-9);
     let decode = end.stats.since(&first.stats);
     let prefill = first.stats.since(&start.stats);
     let decode_bytes = end.bytes_read - first.bytes_read;
@@ -389,6 +458,7 @@ fn decode_run(
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             _ => None,
         },
+        bandwidth: marks,
     };
     Ok((run, engine))
 }
@@ -435,10 +505,29 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
     let Some(tier) = engine.tier.as_ref() else {
         bail!("no tier");
     };
-    let bytes = usize::try_from(args.bandwidth_bytes.bytes()).context("--bandwidth-bytes")?;
-    let bandwidth_gb_s = colibri_model::kernels::read_bandwidth(&engine.pool, bytes);
+    let bytes = args.bandwidth_bytes.bytes();
+    let marks = &run.bandwidth;
+    if marks.is_empty() {
+        bail!("no memory bandwidth was measured during the decode");
+    }
+    let bandwidth_gb_s = marks.iter().map(|m| m.gb_s).sum::<f64>() / marks.len() as f64;
     let per_token = decode_bytes_per_token(&engine.model.weights, tier.layout());
-    let roofline = bandwidth_gb_s * 1e9 / per_token.max(1) as f64;
+    let per_token_f = per_token.max(1) as f64;
+    let roofline = bandwidth_gb_s * 1e9 / per_token_f;
+    let windows = bandwidth_windows(marks);
+    let mut ratios: Vec<f64> = windows
+        .iter()
+        .map(|w| w.tok_s / (w.gb_s * 1e9 / per_token_f))
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN);
+    let (lowest, highest) = (
+        ratios.first().copied().unwrap_or(f64::NAN),
+        ratios.last().copied().unwrap_or(f64::NAN),
+    );
+    let (bw_low, bw_high) = marks.iter().fold((f64::MAX, 0.0f64), |(lo, hi), m| {
+        (lo.min(m.gb_s), hi.max(m.gb_s))
+    });
     let decode_disk = run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
     if args.json {
         let v = json!({
@@ -451,8 +540,12 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "ttft_s": run.ttft_s,
             "weight_bytes_per_token": per_token,
             "memory_read_gb_s": bandwidth_gb_s,
+            "memory_read_gb_s_range": [bw_low, bw_high],
             "roofline_tok_s": roofline,
             "tok_s_of_roofline": run.tok_s / roofline,
+            "windows": windows,
+            "window_of_roofline_median": median,
+            "window_of_roofline_range": [lowest, highest],
             "ram_hit_rate": run.ram_hit_rate,
             "decode_disk_bytes": decode_disk,
             "time": run.time,
@@ -475,10 +568,14 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         ByteSize(decode_disk as u64)
     );
     println!(
-        "memory read bandwidth {:.2} GB/s ({} threads, {}); weights read per token {}",
+        "memory read bandwidth {:.2} GB/s (mean of {} passes between tokens, {:.2}–{:.2}; \
+         {} threads, {}); weights read per token {}",
         bandwidth_gb_s,
+        marks.len(),
+        bw_low,
+        bw_high,
         engine.pool.threads(),
-        ByteSize(bytes as u64),
+        ByteSize(bytes),
         ByteSize(per_token)
     );
     println!(
@@ -487,6 +584,15 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         roofline,
         run.tok_s,
         run.tok_s / roofline * 100.0
+    );
+    println!(
+        "per window of {} tokens against the bandwidth measured on either side of it: \
+         median {:.1}% of the bound ({:.1}–{:.1}% over {} windows)",
+        args.bandwidth_window,
+        median * 100.0,
+        lowest * 100.0,
+        highest * 100.0,
+        windows.len()
     );
     Ok(())
 }
@@ -812,4 +918,38 @@ fn kernel_bytes_read((major, minor): (u32, u32)) -> Option<u64> {
             None
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_leave_out_the_passes_and_average_the_bandwidth_around_them() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mark = |generated, gb_s, began, ended| BandwidthMark {
+            generated,
+            gb_s,
+            began: at(began),
+            ended: at(ended),
+        };
+        // Passes of 100 ms between 16 tokens in 800 ms, then 8 in 400 ms.
+        let marks = [
+            mark(1, 30.0, 0, 100),
+            mark(17, 40.0, 900, 1000),
+            mark(25, 20.0, 1400, 1500),
+        ];
+        let w = bandwidth_windows(&marks);
+        assert_eq!(w.len(), 2);
+        assert_eq!(w[0].tokens, 16);
+        assert!((w[0].tok_s - 20.0).abs() < 1e-9);
+        assert!((w[0].gb_s - 35.0).abs() < 1e-9);
+        assert_eq!(w[1].tokens, 8);
+        assert!((w[1].tok_s - 20.0).abs() < 1e-9);
+        assert!((w[1].gb_s - 30.0).abs() < 1e-9);
+        // A last mark at the token of the one before adds no window.
+        let same = [mark(1, 30.0, 0, 100), mark(1, 30.0, 100, 200)];
+        assert!(bandwidth_windows(&same).is_empty());
+    }
 }
