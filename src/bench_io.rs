@@ -635,14 +635,6 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     if args.warm {
         return report_warm(args, dir, &run, &engine);
     }
-    let mut compared = Vec::new();
-    if args.compare_prefetch {
-        let others = std::iter::once(None).chain(Predictor::ALL.into_iter().map(Some));
-        for predictor in others {
-            let (r, _) = decode_run(args, &setup, predictor, false)?;
-            compared.push(r);
-        }
-    }
     let Some(tier) = engine.tier.clone() else {
         bail!("no tier");
     };
@@ -690,8 +682,21 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     let bytes_per_token = run.disk_bytes_per_token;
     let bound_tok_s = (bytes_per_token > 0.0).then(|| raw_mb_s * 1e6 / bytes_per_token);
     let tok_s = run.tok_s;
-    let plan = tier.plan();
+    let plan = tier.plan().clone();
+    let measured_depth = tier.measured_depth().cloned();
     let o_direct = files.all_direct();
+    // Each comparison loads the model again with a fresh, cold tier: the
+    // main run's tier must be gone first, or a memory cap that fits one
+    // tier would kill the process holding two.
+    drop((tier, engine));
+    let mut compared = Vec::new();
+    if args.compare_prefetch {
+        let others = std::iter::once(None).chain(Predictor::ALL.into_iter().map(Some));
+        for predictor in others {
+            let (r, _) = decode_run(args, &setup, predictor, false)?;
+            compared.push(r);
+        }
+    }
     let off_tok_s = compared
         .iter()
         .find(|r| r.predictor.is_none())
@@ -716,7 +721,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             "io_backend": backend.to_string(),
             "o_direct": o_direct,
             "queue_depth": queue_depth,
-            "queue_depth_measured": tier.measured_depth(),
+            "queue_depth_measured": measured_depth.as_ref(),
             "io_wait_s": run.time.io_wait_s,
             "io_wait_fraction": run.io_wait_fraction,
             "time": run.time,
@@ -757,7 +762,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             "buffered (O_DIRECT refused; ranges dropped after each read)"
         },
         queue_depth,
-        match tier.measured_depth() {
+        match measured_depth.as_ref() {
             Some(m) => format!(
                 " (measured: {} MB/s at depths {})",
                 m.points
