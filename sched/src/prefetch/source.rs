@@ -186,9 +186,13 @@ impl Drop for Prefetcher {
 
 impl ExpertSource for Prefetcher {
     fn moe_input(&self, layer: usize, h: &[f32], rows: usize) {
+        // With every expert resident no guess can be read, so the router
+        // products are skipped unless something records them.
+        let all_resident = self.tier.all_resident();
         let (t1, t2, want1, want2) = {
             let inner = self.lock();
             let logic = &inner.logic;
+            let skip = all_resident && !logic.evaluates() && inner.trace.is_none();
             let t1 = logic.next_moe(layer);
             let t2 = t1.and_then(|t| logic.next_moe(t));
             let any = |f: fn(super::Predictor) -> bool| {
@@ -199,8 +203,8 @@ impl ExpertSource for Prefetcher {
             (
                 t1,
                 t2,
-                any(super::Predictor::uses_next_router),
-                any(super::Predictor::uses_second_router),
+                !skip && any(super::Predictor::uses_next_router),
+                !skip && any(super::Predictor::uses_second_router),
             )
         };
         // Outside the lock: the router products are the only real work.

@@ -254,6 +254,8 @@ struct State {
     prefetch_batch: Vec<u64>,
     /// Prefetch batches started so far.
     prefetch_batches: u64,
+    /// Entries in [`Entry::Resident`].
+    resident: usize,
 }
 
 pub(crate) struct Shared {
@@ -366,6 +368,7 @@ impl State {
         if let Entry::Resident(r) = &self.entries[e as usize] {
             debug_assert_eq!(r.leases, 0, "evicting a leased expert");
             debug_assert_eq!(Arc::strong_count(&r.storage), 1, "slot still referenced");
+            self.resident -= 1;
         }
         self.entries[e as usize] = Entry::Absent;
     }
@@ -655,6 +658,7 @@ impl Shared {
                 .and_then(|m| prepared.map(|p| (m, p)));
             match ranges {
                 Ok((matrices, prepared)) => {
+                    st.resident += 1;
                     st.entries[e as usize] = Entry::Resident(Resident {
                         storage: Arc::new(SlotStorage {
                             slot,
@@ -821,6 +825,7 @@ impl TierCache {
                 next_read_id: 0,
                 prefetch_batch: vec![0; entries],
                 prefetch_batches: 0,
+                resident: 0,
             }),
             counters: Counters::default(),
             latency: ReadLatency::new(),
@@ -1036,6 +1041,12 @@ impl TierCache {
             storage.tiled = false;
         }
         Ok(())
+    }
+
+    /// Whether every routed expert is resident now: no fetch can miss,
+    /// so guessing what to read ahead is wasted work.
+    pub fn all_resident(&self) -> bool {
+        self.shared.lock().resident == self.shared.layout.len()
     }
 
     /// The placement in effect.

@@ -394,3 +394,32 @@ fn concurrent_fetches_under_a_tiny_budget_always_see_the_right_bytes() {
         assert_eq!(o.leased, 0, "{o:?}");
     }
 }
+
+#[test]
+fn all_resident_follows_installs_and_evictions() {
+    let experts = |tier: &TierCache| -> Vec<(usize, usize)> {
+        let per_layer = tier.layout().experts_per_layer;
+        tier.layout()
+            .moe_layers()
+            .flat_map(|l| (0..per_layer).map(move |e| (l, e)))
+            .collect()
+    };
+    let n = tier_with(1, EvictionPolicy::Lru, 2).layout().len();
+    // Room for every expert: resident once the last one has been read.
+    let tier = tier_with(n as u64, EvictionPolicy::Lru, 2);
+    assert!(tier.plan().cache_slots() >= n);
+    let all = experts(&tier);
+    assert_eq!(all.len(), n);
+    for (i, &(l, e)) in all.iter().enumerate() {
+        assert!(!tier.all_resident(), "{i} of {n} read");
+        fetch_order(tier.as_ref(), l, &[e]);
+    }
+    assert!(tier.all_resident());
+    // One slot short: each read past the budget evicts another expert.
+    let short = tier_with(n as u64 - 1, EvictionPolicy::Lru, 2);
+    for &(l, e) in all.iter().chain(&all[..3]) {
+        fetch_order(short.as_ref(), l, &[e]);
+        assert!(!short.all_resident());
+    }
+    assert!(short.stats().evictions > 0);
+}
