@@ -11,7 +11,9 @@ use crate::config::{MoeSpec, RouterKind};
 use crate::error::{ModelError, Result};
 use crate::experts::ExpertGroup;
 use crate::experts::ExpertSource;
-use crate::kernels::{Pool, matmul, matmul_shared_input, matvecs};
+use crate::kernels::{
+    Pool, Q8Activation, matmul, matmul_shared_input, matvecs, tiled_matmuls, tiled_products,
+};
 use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
 use crate::tensor::QMatrix;
 use crate::weights::{MlpWeights, MoeWeights};
@@ -80,6 +82,74 @@ fn mlp_group(pool: &Pool, group: &ExpertGroup, x: &[f32]) -> Vec<Vec<f32>> {
     let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
     matvecs(pool, &ws, &xs, &mut outs);
     ys
+}
+
+/// [`expert_rows`] for every expert of `group`, each on its rows of `h`
+/// (`users[i]` for the group's `i`-th expert), when every matrix of the
+/// group is tiled Q4_0: two pool jobs for the whole group (every gate and
+/// up product, then every down product) instead of three per expert, and
+/// each row of `h` quantized once (`hq`, filled on first use) instead of
+/// once per expert that takes it. The products are `mlp_rows`'s, bit for
+/// bit: the same quantization, tile kernel and SwiGLU. `None` when some
+/// matrix is not tiled.
+fn tiled_group_rows(
+    pool: &Pool,
+    group: &ExpertGroup,
+    users: &[Vec<(usize, usize)>],
+    h: &[f32],
+    hidden: usize,
+    hq: &mut Vec<Q8Activation>,
+) -> Option<Vec<Vec<f32>>> {
+    let tiled = |w: &MlpWeights| [&w.gate, &w.up, &w.down].into_iter().all(tiled_products);
+    if !group.iter().all(|(_, w)| tiled(w)) {
+        return None;
+    }
+    if hq.is_empty() {
+        *hq = pool.map_collect(h.len() / hidden, |row| {
+            Q8Activation::quantize(&h[row * hidden..(row + 1) * hidden])
+        });
+    }
+    let rows_of = |us: &Vec<(usize, usize)>| -> Vec<&Q8Activation> {
+        us.iter().map(|&(row, _)| &hq[row]).collect()
+    };
+    let ws: Vec<&QMatrix> = group.iter().flat_map(|(_, w)| [&w.gate, &w.up]).collect();
+    let xs: Vec<Vec<&Q8Activation>> = users
+        .iter()
+        .flat_map(|us| [rows_of(us), rows_of(us)])
+        .collect();
+    let mut gu: Vec<Vec<f32>> = ws
+        .iter()
+        .zip(&xs)
+        .map(|(w, x)| vec![0.0f32; w.rows * x.len()])
+        .collect();
+    {
+        let mut outs: Vec<&mut [f32]> = gu.iter_mut().map(|v| v.as_mut_slice()).collect();
+        tiled_matmuls(pool, &ws, &xs, &mut outs);
+    }
+    // SwiGLU and the down products' quantization, a task per expert.
+    let acts: Vec<Vec<Q8Activation>> = pool.map_collect(group.len(), |i| {
+        let (g, u) = (&gu[2 * i], &gu[2 * i + 1]);
+        let inter = group[i].1.gate.rows;
+        g.chunks_exact(inter)
+            .zip(u.chunks_exact(inter))
+            .map(|(g, u)| {
+                let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect();
+                Q8Activation::quantize(&a)
+            })
+            .collect()
+    });
+    let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
+    let xs: Vec<Vec<&Q8Activation>> = acts.iter().map(|a| a.iter().collect()).collect();
+    let mut ys: Vec<Vec<f32>> = ws
+        .iter()
+        .zip(&xs)
+        .map(|(w, x)| vec![0.0f32; w.rows * x.len()])
+        .collect();
+    {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
+        tiled_matmuls(pool, &ws, &xs, &mut outs);
+    }
+    Some(ys)
 }
 
 /// The experts one row chose: ids and combine weights, in router order.
@@ -213,6 +283,8 @@ pub(crate) fn moe_rows(
     let ids: Vec<usize> = users.keys().copied().collect();
     let k = moe.top_k;
     let mut slot_out = vec![0.0f32; n * k * hidden];
+    // Rows of `h` quantized for tiled experts, once for every group.
+    let mut hq: Vec<Q8Activation> = Vec::new();
     let mut done = vec![false; moe.num_experts];
     // The (row, slot) pairs of a delivered expert, checked: requested and
     // not delivered before.
@@ -245,6 +317,30 @@ pub(crate) fn moe_rows(
             for (us, y) in users.iter().zip(ys) {
                 for &(_, slot) in us {
                     slot_out[slot * hidden..(slot + 1) * hidden].copy_from_slice(&y);
+                }
+            }
+            return Ok(());
+        }
+        if n > 1 {
+            let users = group
+                .iter()
+                .map(|(e, _)| accept(*e).cloned())
+                .collect::<Result<Vec<_>>>()?;
+            if let Some(ys) = tiled_group_rows(pool, &group, &users, h, hidden, &mut hq) {
+                for (us, y) in users.iter().zip(ys) {
+                    for (j, &(row, slot)) in us.iter().enumerate() {
+                        let dst = (row * k + slot) * hidden;
+                        slot_out[dst..dst + hidden]
+                            .copy_from_slice(&y[j * hidden..(j + 1) * hidden]);
+                    }
+                }
+                return Ok(());
+            }
+            for ((_, ew), us) in group.iter().zip(&users) {
+                let ys = expert_rows(pool, ew, h, hidden, us);
+                for (j, &(row, slot)) in us.iter().enumerate() {
+                    let dst = (row * k + slot) * hidden;
+                    slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
                 }
             }
             return Ok(());

@@ -873,6 +873,55 @@ pub fn matvecs(pool: &Pool, ws: &[&QMatrix], xs: &[&[f32]], ys: &mut [&mut [f32]
     });
 }
 
+/// Whether [`tiled_matmuls`] can multiply `w` here: a tiled Q4_0 matrix
+/// and a tile kernel.
+pub fn tiled_products(w: &QMatrix) -> bool {
+    let k = kernels();
+    w.is_tiled() && k.dot_q4_0_tile.is_some() && k.int_activations
+}
+
+/// `ys[i]` (token-major, `xs[i].len() × ws[i].rows`) = `ws[i]` times each
+/// of the quantized vectors `xs[i]`, for several tiled Q4_0 matrices
+/// ([`tiled_products`]) with their own tokens, in one pool job: the bits
+/// [`matmul`] gives each, with one wait for the pool instead of one per
+/// matrix (a prefill chunk's experts).
+pub fn tiled_matmuls(
+    pool: &Pool,
+    ws: &[&QMatrix],
+    xs: &[Vec<&Q8Activation>],
+    ys: &mut [&mut [f32]],
+) {
+    assert!(
+        ws.len() == xs.len() && ws.len() == ys.len(),
+        "inputs and an output per matrix"
+    );
+    let k = kernels();
+    let tile = k.dot_q4_0_tile.expect("tiled_matmuls needs a tile kernel");
+    // Tasks: (matrix, first row, rows), whole tiles as `matmul` cuts them.
+    let mut tasks = Vec::new();
+    for (i, (w, x)) in ws.iter().zip(xs).enumerate() {
+        assert!(w.is_tiled(), "tiled_matmuls on a matrix that is not tiled");
+        assert_eq!(ys[i].len(), x.len() * w.rows, "tiled_matmuls output length");
+        assert!(x.iter().all(|a| a.quants.len() >= w.cols), "input length");
+        let chunk = pool.task_rows(w);
+        for r0 in (0..w.rows).step_by(chunk) {
+            tasks.push((i, r0, chunk.min(w.rows - r0)));
+        }
+    }
+    let blocks: Vec<Vec<f32>> = pool.map_collect(tasks.len(), |t| {
+        let (i, r0, len) = tasks[t];
+        let mut out = vec![0.0f32; len * xs[i].len()];
+        tiled_rows(k, tile, ws[i], &xs[i], r0, len, &mut out);
+        out
+    });
+    for (&(i, r0, len), out) in tasks.iter().zip(&blocks) {
+        let rows = ws[i].rows;
+        for (t, part) in out.chunks_exact(len).enumerate() {
+            ys[i][t * rows + r0..][..len].copy_from_slice(part);
+        }
+    }
+}
+
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
 /// into `y` (`n × rows`).
 pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
