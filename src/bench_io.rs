@@ -24,10 +24,11 @@
 //!   share of demand misses a prefetch had covered or started) and waste
 //!   (bytes prefetched and never used, per prefetched byte used), and, with
 //!   `--compare-prefetch`, by tokens/s against the same run without it and
-//!   with each other predictor (each a fresh, cold tier). The set scores of
-//!   every predictor (how many of each layer's experts it guessed) are
-//!   measured in the main run at the cost of one extra router product per
-//!   layer.
+//!   with each other predictor (each a fresh, cold tier). With
+//!   `--compare-prefetch` the main run also scores every predictor as sets
+//!   (how many of each layer's experts it guessed), at the cost of the
+//!   router products the active one does not need; without it the main
+//!   run does only what serving does, so its tokens/s are a user's.
 //! - `--model DIR --warm`: the same decode with every routed expert read
 //!   into RAM first, against the memory-bandwidth roofline: weight bytes a
 //!   decode token reads (dense weights + top-k experts per MoE layer) over
@@ -627,10 +628,11 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     let prompt_len = prompt.len();
     let setup = Setup { dir, prompt };
     let main_predictor = (!args.no_prefetch).then_some(args.predictor);
-    // The main run scores every predictor's guesses (one extra router
-    // product per layer); comparison runs do not, so their tokens/s are
-    // what each setting costs.
-    let evaluate = main_predictor.is_some() && !args.warm;
+    // With --compare-prefetch the main run scores every predictor's
+    // guesses (extra router products per layer); the comparison runs do
+    // not, so their tokens/s are what each setting costs. Without it the
+    // main run is the setting as served.
+    let evaluate = main_predictor.is_some() && args.compare_prefetch;
     let (run, engine) = decode_run(args, &setup, main_predictor, evaluate)?;
     if args.warm {
         return report_warm(args, dir, &run, &engine);
