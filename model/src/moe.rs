@@ -117,15 +117,7 @@ fn tiled_group_rows(
         .iter()
         .flat_map(|us| [rows_of(us), rows_of(us)])
         .collect();
-    let mut gu: Vec<Vec<f32>> = ws
-        .iter()
-        .zip(&xs)
-        .map(|(w, x)| vec![0.0f32; w.rows * x.len()])
-        .collect();
-    {
-        let mut outs: Vec<&mut [f32]> = gu.iter_mut().map(|v| v.as_mut_slice()).collect();
-        tiled_matmuls(pool, &ws, &xs, &mut outs);
-    }
+    let gu = tiled_matmuls(pool, &ws, &xs);
     // SwiGLU and the down products' quantization, a task per expert.
     let acts: Vec<Vec<Q8Activation>> = pool.map_collect(group.len(), |i| {
         let (g, u) = (&gu[2 * i], &gu[2 * i + 1]);
@@ -140,16 +132,7 @@ fn tiled_group_rows(
     });
     let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
     let xs: Vec<Vec<&Q8Activation>> = acts.iter().map(|a| a.iter().collect()).collect();
-    let mut ys: Vec<Vec<f32>> = ws
-        .iter()
-        .zip(&xs)
-        .map(|(w, x)| vec![0.0f32; w.rows * x.len()])
-        .collect();
-    {
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
-        tiled_matmuls(pool, &ws, &xs, &mut outs);
-    }
-    Some(ys)
+    Some(tiled_matmuls(pool, &ws, &xs))
 }
 
 /// The experts one row chose: ids and combine weights, in router order.

@@ -880,28 +880,24 @@ pub fn tiled_products(w: &QMatrix) -> bool {
     w.is_tiled() && k.dot_q4_0_tile.is_some() && k.int_activations
 }
 
-/// `ys[i]` (token-major, `xs[i].len() × ws[i].rows`) = `ws[i]` times each
-/// of the quantized vectors `xs[i]`, for several tiled Q4_0 matrices
+/// Per matrix `i`, `ws[i]` times each of the quantized vectors `xs[i]`
+/// (token-major, `xs[i].len() × ws[i].rows`), for several tiled Q4_0 matrices
 /// ([`tiled_products`]) with their own tokens, in one pool job: the bits
 /// [`matmul`] gives each, with one wait for the pool instead of one per
 /// matrix (a prefill chunk's experts).
-pub fn tiled_matmuls(
-    pool: &Pool,
-    ws: &[&QMatrix],
-    xs: &[Vec<&Q8Activation>],
-    ys: &mut [&mut [f32]],
-) {
-    assert!(
-        ws.len() == xs.len() && ws.len() == ys.len(),
-        "inputs and an output per matrix"
-    );
+pub fn tiled_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Vec<Vec<f32>> {
+    assert_eq!(ws.len(), xs.len(), "inputs per matrix");
+    let mut ys: Vec<Vec<f32>> = ws
+        .iter()
+        .zip(xs)
+        .map(|(w, x)| vec![0.0f32; x.len() * w.rows])
+        .collect();
     let k = kernels();
     let tile = k.dot_q4_0_tile.expect("tiled_matmuls needs a tile kernel");
     // Tasks: (matrix, first row, rows), whole tiles as `matmul` cuts them.
     let mut tasks = Vec::new();
     for (i, (w, x)) in ws.iter().zip(xs).enumerate() {
         assert!(w.is_tiled(), "tiled_matmuls on a matrix that is not tiled");
-        assert_eq!(ys[i].len(), x.len() * w.rows, "tiled_matmuls output length");
         assert!(x.iter().all(|a| a.quants.len() >= w.cols), "input length");
         let chunk = pool.task_rows(w);
         for r0 in (0..w.rows).step_by(chunk) {
@@ -920,6 +916,7 @@ pub fn tiled_matmuls(
             ys[i][t * rows + r0..][..len].copy_from_slice(part);
         }
     }
+    ys
 }
 
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
@@ -1589,6 +1586,49 @@ mod tests {
         }
         let f = QMatrix::from_f32(2, 32, rand_vec(&mut rng, 64)).unwrap();
         assert!(f.tiled_q4_0().is_err(), "only Q4_0 is tiled");
+    }
+
+    #[test]
+    fn grouped_tiled_products_equal_separate_row_major_ones() {
+        if !q4_0_tiles_run_here() {
+            return; // no tile kernel on this machine: nothing is tiled
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        // Whole tiles, a tail, fewer rows than a tile; 1 to 5 tokens each.
+        let shapes = [
+            (48usize, 64usize, 3usize),
+            (37, 96, 1),
+            (9, 64, 5),
+            (130, 96, 2),
+        ];
+        let ms: Vec<QMatrix> = shapes
+            .iter()
+            .map(|&(r, c, _)| q4_matrix(&mut rng, r, c))
+            .collect();
+        let ts: Vec<QMatrix> = ms.iter().map(tiled).collect();
+        let xs: Vec<Vec<f32>> = shapes
+            .iter()
+            .map(|&(_, c, n)| rand_vec(&mut rng, n * c))
+            .collect();
+        let qs: Vec<Vec<Q8Activation>> = shapes
+            .iter()
+            .zip(&xs)
+            .map(|(&(_, c, _), x)| x.chunks_exact(c).map(Q8Activation::quantize).collect())
+            .collect();
+        let refs: Vec<Vec<&Q8Activation>> = qs.iter().map(|q| q.iter().collect()).collect();
+        let ws: Vec<&QMatrix> = ts.iter().collect();
+        assert!(ws.iter().all(|w| tiled_products(w)));
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let got = tiled_matmuls(&pool, &ws, &refs);
+            for (i, (&(rows, _, n), m)) in shapes.iter().zip(&ms).enumerate() {
+                let mut want = vec![f32::NAN; n * rows];
+                matmul(&pool, m, &xs[i], n, &mut want);
+                assert_eq!(bits(&got[i]), bits(&want), "matrix {i}, {threads} threads");
+            }
+        }
+        assert!(!tiled_products(&ms[0]), "row-major matrices are not tiled");
     }
 
     #[test]
