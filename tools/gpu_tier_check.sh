@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Checks and measures the GPU tier (sched/src/gpu) on a machine with an
-# NVIDIA GPU: the GPU-vs-CPU and placement-invariance tests
-# (sched/tests/gpu.rs, the #[ignore]d ones), `colibri plan`/`run` with
+# NVIDIA GPU: the matvec kernel tests (cuda/tests/gpu_matvec.rs), the
+# GPU-vs-CPU and placement-invariance tests (sched/tests/gpu.rs with
+# --exact-quant, sched/tests/gpu_int.rs with the default 8-bit activations;
+# the #[ignore]d ones), `colibri plan`/`run` with
 # --device cuda, then decode speed on a synthetic Qwen3-MoE against the
 # HBM and PCIe bandwidth measured in the same run
 # (sched/examples/gpu_decode.rs). Prints a summary last; exits non-zero if
@@ -26,8 +28,8 @@ if [[ "${1:-}" == "--bundle" ]]; then
   dir="${2:-$root/target/gpu-bundle-tier}"
   mkdir -p "$dir"
   json=$(mktemp)
-  cargo test -p colibri-sched --release --test gpu --no-run --message-format=json >"$json"
-  cargo test -p colibri-cuda --release --test gpu_batch --no-run --message-format=json >>"$json"
+  cargo test -p colibri-sched --release --test gpu --test gpu_int --no-run --message-format=json >"$json"
+  cargo test -p colibri-cuda --release --test gpu_batch --test gpu_matvec --no-run --message-format=json >>"$json"
   cargo build -p colibri-sched --release --example synth_moe --example gpu_decode \
     --message-format=json >>"$json"
   cargo build --release --bin colibri --message-format=json >>"$json"
@@ -79,8 +81,10 @@ step() {
   if "$@"; then passed+=("$name ($((SECONDS - t0))s)"); else failed+=("$name ($((SECONDS - t0))s)"); fi
 }
 
+step "colibri-cuda matvec kernels" timeout 120 "$bundle/gpu_matvec" --include-ignored --test-threads=1
 step "colibri-cuda engine helpers" timeout 120 "$bundle/gpu_batch" --include-ignored --test-threads=1
 step "GPU tier tests" timeout 480 "$bundle/gpu" --include-ignored --test-threads=1
+step "GPU tier tests, 8-bit activations" timeout 240 "$bundle/gpu_int" --include-ignored --test-threads=1
 step "synthetic model" timeout 120 "$bundle/synth_moe" "$synth" $synth_args
 step "colibri plan --device cuda" timeout 60 "$bundle/colibri" plan --model "$synth" --device cuda --vram-budget 1GiB
 step "colibri run --device cuda" timeout 60 "$bundle/colibri" run --model "$COLIBRI_FIXTURES/models/qwen3_moe" --device cuda --prompt-tokens 1,2,3,4 -n 8

@@ -64,7 +64,7 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         WeightFormat::Q8_0 => b
             .chunks_exact_mut(34)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
-        WeightFormat::Q4_0 => b
+        WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => b
             .chunks_exact_mut(18)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
         // bf16 with exponent bits forced into [2^-8, 2^0): finite, non-zero.
@@ -113,6 +113,7 @@ fn main() -> colibri_cuda::Result<()> {
     for (rows, cols) in [(768usize, 2048usize), (2048, 768)] {
         for fmt in [
             WeightFormat::Q4_0,
+            WeightFormat::Q4_0Q8,
             WeightFormat::Q8_0,
             WeightFormat::Bf16,
             WeightFormat::F8E4M3,

@@ -25,6 +25,9 @@ typedef unsigned long long u64;
 #define FMT_F8E4M3 3
 #define FMT_Q8_0 4
 #define FMT_Q4_0 5
+// Q4_0 weights, each product's input quantized to 8-bit blocks (the CPU
+// tier's default arithmetic; matvec.cu).
+#define FMT_Q4_0_Q8 6
 
 // Programmatic dependent launch (sm_90 and later; nothing before). The
 // host launches every kernel with programmatic stream serialization

@@ -21,6 +21,10 @@
 // (alignment only picks wider loads, never another order), nor on how many
 // matrices are in the group.
 //
+// FMT_Q4_0_Q8 is the other arithmetic: the CPU tier's 8-bit activations
+// and integer block sums (matvec_core_q8 below), with the same
+// independence from the batch, the placement and the launch shape.
+//
 // Launch: block = MV_THREADS (8 warps), each warp owns R consecutive rows
 // (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP, MV_GLU_ROWS_PER_WARP);
 // grid = (ceil(rows / 8R), ceil(ntok / NT), matrices) (`_seg`: the three
@@ -44,7 +48,7 @@
 // lane l meets its groups in increasing order. (The f32/f16/bf16 groups
 // load as they are used; two of them per lane made ptxas spill.)
 #define MV_TILE_FOR(FMT, NT) \
-    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
+    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
 
 template <int FMT> struct Group;
 
@@ -313,7 +317,7 @@ __device__ __forceinline__ void mv_load_tile(Group<FMT> (&grp)[M][J][R], const u
 // memory written by an earlier launch (the expert tables) calls
 // `pdl_entry()` itself first and passes EARLY = false.
 template <int FMT, int NT, int R, bool EARLY, bool GLU>
-__device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
+__device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
                                             const float* __restrict__ s0,
                                             const u8* __restrict__ w1,
                                             const float* __restrict__ s1, u32 s_block, u32 s_cols,
@@ -418,6 +422,253 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
             if (lane == (u32)((r * NT + t) & 31) && row < rows && (u32)t < nt)
                 ym[(u64)t * y_tstride + row] = v;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Q4_0 with 8-bit activations (FMT_Q4_0_Q8): the CPU tier's default
+// arithmetic (model/src/kernels/q4_0.rs, `dot_q4_0_q8`), bit for bit.
+//
+//   * Each token's input is quantized per block of 32 as
+//     `Q8Activation::quantize` does: d = amax / 127, q = round(x · (1/d))
+//     (half away from zero, clamped to ±127; 1/d = 0 for an all-zero block).
+//   * Block b of a row gives the exact integer s_b = Σ (code − 8) · q (DP4A
+//     on the nibbles, minus 8 · Σ q) and the scale d_b = f16(w.d_b) · x.d_b
+//     (one f32 rounding).
+//   * d_b · s_b is added by one fused multiply-add into accumulator b mod 4,
+//     blocks in increasing order; the result is (a0 + a2) + (a1 + a3).
+//
+// The lanes form (d_b, s_b) for their groups in parallel as the float path
+// does; the four accumulator chains then run in lanes 4t + k (token t,
+// chain k) over the round's 32 groups, read back through shared memory.
+// So the bits depend on `cols` alone, as the float path's do: not on the
+// batch, the placement or the launch shape.
+
+// Σ of the four signed byte products of a and b, plus c (exact).
+__device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One input element quantized as the CPU's `(v * id).round().clamp(-127.0,
+// 127.0) as i8`: roundf rounds half away from zero as Rust's round does;
+// the conversion saturates and takes NaN to 0, as Rust's cast does.
+__device__ __forceinline__ int q8_of(float v, float id) {
+    return max(-127, min(127, __float2int_rz(roundf(__fmul_rn(v, id)))));
+}
+
+// amax / 127 correctly rounded, for every amax ≥ 0 (and +inf): one product
+// by the rounded reciprocal and one fused correction step (Markstein). A
+// unit test (cuda/src/kernels.rs) checks it against IEEE division for
+// every f32 whose quotient can be subnormal and for whole binades (the
+// steps scale exactly by powers of two elsewhere).
+__device__ __forceinline__ float div127(float a) {
+    const float y = __int_as_float(0x3c010204);  // RN(1/127)
+    const float q = __fmul_rn(a, y);
+    const float r = fmaf(-q, 127.0f, a);
+    return a == f32_inf() ? a : fmaf(r, y, q);
+}
+
+// A tile of TILE columns of NT tokens, quantized: per block of 32, its
+// first 16 quants as 4 words in `lo`, its last 16 in `hi` (the bytes Q4_0's
+// low and high nibbles multiply), its scale and 8 · Σ q.
+template <int NT, u32 TILE>
+struct Q8Tile {
+    u32 lo[NT][TILE / 8];
+    u32 hi[NT][TILE / 8];
+    float d[NT][TILE / 32];
+    int z[NT][TILE / 32];
+};
+
+// Four signed bytes in a word, byte i from the low byte of q[i].
+__device__ __forceinline__ u32 pack_s8(int q0, int q1, int q2, int q3) {
+    return __byte_perm(__byte_perm((u32)q0, (u32)q1, 0x0040), __byte_perm((u32)q2, (u32)q3, 0x0040), 0x5410);
+}
+
+// Quantizes columns [c0, c0 + TILE) of the nt tokens into `s` (zeros past
+// the row or the tokens). Eight columns per thread and step; the 4
+// threads of a block are 4 consecutive lanes of one warp, which combine
+// their maxima and sums by butterflies (exact: max and integer addition).
+template <int NT, u32 TILE>
+__device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __restrict__ xm,
+                                         u32 x_tstride, const u32* __restrict__ xrows, u32 nt,
+                                         u32 c0, u32 cols) {
+    static_assert((NT * TILE / 8) % MV_THREADS == 0, "every thread takes every step");
+    for (u32 i = threadIdx.x; i < NT * TILE / 8; i += MV_THREADS) {
+        const u32 t = i / (TILE / 8), j = 8 * (i % (TILE / 8)), col = c0 + j;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (t < nt && col < cols) {
+            const u64 xr = xrows != nullptr ? xrows[t] : t;
+            const float* p = xm + xr * x_tstride + col;  // cols % 32 == 0: p[7] is in the row
+            if (((u64)p & 15) == 0) {
+                a = *(const float4*)p;
+                b = *(const float4*)(p + 4);
+            } else {
+                a = make_float4(p[0], p[1], p[2], p[3]);
+                b = make_float4(p[4], p[5], p[6], p[7]);
+            }
+        }
+        float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                           fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+        amax = fmaxf(0.0f, amax);  // NaNs are skipped, as f32::max skips them
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 2));
+        const float d = div127(amax);
+        const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+        const int q0 = q8_of(a.x, id), q1 = q8_of(a.y, id), q2 = q8_of(a.z, id), q3 = q8_of(a.w, id);
+        const int q4 = q8_of(b.x, id), q5 = q8_of(b.y, id), q6 = q8_of(b.z, id), q7 = q8_of(b.w, id);
+        int sum = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7));
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        const uint2 words = make_uint2(pack_s8(q0, q1, q2, q3), pack_s8(q4, q5, q6, q7));
+        const u32 blk = j / 32, k = (j % 32) / 8;  // k: which 8 of the block
+        if (k < 2) {
+            *(uint2*)&s.lo[t][blk * 4 + 2 * k] = words;
+        } else {
+            *(uint2*)&s.hi[t][blk * 4 + 2 * (k - 2)] = words;
+        }
+        if (k == 0) {
+            s.d[t][blk] = d;
+            s.z[t][blk] = 8 * sum;
+        }
+    }
+}
+
+// matvec_core for FMT_Q4_0_Q8 (same contract; no FP8 scales).
+template <int NT, int R, bool EARLY, bool GLU>
+__device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0,
+                                               const u8* __restrict__ w1,
+                                               const float* __restrict__ xm, u32 x_tstride,
+                                               const u32* __restrict__ xrows,
+                                               float* __restrict__ ym, u32 y_tstride, u32 rows,
+                                               u32 cols, u32 nt) {
+    constexpr int M = GLU ? 2 : 1;
+    constexpr u32 TILE = MV_TILE_FOR(FMT_Q4_0_Q8, NT);
+    constexpr int J = TILE / 1024;
+    __shared__ __align__(16) Q8Tile<NT, TILE> xs;
+    // Per warp and token, one round's (d_b, s_b) with group l at
+    // (l mod 4) · 8 + l / 4: chain k's 8 values side by side.
+    __shared__ __align__(16) float cd[MV_WARPS][NT][32];
+    __shared__ __align__(16) float cs[MV_WARPS][NT][32];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 row0 = bx * (MV_WARPS * R) + warp * R;
+    const u64 rb = row_bytes<FMT_Q4_0>(cols);
+    const u32 ngroups = cols / 32;
+    const u8* const w[2] = {w0, w1};  // only the first M are used
+    const float* const s[2] = {nullptr, nullptr};
+    const u32 slot = (lane & 3) * 8 + (lane >> 2);
+
+    // Lane 4t + k (t < NT) keeps accumulator k of token t for each
+    // (matrix, row); the other lanes' values are never read.
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+
+    Group<FMT_Q4_0> grp[M][J][R];
+    if (EARLY) {
+        mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
+        pdl_entry();
+    }
+
+    for (u32 c0 = 0; c0 < cols; c0 += TILE) {
+        __syncthreads();
+        q8_stage<NT, TILE>(xs, xm, x_tstride, xrows, nt, c0, cols);
+        __syncthreads();
+        if (!EARLY || c0 != 0) mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+#pragma unroll
+        for (int jj = 0; jj < J; ++jj) {
+            const u32 b = jj * 32 + lane;       // this lane's group in the tile
+            const u32 g0 = c0 / 32 + jj * 32;   // the round's first group
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const Group<FMT_Q4_0>& G = grp[m][jj][r];
+                    u32 lo[4], hi[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        lo[i] = G.q[i] & 0x0f0f0f0fu;
+                        hi[i] = (G.q[i] >> 4) & 0x0f0f0f0fu;
+                    }
+                    // (Four tokens at a time: all eight of a table launch's
+                    // made ptxas spill.)
+#pragma unroll 4
+                    for (int t = 0; t < NT; ++t) {
+                        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+                        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+                        int sum = dp4a_s8(lo[0], xl.x, 0);
+                        sum = dp4a_s8(lo[1], xl.y, sum);
+                        sum = dp4a_s8(lo[2], xl.z, sum);
+                        sum = dp4a_s8(lo[3], xl.w, sum);
+                        sum = dp4a_s8(hi[0], xh.x, sum);
+                        sum = dp4a_s8(hi[1], xh.y, sum);
+                        sum = dp4a_s8(hi[2], xh.z, sum);
+                        sum = dp4a_s8(hi[3], xh.w, sum);
+                        cd[warp][t][slot] = __fmul_rn(G.d, xs.d[t][b]);
+                        cs[warp][t][slot] = (float)(sum - xs.z[t][b]);
+                    }
+                    __syncwarp();
+                    if (lane < 4 * NT) {
+                        const u32 t = lane >> 2, k = lane & 3;
+                        const float4 d0 = *(const float4*)&cd[warp][t][k * 8];
+                        const float4 d1 = *(const float4*)&cd[warp][t][k * 8 + 4];
+                        const float4 s0 = *(const float4*)&cs[warp][t][k * 8];
+                        const float4 s1 = *(const float4*)&cs[warp][t][k * 8 + 4];
+                        const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+                        const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+                        float a = acc[m][r];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i)
+                            if (g0 + 4 * i + k < ngroups) a = fmaf(dv[i], sv[i], a);
+                        acc[m][r] = a;
+                    }
+                    __syncwarp();
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            float v[M];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float a0 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 0);
+                const float a1 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 1);
+                const float a2 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 2);
+                const float a3 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 3);
+                v[m] = __fadd_rn(__fadd_rn(a0, a2), __fadd_rn(a1, a3));
+            }
+            const float out = GLU ? __fmul_rn(silu_f32(v[0]), v[M - 1]) : v[0];
+            const u32 row = row0 + r;
+            if (lane == (u32)((r * NT + t) & 31) && row < rows && (u32)t < nt)
+                ym[(u64)t * y_tstride + row] = out;
+        }
+    }
+}
+
+// Every launch shape's arithmetic: the float path of matvec_core_f, or
+// the 8-bit-activation path of matvec_core_q8.
+template <int FMT, int NT, int R, bool EARLY, bool GLU>
+__device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
+                                            const float* __restrict__ s0,
+                                            const u8* __restrict__ w1,
+                                            const float* __restrict__ s1, u32 s_block, u32 s_cols,
+                                            const float* __restrict__ xm, u32 x_tstride,
+                                            const u32* __restrict__ xrows,
+                                            float* __restrict__ ym, u32 y_tstride, u32 rows,
+                                            u32 cols, u32 nt) {
+    if constexpr (FMT == FMT_Q4_0_Q8) {
+        matvec_core_q8<NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride, rows,
+                                          cols, nt);
+    } else {
+        matvec_core_f<FMT, NT, R, EARLY, GLU>(bx, w0, s0, w1, s1, s_block, s_cols, xm, x_tstride,
+                                              xrows, ym, y_tstride, rows, cols, nt);
     }
 }
 
@@ -586,3 +837,4 @@ MATVEC_FORMAT(matvec_bf16, FMT_BF16)
 MATVEC_FORMAT(matvec_f8e4m3, FMT_F8E4M3)
 MATVEC_FORMAT(matvec_q8_0, FMT_Q8_0)
 MATVEC_FORMAT(matvec_q4_0, FMT_Q4_0)
+MATVEC_FORMAT(matvec_q4_0q8, FMT_Q4_0_Q8)

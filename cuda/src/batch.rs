@@ -63,7 +63,7 @@ pub struct MatvecTable<'a> {
 }
 
 fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 6] = [
+    const NAMES: [[&str; 4]; 7] = [
         [
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
@@ -100,14 +100,21 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
             "matvec_q4_0_table_t4",
             "matvec_q4_0_table_t8",
         ],
+        [
+            "matvec_q4_0q8_table_t1",
+            "matvec_q4_0q8_table_t2",
+            "matvec_q4_0q8_table_t4",
+            "matvec_q4_0q8_table_t8",
+        ],
     ];
-    const GLU_NAMES: [[&str; 2]; 6] = [
+    const GLU_NAMES: [[&str; 2]; 7] = [
         ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
         ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
         ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
         ["matvec_f8e4m3_table_glu_t1", "matvec_f8e4m3_table_glu_t2"],
         ["matvec_q8_0_table_glu_t1", "matvec_q8_0_table_glu_t2"],
         ["matvec_q4_0_table_glu_t1", "matvec_q4_0_table_glu_t2"],
+        ["matvec_q4_0q8_table_glu_t1", "matvec_q4_0q8_table_glu_t2"],
     ];
     let i = match nt {
         1 => 0,

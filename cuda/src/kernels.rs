@@ -139,6 +139,17 @@ pub const MODULES: &[ModuleSource] = &[
             "matvec_q8_0_table_glu_t2",
             "matvec_q4_0_table_glu_t1",
             "matvec_q4_0_table_glu_t2",
+            "matvec_q4_0q8_t1",
+            "matvec_q4_0q8_t2",
+            "matvec_q4_0q8_t4",
+            "matvec_q4_0q8_t8",
+            "matvec_q4_0q8_seg_t1",
+            "matvec_q4_0q8_table_t1",
+            "matvec_q4_0q8_table_t2",
+            "matvec_q4_0q8_table_t4",
+            "matvec_q4_0q8_table_t8",
+            "matvec_q4_0q8_table_glu_t1",
+            "matvec_q4_0q8_table_glu_t2",
         ],
     },
     ModuleSource {
@@ -337,6 +348,36 @@ impl KernelSet {
 #[cfg(test)]
 mod tests {
     use super::MODULES;
+
+    /// `div127` of kernels/matvec.cu (the Q8 activation scale amax / 127
+    /// without a division), written out.
+    fn div127(a: f32) -> f32 {
+        let y = f32::from_bits(0x3c01_0204);
+        let q = a * y;
+        let r = (-q).mul_add(127.0, a);
+        if a == f32::INFINITY {
+            a
+        } else {
+            r.mul_add(y, q)
+        }
+    }
+
+    /// It is IEEE division, bit for bit, for every amax the kernel can
+    /// see: every f32 below 2^-96 (where the product or the residual may
+    /// be subnormal), every one of three whole binades and +inf. Above
+    /// 2^-96 each step scales exactly with a power of two, so a binade
+    /// stands for all. (Checked once for every non-negative f32 too.)
+    #[test]
+    fn q8_scale_division_is_correctly_rounded() {
+        assert_eq!((1.0f32 / 127.0).to_bits(), 0x3c01_0204);
+        let binade = |e: u32| (e << 23)..((e + 1) << 23);
+        let ranges = [0..(31u32 << 23), binade(31), binade(127), binade(254)];
+        for bits in ranges.into_iter().flatten() {
+            let a = f32::from_bits(bits);
+            assert_eq!(div127(a).to_bits(), (a / 127.0).to_bits(), "amax {a:e}");
+        }
+        assert_eq!(div127(f32::INFINITY), f32::INFINITY);
+    }
 
     /// The bodies of the `extern "C" __global__` kernels of a source file
     /// (macro-generated ones included), by kernel signature.

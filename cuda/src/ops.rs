@@ -29,6 +29,10 @@ pub enum WeightFormat {
     Q8_0,
     /// ggml Q4_0: 32 × 4 bit + f16 scale per 18-byte block.
     Q4_0,
+    /// Q4_0 storage whose products quantize their input to 8-bit blocks and
+    /// sum integers: the CPU tier's default arithmetic (`dot_q4_0_q8` of
+    /// colibri-model), bit for bit; `Q4_0` is the exact dequantized product.
+    Q4_0Q8,
 }
 
 impl WeightFormat {
@@ -40,7 +44,9 @@ impl WeightFormat {
             WeightFormat::F16 | WeightFormat::Bf16 => cols.checked_mul(2),
             WeightFormat::F8E4M3 => Some(cols),
             WeightFormat::Q8_0 => cols.is_multiple_of(32).then(|| cols / 32 * 34),
-            WeightFormat::Q4_0 => cols.is_multiple_of(32).then(|| cols / 32 * 18),
+            WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 18)
+            }
         }
     }
 
@@ -53,6 +59,7 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => 3,
             WeightFormat::Q8_0 => 4,
             WeightFormat::Q4_0 => 5,
+            WeightFormat::Q4_0Q8 => 6,
         }
     }
 
@@ -103,6 +110,12 @@ impl WeightFormat {
                 "matvec_q4_0_t4",
                 "matvec_q4_0_t8",
             ],
+            WeightFormat::Q4_0Q8 => [
+                "matvec_q4_0q8_t1",
+                "matvec_q4_0q8_t2",
+                "matvec_q4_0q8_t4",
+                "matvec_q4_0q8_t8",
+            ],
         }
     }
 }
@@ -117,6 +130,7 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => "matvec_f8e4m3_seg_t1",
             WeightFormat::Q8_0 => "matvec_q8_0_seg_t1",
             WeightFormat::Q4_0 => "matvec_q4_0_seg_t1",
+            WeightFormat::Q4_0Q8 => "matvec_q4_0q8_seg_t1",
         }
     }
 }

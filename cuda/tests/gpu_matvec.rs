@@ -75,7 +75,34 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
             (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>())
         })
         .unzip();
-    assert_close(&format!("{name} vs f64"), &all, &want, |i| BOUND * scale[i]);
+    if fmt == WeightFormat::Q4_0Q8 {
+        // The CPU tier's integer arithmetic, bit for bit; and near the exact
+        // product: each input element moves by at most half its block's
+        // step d, so |y − exact| ≤ Σ |wᵢ| · dᵢ / 2 (plus f32 rounding).
+        let rb = cols / 32 * 18;
+        let qs: Vec<Q8Ref> = (0..max_tok)
+            .map(|t| quantize_q8_ref(&x[t * cols..(t + 1) * cols]))
+            .collect();
+        let reference: Vec<f32> = (0..max_tok * rows)
+            .map(|i| dot_q4_0_q8_ref(&w.bytes[(i % rows) * rb..][..rb], &qs[i / rows]))
+            .collect();
+        assert_bits(&format!("{name} vs dot_q4_0_q8"), &all, &reference);
+        let step: Vec<f64> = (0..max_tok * rows)
+            .map(|i| {
+                let (t, r) = (i / rows, i % rows);
+                let row = &w.f32[r * cols..(r + 1) * cols];
+                row.iter()
+                    .enumerate()
+                    .map(|(c, &a)| (a as f64).abs() * qs[t].d[c / 32] as f64 / 2.0)
+                    .sum::<f64>()
+            })
+            .collect();
+        assert_close(&format!("{name} vs f64"), &all, &want, |i| {
+            1.001 * step[i] + BOUND * scale[i]
+        });
+    } else {
+        assert_close(&format!("{name} vs f64"), &all, &want, |i| BOUND * scale[i]);
+    }
 
     for ntok in [1, 2, 3, 5, 8] {
         let part = run(fmt, &w, rows, cols, &x, ntok, 0);
@@ -107,7 +134,7 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
         let moved = run(fmt, &w, rows, cols, &x, max_tok, s);
         assert_bits(&format!("{name}: placed {s} bytes further"), &moved, &all);
     }
-    if fmt != WeightFormat::F32 {
+    if fmt != WeightFormat::F32 && fmt != WeightFormat::Q4_0Q8 {
         let twin = Weights {
             bytes: w.f32.iter().flat_map(|v| v.to_le_bytes()).collect(),
             f32: w.f32.clone(),
@@ -169,6 +196,17 @@ fn matvec_q4_0() {
     check(WeightFormat::Q4_0, 301, 1184, 51);
     check(WeightFormat::Q4_0, 7, 96, 52);
     check(WeightFormat::Q4_0, 45, 2080, 53);
+}
+
+/// Q4_0 with 8-bit activations: the CPU's `dot_q4_0_q8` bits, for rows of
+/// 3, 37, 65 and 74 blocks (chains of unequal lengths, partial rounds).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_0_q8_activations() {
+    check(WeightFormat::Q4_0Q8, 301, 1184, 54);
+    check(WeightFormat::Q4_0Q8, 7, 96, 55);
+    check(WeightFormat::Q4_0Q8, 45, 2080, 56);
+    check(WeightFormat::Q4_0Q8, 130, 2368, 57);
 }
 
 /// Three q4_0 matrices at an odd stride, each with its own 3 tokens, in one

@@ -11,13 +11,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 6] = [
+pub const FORMATS: [WeightFormat; 7] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
     WeightFormat::F8E4M3,
     WeightFormat::Q8_0,
     WeightFormat::Q4_0,
+    WeightFormat::Q4_0Q8,
 ];
 
 pub struct Gpu {
@@ -149,7 +150,7 @@ pub fn random_weights(
                 }
             }
         }
-        WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
             assert!(cols.is_multiple_of(32));
             for _ in 0..rows * cols / 32 {
                 let d = half::f16::from_f32(rng.random_range(0.002f32..0.05));
@@ -172,6 +173,51 @@ pub fn random_weights(
         }
     }
     w
+}
+
+/// One token quantized as colibri-model's `Q8Activation::quantize`: per
+/// block of 32, `d = amax / 127`, `q = round(x · (1/d))` clamped to ±127.
+pub struct Q8Ref {
+    pub d: Vec<f32>,
+    pub q: Vec<i8>,
+}
+
+pub fn quantize_q8_ref(x: &[f32]) -> Q8Ref {
+    let mut r = Q8Ref {
+        d: Vec::new(),
+        q: Vec::new(),
+    };
+    for block in x.chunks_exact(32) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        r.d.push(d);
+        r.q.extend(
+            block
+                .iter()
+                .map(|v| (v * id).round().clamp(-127.0, 127.0) as i8),
+        );
+    }
+    r
+}
+
+/// colibri-model's `dot_q4_0_q8`, written out: block b's exact integer sum
+/// times `f16(w.d) · x.d`, fused-added into accumulator b mod 4, reduced
+/// as `(a0 + a2) + (a1 + a3)`. (sched/tests/gpu.rs holds the GPU to the
+/// CPU tier's own function.)
+pub fn dot_q4_0_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
+    let mut acc = [0.0f32; 4];
+    for (b, blk) in row.chunks_exact(18).enumerate() {
+        let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32() * x.d[b];
+        let q = &x.q[b * 32..(b + 1) * 32];
+        let mut s = 0i32;
+        for (j, &v) in blk[2..].iter().enumerate() {
+            s += ((v & 0x0f) as i32 - 8) * q[j] as i32;
+            s += ((v >> 4) as i32 - 8) * q[j + 16] as i32;
+        }
+        acc[b % 4] = d.mul_add(s as f32, acc[b % 4]);
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3])
 }
 
 /// Fails unless `got` is within `tol(i)` of the f64 `want`, element by
