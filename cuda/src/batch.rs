@@ -15,11 +15,11 @@ use crate::kernels::KernelSet;
 use crate::ops::{Args, WeightFormat, grid, need, nonzero, span, u32_arg};
 
 /// Rows a block of the table kernel owns: 8 warps of 1 row for one token
-/// (2 for f32), of 2 for more (MV_TABLE_ROWS_PER_WARP in
+/// (2 for f32 and Q4_0Q8), of 2 for more (MV_TABLE_ROWS_PER_WARP in
 /// kernels/matvec.cu).
 fn table_rows_per_block(format: WeightFormat, nt: usize) -> usize {
     8 * match (nt, format) {
-        (1, WeightFormat::F32) => 2,
+        (1, WeightFormat::F32 | WeightFormat::Q4_0Q8) => 2,
         (1, _) => 1,
         _ => 2,
     }

@@ -408,10 +408,15 @@ fn device_routing_equals_the_host_routing_bit_for_bit() {
         };
         let sigmoid = matches!(router, RouterKind::SigmoidGrouped { .. });
         let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.05..0.05)).collect();
-        for rows in [1usize, 3, 19] {
+        // A single row takes the block-wide path of moe_route_plan (random,
+        // then all tied); several rows the warp-per-row one.
+        for (rows, tied) in [(1usize, false), (1, true), (3, false), (19, false)] {
             let mut logits: Vec<f32> = (0..rows * e)
                 .map(|_| rng.random_range(-10.0f32..10.0))
                 .collect();
+            if tied {
+                logits.fill(-1.5);
+            }
             if rows > 1 {
                 logits[e..2 * e].fill(0.25); // all tied
             }
