@@ -50,6 +50,12 @@
 #define MV_TILE_FOR(FMT, NT) \
     (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
 
+// Which plain launches load their first tile before `pdl_entry()`: the
+// one-token ones of the formats whose groups are loaded whole into
+// registers (an f32 group loads as it is used, and several tokens' tiles
+// would keep too many registers live across the staging: ptxas spills).
+#define MV_EARLY(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32)
+
 template <int FMT> struct Group;
 
 // f32: 32 floats (128 bytes).
@@ -359,8 +365,16 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
         pdl_entry();
     }
 
+    // One token of Q8_0/Q4_0 (groups loaded whole into registers): each
+    // tile's weights are requested before x is staged, so their latency
+    // overlaps the staging (what EARLY does for a plain launch's first
+    // tile). f16/bf16 groups load as they are used; FP8's GLU launch
+    // spilled (ptxas) with its groups live across the staging.
+    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0);
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
+        if (LOAD_FIRST && (!EARLY || c0 != 0))
+            mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, c0);
         if (NT == 1 && FMT != FMT_F32 && x_vec) {
             // Four columns per thread and step (a float4 never straddles a
             // padded group of 32).
@@ -379,7 +393,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
             }
         }
         __syncthreads();
-        if (!EARLY || c0 != 0)
+        if (!LOAD_FIRST && (!EARLY || c0 != 0))
             mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, c0);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
@@ -575,9 +589,15 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
 
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
+        // One token: the tile's weights are requested before x is staged,
+        // so their latency overlaps the quantization (as EARLY does for
+        // the first tile of a plain launch).
+        if (NT == 1 && (!EARLY || c0 != 0))
+            mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
         q8_stage<NT, TILE>(xs, xm, x_tstride, xrows, nt, c0, cols);
         __syncthreads();
-        if (!EARLY || c0 != 0) mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+        if (NT != 1 && (!EARLY || c0 != 0))
+            mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
             const u32 b = jj * 32 + lane;       // this lane's group in the tile
@@ -681,11 +701,6 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
 // (cuda/src/ops.rs).
 #define MV_PLAIN_ROWS_PER_WARP(FMT, NT) ((NT) == 1 ? ((FMT) == FMT_F32 ? 2 : 1) : 4)
 
-// Which plain launches load their first tile before `pdl_entry()`: the
-// one-token ones of the formats whose groups are loaded whole into
-// registers (an f32 group loads as it is used, and several tokens' tiles
-// would keep too many registers live across the staging: ptxas spills).
-#define MV_EARLY(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32)
 
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
 // at x + z·x_mstride, writing y + z·y_mstride.
