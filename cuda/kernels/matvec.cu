@@ -324,13 +324,13 @@ __device__ __forceinline__ void mv_load_tile(Group<FMT> (&grp)[M][J][R], const u
 // `pdl_entry()` itself first and passes EARLY = false.
 template <int FMT, int NT, int R, bool EARLY, bool GLU>
 __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
-                                            const float* __restrict__ s0,
-                                            const u8* __restrict__ w1,
-                                            const float* __restrict__ s1, u32 s_block, u32 s_cols,
-                                            const float* __restrict__ xm, u32 x_tstride,
-                                            const u32* __restrict__ xrows,
-                                            float* __restrict__ ym, u32 y_tstride, u32 rows,
-                                            u32 cols, u32 nt) {
+                                              const float* __restrict__ s0,
+                                              const u8* __restrict__ w1,
+                                              const float* __restrict__ s1, u32 s_block,
+                                              u32 s_cols, const float* __restrict__ xm,
+                                              u32 x_tstride, const u32* __restrict__ xrows,
+                                              float* __restrict__ ym, u32 y_tstride, u32 rows,
+                                              u32 cols, u32 nt) {
     constexpr int M = GLU ? 2 : 1;
     constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
     constexpr int J = TILE / 1024;
