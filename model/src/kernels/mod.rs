@@ -37,6 +37,14 @@ pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
 /// `dot_q4_0_q8`'s for that row.
 pub type TileDot = fn(&[u8], usize, &Q8Activation, &mut [f32; q4_0_tiles::TILE_ROWS]);
 
+/// `(tile, blocks, xs, out)`: a Q4_0 tile against up to
+/// [`TILE_TOKENS`] activations at once, `out[t]` exactly what the
+/// [`TileDot`] kernel gives for `xs[t]`.
+pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::TILE_ROWS]]);
+
+/// The most activations a [`TilesDot`] kernel takes.
+pub const TILE_TOKENS: usize = 4;
+
 /// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
 /// [`KernelSet::dot_f32_rows_group`]).
 pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32]);
@@ -77,6 +85,10 @@ pub struct KernelSet {
     /// Q4_0 tiles against one token; `None`: this CPU keeps Q4_0 rows
     /// row-major (see [`q4_0_tiles_run_here`]).
     pub dot_q4_0_tile: Option<TileDot>,
+    /// Q4_0 tiles against several tokens at once (prefill), each result
+    /// identical to `dot_q4_0_tile`'s; `None` takes the tokens one by one
+    /// (`COLIBRI_TILE_TOKENS=1` forces that).
+    pub dot_q4_0_tiles: Option<TilesDot>,
     /// Matrix products over Q8_0/Q4_0 weights quantize their input to
     /// 8-bit blocks and use the integer kernels (the default); false keeps
     /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
@@ -160,6 +172,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
+    dot_q4_0_tiles: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -261,6 +274,7 @@ pub const AVX2: KernelSet = KernelSet {
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
+    dot_q4_0_tiles: None,
     int_activations: true,
     vector_quantize: true,
 };
@@ -290,6 +304,21 @@ mod avx512_wrappers {
         super::check_tile_args(tile, blocks, x);
         unsafe { super::q4_0_tiles::avx512::dot_tile(tile, blocks, x, out) }
     }
+    /// Also checks every activation's length and the output count.
+    pub fn dot_q4_0_tiles(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        assert!(
+            xs.len() <= super::TILE_TOKENS && out.len() >= xs.len(),
+            "tokens"
+        );
+        xs.iter()
+            .for_each(|x| super::check_tile_args(tile, blocks, x));
+        unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out) }
+    }
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
@@ -304,6 +333,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
         run: avx512_wrappers::gemm_q4_0_q8,
     }),
     dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
+    dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
     ..AVX2
 };
 
@@ -394,6 +424,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
+    dot_q4_0_tiles: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -453,9 +484,12 @@ pub fn set_exact_quant(exact: bool) {
 fn select() -> KernelSet {
     let exact = EXACT_QUANT.load(std::sync::atomic::Ordering::SeqCst)
         || std::env::var_os("COLIBRI_EXACT_QUANT").is_some_and(|v| v != "0");
+    let simd = select_simd();
+    let one_token_tiles = std::env::var_os("COLIBRI_TILE_TOKENS").is_some_and(|v| v == "1");
     KernelSet {
         int_activations: !exact,
-        ..select_simd()
+        dot_q4_0_tiles: simd.dot_q4_0_tiles.filter(|_| !one_token_tiles),
+        ..simd
     }
 }
 
@@ -765,6 +799,17 @@ fn tiled_rows(
         let n = TILE_ROWS.min(len - i0);
         if r < full {
             let t = &bytes[r / TILE_ROWS * tb..][..tb];
+            if let Some(tiles) = k.dot_q4_0_tiles.filter(|_| xs.len() > 1) {
+                let mut four = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
+                for (c, group) in xs.chunks(TILE_TOKENS).enumerate() {
+                    tiles(t, blocks, group, &mut four);
+                    for (i, rows) in four.iter().enumerate().take(group.len()) {
+                        let j = c * TILE_TOKENS + i;
+                        out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
+                    }
+                }
+                continue;
+            }
             for (j, x) in xs.iter().enumerate() {
                 tile(t, blocks, x, &mut rows);
                 out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
