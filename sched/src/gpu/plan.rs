@@ -386,6 +386,13 @@ impl VramPlan {
         })
     }
 
+    /// Whether the expert cache has a slot for every routed expert (the
+    /// GPU tier then loads them all at start and routes on the device;
+    /// `ExpertCache::preload_all` asks the same of the real cache).
+    pub fn every_expert_cached(&self) -> bool {
+        !self.classes.is_empty() && self.classes.iter().all(|c| c.cache_slots >= c.experts)
+    }
+
     /// Device bytes this plan allocates at most (working set + budget in
     /// use): never more than what was free minus the reserve.
     pub fn committed_bytes(&self) -> u64 {
@@ -507,10 +514,15 @@ impl VramPlan {
         }
         let _ = writeln!(
             s,
-            "  committed {} of {} usable; embeddings stay in RAM (one row per token); routing \
-             decisions on the host from device logits",
+            "  committed {} of {} usable; embeddings stay in RAM (one row per token); {}",
             b(self.committed_bytes()),
-            b(self.free_bytes.saturating_sub(self.reserve_bytes))
+            b(self.free_bytes.saturating_sub(self.reserve_bytes)),
+            if self.every_expert_cached() {
+                "every routed expert is loaded at start: layers route on the device and a \
+                 decode step runs as one CUDA graph"
+            } else {
+                "routing decisions on the host from device logits"
+            }
         );
         for w in &self.warnings {
             let _ = writeln!(s, "warning: {w}");
@@ -573,6 +585,12 @@ mod tests {
         assert_eq!(p.classes[0].cache_slots, 1024);
         assert_eq!(p.classes[1].cache_slots, 512);
         assert_eq!(p.budget_source, VramBudgetSource::Auto);
+        assert!(p.every_expert_cached());
+        assert!(
+            p.render().contains("layers route on the device"),
+            "{}",
+            p.render()
+        );
     }
 
     #[test]
@@ -585,6 +603,8 @@ mod tests {
         assert_eq!(p.cache_slots(), 0);
         assert_eq!(p.classes[0].ring_slots, DEFAULT_RING_SLOTS);
         assert!(p.render().contains("0 of 9 blocks in VRAM"));
+        assert!(!p.every_expert_cached());
+        assert!(p.render().contains("routing decisions on the host"));
     }
 
     #[test]
