@@ -76,6 +76,16 @@ pub trait ExpertSource: Send + Sync {
     /// ignores it.
     fn moe_input(&self, _layer: usize, _h: &[f32], _rows: usize) {}
 
+    /// Expert `expert` of `layer` if the source holds it in pinned memory
+    /// right now, without reading, waiting or counting a request: for a
+    /// consumer that copies experts ahead of their use (the GPU tier's
+    /// next-layer staging). Holding the returned weights keeps them in
+    /// memory. The default (sources that would have to read or that hand
+    /// out pageable memory) says `None`.
+    fn peek(&self, _layer: usize, _expert: usize) -> Option<Arc<ExpertWeights>> {
+        None
+    }
+
     /// Counters of what the source has done.
     fn stats(&self) -> SourceStats {
         SourceStats::default()

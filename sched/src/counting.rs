@@ -79,6 +79,10 @@ impl ExpertSource for CountingExperts {
         self.inner.prefetch(layer, ids)
     }
 
+    fn peek(&self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        self.inner.peek(layer, expert)
+    }
+
     fn moe_input(&self, layer: usize, h: &[f32], rows: usize) {
         self.inner.moe_input(layer, h, rows)
     }

@@ -248,6 +248,10 @@ impl ExpertSource for Prefetcher {
         self.tier.prefetch(layer, ids);
     }
 
+    fn peek(&self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        ExpertSource::peek(self.tier.as_ref(), layer, expert)
+    }
+
     fn stats(&self) -> SourceStats {
         ExpertSource::stats(self.tier.as_ref())
     }

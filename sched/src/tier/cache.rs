@@ -1130,6 +1130,34 @@ impl TierCache {
         })
     }
 
+    /// Expert `expert` of `layer` if it is resident now (the arenas are
+    /// pinned, and registered with CUDA when a GPU tier runs), leased like
+    /// a hit but without reading, waiting or counting a request: the GPU
+    /// tier copies the next layer's likely experts ahead with it. A
+    /// read-ahead the CPU prefetcher has not seen used yet is left alone,
+    /// so its accounting stays the prefetcher's. The lease refreshes the
+    /// entry's recency when it ends, as a use does.
+    pub fn peek_resident(&self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        let sh = &self.shared;
+        let e = sh.layout.entry(layer, expert)? as u32;
+        let lease = {
+            let mut st = sh.lock();
+            if !matches!(st.entries[e as usize], Entry::Resident(_)) {
+                return None;
+            }
+            let unclaimed = st.classes[st.class_of(&sh.layout, e)].unclaimed;
+            match st.lists.list_of(e) {
+                Some(list) if list == unclaimed => return None,
+                Some(_) => {
+                    st.lists.remove(e);
+                }
+                None => {}
+            }
+            st.new_lease(&Arc::downgrade(sh), e)?
+        };
+        self.assemble(lease).ok().map(Arc::new)
+    }
+
     /// Slot use per size class.
     pub fn occupancy(&self) -> Vec<ClassOccupancy> {
         let sh = &self.shared;
@@ -1466,6 +1494,10 @@ impl ExpertSource for TierCache {
 
     fn prefetch(&self, layer: usize, ids: &[usize]) {
         self.prefetch_batch(&[(layer, ids.to_vec())]);
+    }
+
+    fn peek(&self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        self.peek_resident(layer, expert)
     }
 
     fn stats(&self) -> SourceStats {

@@ -423,3 +423,51 @@ fn all_resident_follows_installs_and_evictions() {
     }
     assert!(short.stats().evictions > 0);
 }
+
+#[test]
+fn peek_leases_resident_experts_without_reading_or_counting() {
+    let tier = tier_with(3, EvictionPolicy::Lru, 2);
+    let l = layer(&tier);
+    fetch_order(tier.as_ref(), l, &[0]);
+    fetch_order(tier.as_ref(), l, &[1]);
+    let before = tier.stats();
+    let reads = tier.reader_counters().requests_submitted;
+
+    // Absent: nothing is read, nothing waits.
+    assert!(tier.peek(l, 5).is_none());
+    assert_eq!(tier.residency(l, 5), Some(Residency::Absent));
+
+    // Resident: the checkpoint's bytes, under a lease that keeps them.
+    let peeked = tier.peek(l, 0).expect("expert 0 is resident");
+    let resident = resident_experts(&fixture(NAME));
+    let want = fetch_keep(&resident, l, &[0]);
+    assert_eq!(expert_bytes(&peeked), expert_bytes(&want[0].1));
+    assert_eq!(
+        tier.residency(l, 0),
+        Some(Residency::Resident {
+            leases: 1,
+            pinned: false,
+            evictable: false
+        })
+    );
+    for e in 2..6 {
+        fetch_order(tier.as_ref(), l, &[e]);
+    }
+    assert!(matches!(
+        tier.residency(l, 0),
+        Some(Residency::Resident { leases: 1, .. })
+    ));
+    assert_eq!(expert_bytes(&peeked), expert_bytes(&want[0].1));
+
+    // A peek is not a request: hits, requests and reads are the fetches'.
+    let after = tier.stats();
+    assert_eq!(after.hits, before.hits);
+    assert_eq!(after.demand_reads, before.demand_reads + 4);
+    assert_eq!(
+        tier.reader_counters().requests_submitted,
+        reads + 4,
+        "a peek started a read"
+    );
+    drop(peeked);
+    assert!(idle(tier.residency(l, 0)));
+}
