@@ -251,6 +251,8 @@ struct DecodeRun {
     /// --warm: the memory bandwidth measured between decode tokens.
     #[serde(skip)]
     bandwidth: Vec<BandwidthMark>,
+    /// The GPU tier's counters over the decode (None on the CPU tier).
+    gpu: Option<colibri_sched::gpu::GpuStats>,
 }
 
 /// One memory bandwidth measurement taken between two decode tokens.
@@ -305,6 +307,11 @@ fn decode_run(
         device: args.device,
         vram_budget: args.vram_budget.map(ByteSize::bytes),
         devices: args.devices.clone(),
+        ahead: if args.no_prefetch {
+            0
+        } else {
+            colibri_sched::gpu::DEFAULT_AHEAD
+        },
         ..GpuOptions::default()
     };
     let options = TierOptions {
@@ -394,13 +401,16 @@ fn decode_run(
     });
     let window = usize::try_from(args.bandwidth_window).unwrap_or(usize::MAX);
     let mut marks = Vec::new();
+    let gpu_stats = || engine.gpu.as_ref().map(|g| g.stats());
     let start = snapshot();
     let mut first: Option<Phase> = None;
+    let mut gpu_first = None;
     let mut generated = 0usize;
     engine.generate(&mut seq, |_| {
         generated += 1;
         if first.is_none() {
             first = Some(snapshot());
+            gpu_first = gpu_stats();
             // Latencies from here on are the decode's.
             tier.read_latency(true);
         }
@@ -460,6 +470,10 @@ fn decode_run(
             _ => None,
         },
         bandwidth: marks,
+        gpu: match (gpu_first, gpu_stats()) {
+            (Some(a), Some(b)) => Some(b.since(&a)),
+            _ => None,
+        },
     };
     Ok((run, engine))
 }
@@ -732,6 +746,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             "prefetch_recall": run.prefetch_recall,
             "prefetch_waste": run.prefetch_waste,
             "prefetcher": run.prefetcher,
+            "gpu_decode": run.gpu,
             "read_latency_us": run.read_latency_us,
             "decode": run.decode,
             "prefill": run.prefill,
@@ -824,6 +839,18 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             0.0
         }
     );
+    if let Some(g) = &run.gpu {
+        let tokens = run.tokens.saturating_sub(1).max(1) as u64;
+        let lookups = (g.cache.hits + g.cache.misses).max(1);
+        println!(
+            "VRAM expert hits {:.1}%; host-to-device {} per token; copied ahead {:.1} experts \
+             per token, {} of them used",
+            100.0 * g.cache.hits as f64 / lookups as f64,
+            ByteSize((g.expert_h2d_bytes + g.dense_h2d_bytes) / tokens),
+            g.ahead_copied as f64 / tokens as f64,
+            percent((g.ahead_copied > 0).then(|| g.ahead_used as f64 / g.ahead_copied as f64))
+        );
+    }
     let l = &run.read_latency_us;
     println!(
         "read latency p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us ({} reads)",

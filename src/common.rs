@@ -52,8 +52,9 @@ pub struct ModelArgs {
     /// $XDG_CACHE_HOME/colibri/io/.
     #[arg(long, value_name = "N")]
     pub queue_depth: Option<usize>,
-    /// Do not read the coming layers' predicted experts ahead. Prefetch never
-    /// changes results, only speed.
+    /// Do not read the coming layers' predicted experts ahead (from disk
+    /// into RAM, and with a GPU from RAM into VRAM). Prefetch never changes
+    /// results, only speed.
     #[arg(long)]
     pub no_prefetch: bool,
     /// How the coming layers' experts are predicted: the next MoE layer's
@@ -99,6 +100,11 @@ impl ModelArgs {
             device: self.device,
             vram_budget: self.vram_budget.map(ByteSize::bytes),
             devices: self.devices.clone(),
+            ahead: if self.no_prefetch {
+                0
+            } else {
+                colibri_sched::gpu::DEFAULT_AHEAD
+            },
             ..GpuOptions::default()
         }
     }

@@ -11,7 +11,7 @@
 //! ```text
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
 //!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
-//!     [--devices 0,1] [--ring-slots 8]
+//!     [--devices 0,1] [--ring-slots 8] [--ahead N]
 //! ```
 //!
 //! With several devices the layers are split between them; the HBM figure
@@ -69,6 +69,31 @@ fn bandwidths() -> Result<(f64, f64), Box<dyn std::error::Error>> {
         done.synchronize()?;
         let ms = t0.elapsed_ms(&t1)? as f64;
         best_h2d = best_h2d.max(n as f64 / (ms * 1e-3) / 1e9);
+    }
+    // Copies the size of one expert matrix and of one whole expert of the
+    // 30B-A3B geometry, back to back (what staging issues), from distinct
+    // places of the buffer.
+    for piece in [884_736usize, 3 * 884_736] {
+        let count = n / piece;
+        let mut best = 0.0f64;
+        for _ in 0..3 {
+            let t0 = dev.record_copy_timed()?;
+            let mut last = None;
+            for i in 0..count {
+                let src = &host.as_slice()[i * piece..(i + 1) * piece];
+                // SAFETY: as above.
+                last = Some(unsafe {
+                    dev.copy_host_ptr_async(src.as_ptr(), b.view_mut(i * piece..(i + 1) * piece)?)?
+                });
+            }
+            let t1 = dev.record_copy_timed()?;
+            if let Some(l) = last {
+                l.synchronize()?;
+            }
+            let ms = t0.elapsed_ms(&t1)? as f64;
+            best = best.max((count * piece) as f64 / (ms * 1e-3) / 1e9);
+        }
+        eprintln!("host-to-device in {piece}-byte copies: {best:.1} GB/s");
     }
     dev.synchronize()?;
     Ok((best_d2d, best_h2d))
@@ -141,6 +166,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             devices: devices.clone(),
             ring_slots: arg::<usize>(&args, "--ring-slots")
                 .unwrap_or(colibri_sched::gpu::plan::DEFAULT_RING_SLOTS),
+            ahead: arg::<usize>(&args, "--ahead").unwrap_or(colibri_sched::gpu::DEFAULT_AHEAD),
             ..GpuOptions::default()
         },
     )? {
@@ -248,6 +274,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ByteSize(h2d_bytes / tokens.max(1) as u64),
         100.0 * h2d_rate / h2d
     );
+    let ahead_copied = s_b.ahead_copied - s_a.ahead_copied;
+    let ahead_used = s_b.ahead_used - s_a.ahead_used;
+    let ahead_bytes = s_b.ahead_bytes - s_a.ahead_bytes;
+    // Bytes copied ahead and never used: the bus carried them for nothing.
+    let ahead_wasted = ahead_bytes
+        .saturating_mul(ahead_copied.saturating_sub(ahead_used))
+        .checked_div(ahead_copied)
+        .unwrap_or(0);
+    let useful_rate = (h2d_bytes - ahead_wasted.min(h2d_bytes)) as f64 / secs / 1e9;
+    println!(
+        "copied ahead          {:.1} experts per token, {:.1}% of them used; bytes used          {useful_rate:.1} GB/s ({:.0}% of measured)",
+        ahead_copied as f64 / tokens as f64,
+        100.0 * ahead_used as f64 / ahead_copied.max(1) as f64,
+        100.0 * useful_rate / h2d
+    );
     println!(
         "per token             {launches:.1} kernel launches, {graphs:.2} graph replays, \
          {waits:.1} host waits, {copies:.1} host-device copies ({} layers)",
@@ -292,6 +333,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "h2d_measured_gb_s": h2d,
             "h2d_decode_gb_s": h2d_rate,
             "h2d_bytes_per_token": h2d_bytes as f64 / tokens as f64,
+            "h2d_used_gb_s": useful_rate,
+            "ahead_copied": ahead_copied,
+            "ahead_used": ahead_used,
             "vram_hits": hits,
             "vram_misses": misses,
             "stats": s_b,

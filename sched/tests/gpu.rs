@@ -244,6 +244,63 @@ fn gpu_is_bit_identical_across_vram_and_ram_budgets() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn copying_experts_ahead_changes_no_bit() {
+    let mut exercised = 0;
+    for model in models() {
+        let name = model.display().to_string();
+        let (prompt, tokens) = reference_tokens(&model);
+        let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        let plan = full.gpu.as_ref().unwrap().plan().clone();
+        let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
+        // Dense weights and KV cache in VRAM, a few expert slots: layers
+        // route on the host, and the cache churns.
+        let small = plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes;
+        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
+            let tf = teacher_forced(e, &tokens, 4);
+            (bits(&tf), greedy(e, &prompt, 16))
+        };
+        let want = run(&full);
+        for (slots, ahead, rows) in [(0, 8, 4), (4, 1, 4), (4, 8, 1), (12, 8, 4), (12, 0, 4)] {
+            let opts = GpuOptions {
+                device: DeviceChoice::Cuda,
+                vram_budget: Some(small + slots * slot),
+                max_rows: rows,
+                ahead,
+                ..GpuOptions::default()
+            };
+            let e = engine_with(&model, &opts, None);
+            let got = run(&e);
+            let s = e.gpu.as_ref().unwrap().stats();
+            assert!(
+                got.0 == want.0,
+                "{name}: logits differ with {slots} slots, {ahead} ahead, {rows} rows ({s:?})"
+            );
+            assert_eq!(
+                got.1, want.1,
+                "{name}: greedy differs ({slots} slots, {ahead} ahead)"
+            );
+            assert!(s.ahead_used <= s.ahead_copied, "{name}: {s:?}");
+            if ahead == 0 || slots == 0 {
+                assert_eq!(
+                    s.ahead_copied, 0,
+                    "{name}: copied ahead with {ahead} / {slots}"
+                );
+            }
+            if s.ahead_used > 0 {
+                exercised += 1;
+            }
+            eprintln!(
+                "{name}: identical with {slots} slots, {ahead} ahead, {rows} rows: {} copied \
+                 ahead, {} used",
+                s.ahead_copied, s.ahead_used
+            );
+        }
+    }
+    assert!(exercised > 0, "no run used an expert copied ahead");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn gpu_is_bit_identical_across_batch_compositions() {
     for model in models() {
         let name = model.display().to_string();

@@ -462,6 +462,20 @@ pub(crate) struct ExpertCounters {
     pub promotions: u64,
     /// MoE layers routed and planned on the device (every expert resident).
     pub device_routed: u64,
+    /// Experts of the next MoE layer copied into cache slots ahead of its
+    /// routing ([`ExpertTier::stage_ahead`]), their bytes (also in
+    /// `h2d_bytes`), and how many of them a layer then used.
+    pub ahead_copied: u64,
+    pub ahead_bytes: u64,
+    pub ahead_used: u64,
+}
+
+/// An expert copied ahead into a cache slot whose copy may still run: the
+/// copy's event, and the RAM lease its source bytes need until then.
+struct Ahead {
+    slot: SlotRef,
+    done: Event,
+    _lease: Arc<ExpertWeights>,
 }
 
 /// The VRAM expert cache and staging rings of every size class.
@@ -481,6 +495,20 @@ pub(crate) struct ExpertTier {
     /// slot: `[layer][expert][6]` device addresses of gate, up, down and
     /// their FP8 scales (0 where none), for routing on the device.
     resident: Option<DeviceBuffer<u64>>,
+    /// Experts of the next layer to copy ahead per MoE layer at most (0:
+    /// none).
+    ahead_max: usize,
+    /// Copies ahead that may still be running.
+    ahead: Vec<Ahead>,
+    /// Entries copied ahead and not used since (to count the used ones).
+    ahead_unused: std::collections::HashSet<u32>,
+    /// Host-routed MoE layers begun so far, and per class and cache slot
+    /// the one that last issued kernels reading or writing the slot. Each
+    /// such layer begins after a full compute-stream sync (its router
+    /// read-back), so a slot last touched by an earlier layer has no
+    /// kernel pending.
+    layer_seq: u64,
+    slot_touched: Vec<Vec<u64>>,
 }
 
 impl ExpertTier {
@@ -491,6 +519,7 @@ impl ExpertTier {
         per_layer: usize,
         plan: &VramPlan,
         max_held: usize,
+        ahead_max: usize,
     ) -> Result<ExpertTier, GpuError> {
         let class_of: Vec<u16> = (0..shapes.len() * per_layer)
             .map(|entry| {
@@ -537,7 +566,140 @@ impl ExpertTier {
             held: VecDeque::new(),
             counters: ExpertCounters::default(),
             resident: None,
+            ahead_max,
+            ahead: Vec::new(),
+            ahead_unused: std::collections::HashSet::new(),
+            layer_seq: 0,
+            slot_touched: slots.iter().map(|&n| vec![0; n]).collect(),
         })
+    }
+
+    /// Experts of the next MoE layer copied ahead per layer at most.
+    pub fn ahead_max(&self) -> usize {
+        self.ahead_max
+    }
+
+    /// Copies the first of `guesses` (experts of MoE layer `layer`, most
+    /// likely first) that are neither in VRAM nor on their way there but
+    /// are in pinned RAM now ([`ExpertSource::peek`]) into cache slots, on
+    /// the copy stream behind every copy issued so far, at most
+    /// [`Self::ahead_max`] of them. Called once a layer's own copies are
+    /// issued, so the bus carries the next layer's likely experts while
+    /// this layer computes and the next one's attention runs, instead of
+    /// idling until its routing is known. The layer then finds them as
+    /// hits. A guess never changes a result: a slot holds an expert's exact
+    /// bytes whichever way they came, and the kernels read them only after
+    /// the copy's event.
+    pub fn stage_ahead(
+        &mut self,
+        dev: &CudaDevice,
+        layer: usize,
+        guesses: &[usize],
+        source: &dyn ExpertSource,
+    ) -> Result<(), GpuError> {
+        self.reap_ahead()?;
+        let (Some(Some(shape)), Some(Some(class))) = (
+            self.shapes.get(layer).copied(),
+            self.classes.layer_class.get(layer).copied(),
+        ) else {
+            return Ok(());
+        };
+        if self.ahead_max == 0 || self.cache.slots(class) == 0 {
+            return Ok(());
+        }
+        let sb = self.classes.slot_bytes[class];
+        let mut issued = 0;
+        let mut ordered = false;
+        for &e in guesses {
+            if issued == self.ahead_max {
+                break;
+            }
+            let entry = (layer * self.per_layer + e) as u32;
+            if e >= self.per_layer || self.cache.residency(entry) != VramResidency::Absent {
+                continue;
+            }
+            let Some(w) = source.peek(layer, e) else {
+                continue;
+            };
+            if ExpertShape::of_weights(&w).mats != shape.mats {
+                continue;
+            }
+            let slot = match self.cache.reserve(entry) {
+                Reserve::Slot { slot, evicted } => {
+                    if let Some(v) = evicted {
+                        self.ahead_unused.remove(&v);
+                    }
+                    slot
+                }
+                _ => break,
+            };
+            let copied = (|| -> Result<(Event, u64), GpuError> {
+                if !ordered && self.slot_touched[class][slot.slot] == self.layer_seq {
+                    // This layer's kernels may still read the slot's old
+                    // expert: the copies start after them. (The least
+                    // recently used slots an eviction takes are older.)
+                    dev.copy_wait(&dev.record_compute()?)?;
+                    ordered = true;
+                }
+                let buf = self.cache_bufs[class]
+                    .as_mut()
+                    .ok_or_else(|| GpuError::Internal("a cache slot without cache".into()))?;
+                // SAFETY: `w` is kept in `self.ahead` until the event has
+                // passed; the slot is reserved for this entry, its former
+                // readers are ordered before the copy (the wait above),
+                // and its next readers wait for the event (lease in
+                // `moe_layer`, promotion in `flush`).
+                let (done, bytes) = unsafe { copy_expert(dev, &shape, &w, buf, slot.slot * sb)? };
+                let done = match done {
+                    Some(d) => d,
+                    None => dev.record_copy()?,
+                };
+                Ok((done, bytes))
+            })();
+            match copied {
+                Ok((done, bytes)) => {
+                    self.cache.complete(entry, 0, false);
+                    self.ahead.push(Ahead {
+                        slot,
+                        done,
+                        _lease: w,
+                    });
+                    self.ahead_unused.insert(entry);
+                    self.counters.ahead_copied += 1;
+                    self.counters.ahead_bytes += bytes;
+                    self.counters.h2d_bytes += bytes;
+                    issued += 1;
+                }
+                Err(err) => {
+                    self.cache.abort(entry);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the copies ahead that have completed (and their RAM leases).
+    fn reap_ahead(&mut self) -> Result<(), GpuError> {
+        let mut i = 0;
+        while i < self.ahead.len() {
+            if self.ahead[i].done.is_complete()? {
+                self.ahead.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for a copy ahead into `slot` still in
+    /// flight, if any (before a kernel reads the slot or a promotion
+    /// overwrites it).
+    fn order_after_ahead(&self, dev: &CudaDevice, slot: SlotRef) -> Result<(), GpuError> {
+        for a in self.ahead.iter().filter(|a| a.slot == slot) {
+            dev.compute_wait(&a.done)?;
+        }
+        Ok(())
     }
 
     pub fn cache_stats(&self) -> super::VramCacheStats {
@@ -706,6 +868,7 @@ impl ExpertTier {
             }
         }
         self.held.clear();
+        self.ahead.clear();
     }
 
     /// MoE layer `layer` for `n` rows when every expert is resident: the
@@ -813,27 +976,10 @@ impl ExpertTier {
                 dev.copy_wait(c)?;
             }
         }
-        let mats = [&w.gate, &w.up, &w.down];
-        let mut last = None;
-        let mut bytes = 0u64;
-        for (i, m) in mats.iter().enumerate() {
-            let src = stored_bytes(m)?;
-            let at = r * sb + shape.off[i];
-            let dst = ring.buf.view_mut(at..at + src.len())?;
-            // SAFETY: `src` lies in the lease `w`, kept in the ring slot
-            // until this copy's event has been waited for; the ring slot's
-            // previous readers were waited for above (copy_wait).
-            last = Some(unsafe { dev.copy_host_ptr_async(src.as_ptr(), dst)? });
-            bytes += src.len() as u64;
-            if let Some(s) = m.scales() {
-                let sbytes = bytemuck_f32(&s.scales);
-                let at = r * sb + shape.scale_off[i];
-                let dst = ring.buf.view_mut(at..at + sbytes.len())?;
-                // SAFETY: as above; the scales are owned by `w` too.
-                last = Some(unsafe { dev.copy_host_ptr_async(sbytes.as_ptr(), dst)? });
-                bytes += sbytes.len() as u64;
-            }
-        }
+        // SAFETY: `w` is kept in the ring slot until this copy's event has
+        // been waited for; the ring slot's previous readers were waited
+        // for above (copy_wait).
+        let (last, bytes) = unsafe { copy_expert(dev, shape, &w, &mut ring.buf, r * sb)? };
         let base = ring.buf.as_view().device_ptr() + (r * sb) as u64;
         let slot = &mut ring.slots[r];
         slot.filled = last;
@@ -917,13 +1063,21 @@ impl ExpertTier {
                 }
             }
         }
+        // The caller synchronized the compute stream for this layer's
+        // routing: every kernel of earlier layers is done.
+        self.layer_seq += 1;
         let mut pair_of = vec![u32::MAX; n * k];
         let mut hits = Vec::new();
         let mut misses = Vec::new();
         for &e in users.keys() {
             let entry = (layer * ne + e) as u32;
             match self.cache.lease(entry) {
-                Some(s) => hits.push((e, s)),
+                Some(s) => {
+                    if self.ahead_unused.remove(&entry) {
+                        self.counters.ahead_used += 1;
+                    }
+                    hits.push((e, s));
+                }
                 None => misses.push(e),
             }
         }
@@ -933,6 +1087,8 @@ impl ExpertTier {
         // Hits: one chunk, computed while the misses are fetched.
         let result = (|| -> Result<(), GpuError> {
             for &(e, s) in &hits {
+                self.order_after_ahead(dev, s)?;
+                self.slot_touched[s.class][s.slot] = self.layer_seq;
                 let base = self.cache_slot_ptr(s)?;
                 assign(
                     bufs,
@@ -1150,8 +1306,13 @@ impl ExpertTier {
         let sb = self.classes.slot_bytes[class];
         for &(r, ex) in &launch.ring {
             let entry = (layer * self.per_layer + ex) as u32;
-            if let Reserve::Slot { slot, .. } = self.cache.reserve(entry) {
+            if let Reserve::Slot { slot, evicted } = self.cache.reserve(entry) {
+                if let Some(v) = evicted {
+                    self.ahead_unused.remove(&v);
+                }
+                self.slot_touched[slot.class][slot.slot] = self.layer_seq;
                 let copied = (|| -> Result<(), GpuError> {
+                    self.order_after_ahead(dev, slot)?;
                     let buf = self.cache_bufs[slot.class]
                         .as_mut()
                         .ok_or_else(|| GpuError::Internal("promotion without cache".into()))?;
@@ -1277,6 +1438,66 @@ impl ExpertTier {
         dev.synchronize()?;
         Ok(loaded)
     }
+}
+
+/// Copies expert `w`'s matrices and FP8 scales on the copy stream into the
+/// slot at byte `at` of `buf`, laid out as `shape`; returns the last copy's
+/// event (its stream's copies complete in order) and the bytes copied.
+///
+/// # Safety
+/// `w` must stay alive until the event has completed, and the slot must be
+/// neither read nor written by another stream until then.
+unsafe fn copy_expert(
+    dev: &CudaDevice,
+    shape: &ExpertShape,
+    w: &ExpertWeights,
+    buf: &mut DeviceBuffer<u8>,
+    at: usize,
+) -> Result<(Option<Event>, u64), GpuError> {
+    let mats = [&w.gate, &w.up, &w.down];
+    let srcs = [
+        stored_bytes(mats[0])?,
+        stored_bytes(mats[1])?,
+        stored_bytes(mats[2])?,
+    ];
+    // Matrices back to back in host memory exactly as in the slot (a
+    // packed record: gate, up, down with no gap): one copy, not three.
+    let back_to_back = mats.iter().all(|m| m.scales().is_none())
+        && (1..3).all(|i| {
+            shape.off[i] == shape.off[i - 1] + srcs[i - 1].len()
+                && srcs[i].as_ptr() as usize == srcs[i - 1].as_ptr() as usize + srcs[i - 1].len()
+        });
+    if back_to_back {
+        let len = shape.off[2] - shape.off[0] + srcs[2].len();
+        let o = at + shape.off[0];
+        let dst = buf.view_mut(o..o + len)?;
+        // SAFETY: the three ranges are adjacent parts of the memory `w`
+        // holds (checked above), so `len` bytes from the first are all
+        // `w`'s; the caller keeps `w` and the slot untouched until the
+        // event.
+        let done = unsafe { dev.copy_host_ptr_async(srcs[0].as_ptr(), dst)? };
+        return Ok((Some(done), len as u64));
+    }
+    let mut last = None;
+    let mut bytes = 0u64;
+    for (i, m) in mats.iter().enumerate() {
+        let src = srcs[i];
+        let o = at + shape.off[i];
+        let dst = buf.view_mut(o..o + src.len())?;
+        // SAFETY: the caller keeps `w` (which owns `src`) and the slot
+        // untouched until the event.
+        last = Some(unsafe { dev.copy_host_ptr_async(src.as_ptr(), dst)? });
+        bytes += src.len() as u64;
+        if let Some(s) = m.scales() {
+            let sbytes = bytemuck_f32(&s.scales);
+            let o = at + shape.scale_off[i];
+            let dst = buf.view_mut(o..o + sbytes.len())?;
+            // SAFETY: as above; the scales are owned by `w` too.
+            last = Some(unsafe { dev.copy_host_ptr_async(sbytes.as_ptr(), dst)? });
+            bytes += sbytes.len() as u64;
+        }
+    }
+    Ok((last, bytes))
 }
 
 fn bytemuck_f32(v: &[f32]) -> &[u8] {

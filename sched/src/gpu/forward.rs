@@ -107,7 +107,9 @@ fn sizes(d: &Dims, mla_fallback: bool) -> ScratchSizes {
         mo: r * mo,
         mtmp: r * mtmp,
         mlp: r * d.mlp_inter,
-        rl: r * d.experts.max(1),
+        // This layer's router logits, then the next MoE layer's router on
+        // the same input (its guess, for copying experts ahead).
+        rl: 2 * r * d.experts.max(1),
         rows: r,
         hn: LM_ROWS * d.hidden,
         lg: LM_ROWS * d.vocab,
@@ -383,6 +385,23 @@ pub(crate) fn next_tier_id() -> u64 {
 
 /// Which share of the model a [`State`] runs: stage `index` of `count`,
 /// layers `layers` (the last stage also runs the head).
+/// The experts chosen by `rows` (routings over `experts` experts), those
+/// chosen by more rows first, then by their best rank in a row's choice.
+fn likely_first(rows: &[Routing], experts: usize) -> Vec<usize> {
+    let mut score = vec![(0usize, usize::MAX); experts];
+    for r in rows {
+        for (rank, &e) in r.experts.iter().enumerate() {
+            if let Some(s) = score.get_mut(e) {
+                s.0 += 1;
+                s.1 = s.1.min(rank);
+            }
+        }
+    }
+    let mut ids: Vec<usize> = (0..experts).filter(|&e| score[e].0 > 0).collect();
+    ids.sort_by_key(|&e| (std::cmp::Reverse(score[e].0), score[e].1, e));
+    ids
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct StageOf {
     pub tier: u64,
@@ -499,6 +518,7 @@ impl State {
         registrations: Vec<HostRegistration>,
         arenas: Vec<Arc<PinnedArena>>,
         max_held: usize,
+        ahead: usize,
         stage: StageOf,
     ) -> Result<State, GpuError> {
         let mla_fallback = mla_needs_fallback(model);
@@ -555,7 +575,7 @@ impl State {
         );
         let held = |b: usize| plan.holds_block(b);
         let dense = DenseBlocks::load(&dev, &model.weights, &plan.dense_resident, &held)?;
-        let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held)?;
+        let experts = ExpertTier::new(&dev, classes, shapes, dims.experts, plan, max_held, ahead)?;
         let moe = MoeBufs::new(&dev, &dims)?;
         let (a, b) = dims.kv_parts();
         // COLIBRI_GPU_HOST_ROUTE=1 routes every layer on the host (for
@@ -651,6 +671,9 @@ impl State {
             graph_launches: dc.graph_launches,
             host_waits: dc.host_waits,
             copies: dc.copies,
+            ahead_copied: c.ahead_copied,
+            ahead_bytes: c.ahead_bytes,
+            ahead_used: c.ahead_used,
         }
     }
 
@@ -666,6 +689,15 @@ impl State {
     fn sync_compute(&self) -> Result<(), GpuError> {
         self.dev.record_compute()?.synchronize()?;
         Ok(())
+    }
+
+    /// The first MoE layer after `l` and its router, if this stage holds
+    /// it.
+    fn next_moe(&self, l: usize) -> Option<(usize, MatRef)> {
+        ((l + 1)..self.kv_shape.layers.end).find_map(|l2| match self.dense.layers.get(l2)?.ffn {
+            FfnRef::Moe { router, .. } => Some((l2, router)),
+            FfnRef::Dense(_) => None,
+        })
     }
 
     /// Whether layer `l` is this stage's.
@@ -1200,19 +1232,58 @@ impl State {
             }
             _ => {
                 // The host must know the routing to fetch what is missing.
+                // The next MoE layer's router on this layer's input guesses
+                // that layer's experts, to copy them ahead while this one
+                // computes (read back with this layer's logits).
+                let nl = n * ne;
+                let ahead = match self.next_moe(l) {
+                    Some((l2, r2)) if self.experts.ahead_max() > 0 => {
+                        match self.dense.vram_view(l2) {
+                            Some(base) => {
+                                let w = r2.view(base)?;
+                                self.k.matvec(
+                                    &self.dev,
+                                    &w,
+                                    self.s.h.view(0..n * hd)?,
+                                    n,
+                                    self.s.rl.view_mut(nl..2 * nl)?,
+                                )?;
+                                Some(l2)
+                            }
+                            None => None,
+                        }
+                    }
+                    _ => None,
+                };
+                let read = if ahead.is_some() { 2 * nl } else { nl };
                 // SAFETY: the pinned router logits are read after the sync
                 // below.
                 unsafe {
                     self.dev.download_async(
-                        self.s.rl.view(0..n * ne)?,
-                        &mut self.io.rl.typed_mut::<f32>()[..n * ne],
+                        self.s.rl.view(0..read)?,
+                        &mut self.io.rl.typed_mut::<f32>()[..read],
                     )?;
                 }
                 self.sync_compute()?;
-                let routing: Vec<Routing> = self.io.rl.typed::<f32>()[..n * ne]
+                let logits = &self.io.rl.typed::<f32>()[..read];
+                let routing: Vec<Routing> = logits[..nl]
                     .chunks_exact(ne)
                     .map(|row| route_portable(spec, row, selection_bias))
                     .collect();
+                let guesses = match ahead {
+                    Some(l2) => {
+                        let bias = match &model.weights.layers[l2].ffn {
+                            FfnWeights::Moe(m) => m.selection_bias.as_deref(),
+                            FfnWeights::Dense(_) => None,
+                        };
+                        let rows: Vec<Routing> = logits[nl..]
+                            .chunks_exact(ne)
+                            .map(|row| route_portable(spec, row, bias))
+                            .collect();
+                        Some((l2, likely_first(&rows, ne)))
+                    }
+                    None => None,
+                };
                 self.mark(Phase::Router)?;
                 self.experts.moe_layer(
                     &self.dev,
@@ -1224,6 +1295,9 @@ impl State {
                     &mut self.moe,
                     source,
                 )?;
+                if let Some((l2, ids)) = guesses {
+                    self.experts.stage_ahead(&self.dev, l2, &ids, source)?;
+                }
                 self.mark(Phase::Experts)?;
             }
         }

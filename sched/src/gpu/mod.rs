@@ -105,6 +105,12 @@ impl std::fmt::Display for DeviceChoice {
     }
 }
 
+/// Experts of the next MoE layer copied ahead per layer by default: about
+/// what the bus carries in the time from a layer's last copy to the next
+/// layer's routing (docs/benchmarks.md, "Copying the next layer's experts
+/// ahead").
+pub const DEFAULT_AHEAD: usize = 3;
+
 /// Settings of the GPU tier (`--device`, `--vram-budget`, `--devices`).
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
@@ -120,6 +126,10 @@ pub struct GpuOptions {
     pub max_rows: usize,
     /// Staging slots per expert size class.
     pub ring_slots: usize,
+    /// While a layer computes, copy up to this many experts that the next
+    /// MoE layer's router picks for this layer's input into VRAM (0: off;
+    /// `--no-prefetch` turns it off). Speed only, never results.
+    pub ahead: usize,
 }
 
 impl Default for GpuOptions {
@@ -130,6 +140,7 @@ impl Default for GpuOptions {
             devices: Vec::new(),
             max_rows: DEFAULT_MAX_ROWS,
             ring_slots: plan::DEFAULT_RING_SLOTS,
+            ahead: DEFAULT_AHEAD,
         }
     }
 }
@@ -352,9 +363,45 @@ pub struct GpuStats {
     pub graph_launches: u64,
     pub host_waits: u64,
     pub copies: u64,
+    /// Experts of the next layer copied into VRAM ahead of its routing,
+    /// their bytes (part of `expert_h2d_bytes`), and how many a layer used.
+    pub ahead_copied: u64,
+    pub ahead_bytes: u64,
+    pub ahead_used: u64,
 }
 
 impl GpuStats {
+    /// The counts since `earlier` (a snapshot of the same tier); the
+    /// sizes (KV bytes, arenas, resident blocks) are the current ones.
+    pub fn since(&self, earlier: &GpuStats) -> GpuStats {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        GpuStats {
+            passes: d(self.passes, earlier.passes),
+            rows: d(self.rows, earlier.rows),
+            cache: VramCacheStats {
+                hits: d(self.cache.hits, earlier.cache.hits),
+                misses: d(self.cache.misses, earlier.cache.misses),
+                loads: d(self.cache.loads, earlier.cache.loads),
+                evictions: d(self.cache.evictions, earlier.cache.evictions),
+                full: d(self.cache.full, earlier.cache.full),
+            },
+            experts_copied: d(self.experts_copied, earlier.experts_copied),
+            expert_h2d_bytes: d(self.expert_h2d_bytes, earlier.expert_h2d_bytes),
+            dense_h2d_bytes: d(self.dense_h2d_bytes, earlier.dense_h2d_bytes),
+            promotions: d(self.promotions, earlier.promotions),
+            device_routed_layers: d(self.device_routed_layers, earlier.device_routed_layers),
+            graphs_captured: d(self.graphs_captured, earlier.graphs_captured),
+            launches: d(self.launches, earlier.launches),
+            graph_launches: d(self.graph_launches, earlier.graph_launches),
+            host_waits: d(self.host_waits, earlier.host_waits),
+            copies: d(self.copies, earlier.copies),
+            ahead_copied: d(self.ahead_copied, earlier.ahead_copied),
+            ahead_bytes: d(self.ahead_bytes, earlier.ahead_bytes),
+            ahead_used: d(self.ahead_used, earlier.ahead_used),
+            ..*self
+        }
+    }
+
     /// Adds another device's counters.
     pub fn add(&mut self, o: &GpuStats) {
         // Every device takes part in every pass.
@@ -379,6 +426,9 @@ impl GpuStats {
         self.graph_launches += o.graph_launches;
         self.host_waits += o.host_waits;
         self.copies += o.copies;
+        self.ahead_copied += o.ahead_copied;
+        self.ahead_bytes += o.ahead_bytes;
+        self.ahead_used += o.ahead_used;
     }
 }
 
@@ -639,6 +689,7 @@ pub(crate) fn vram_request(
         kv_reserve_positions: positions,
         expert_classes: classes.requests(),
         ring_slots: opts.ring_slots,
+        ahead: opts.ahead,
         scratch_bytes: forward::scratch_bytes(&dims, rope_positions, model),
         pin_candidates,
         share,
@@ -876,6 +927,7 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
             registrations,
             arenas,
             max_held,
+            opts.ahead,
             forward::StageOf {
                 tier: tier_id,
                 index,

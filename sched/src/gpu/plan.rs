@@ -65,6 +65,8 @@ pub struct VramRequest {
     pub kv_reserve_positions: usize,
     pub expert_classes: Vec<ExpertClassRequest>,
     pub ring_slots: usize,
+    /// Experts of the next MoE layer copied ahead per layer at most.
+    pub ahead: usize,
     /// Scratch activations, rotary tables and metadata.
     pub scratch_bytes: u64,
     /// Experts the usage history would pin (per class), hottest first
@@ -179,6 +181,8 @@ pub struct VramPlan {
     pub working_set_bytes: u64,
     /// With several devices: the layers this device holds.
     pub share: Option<LayerShare>,
+    /// Experts of the next MoE layer copied ahead per layer at most.
+    pub ahead: usize,
     pub warnings: Vec<String>,
 }
 
@@ -382,6 +386,7 @@ impl VramPlan {
             scratch_bytes: req.scratch_bytes,
             working_set_bytes: fixed + stream_buf,
             share: req.share.clone(),
+            ahead: req.ahead,
             warnings,
         })
     }
@@ -512,17 +517,25 @@ impl VramPlan {
                 c.ring_slots
             );
         }
+        let routing = if self.every_expert_cached() {
+            "every routed expert is loaded at start: layers route on the device and a decode \
+             step runs as one CUDA graph"
+                .to_string()
+        } else if self.ahead > 0 && self.cache_slots() > 0 {
+            format!(
+                "routing decisions on the host from device logits; while a layer computes, up \
+                 to {} experts that the next layer's router picks for its input are copied \
+                 into the cache ahead",
+                self.ahead
+            )
+        } else {
+            "routing decisions on the host from device logits".to_string()
+        };
         let _ = writeln!(
             s,
-            "  committed {} of {} usable; embeddings stay in RAM (one row per token); {}",
+            "  committed {} of {} usable; embeddings stay in RAM (one row per token); {routing}",
             b(self.committed_bytes()),
             b(self.free_bytes.saturating_sub(self.reserve_bytes)),
-            if self.every_expert_cached() {
-                "every routed expert is loaded at start: layers route on the device and a \
-                 decode step runs as one CUDA graph"
-            } else {
-                "routing decisions on the host from device logits"
-            }
         );
         for w in &self.warnings {
             let _ = writeln!(s, "warning: {w}");
@@ -558,6 +571,7 @@ mod tests {
                 },
             ],
             ring_slots: DEFAULT_RING_SLOTS,
+            ahead: 3,
             scratch_bytes: 300 * MIB,
             pin_candidates: vec![],
             share: None,
@@ -605,6 +619,8 @@ mod tests {
         assert!(p.render().contains("0 of 9 blocks in VRAM"));
         assert!(!p.every_expert_cached());
         assert!(p.render().contains("routing decisions on the host"));
+        // No cache slot: nothing can be copied ahead, and the plan says so.
+        assert!(!p.render().contains("copied into the cache ahead"));
     }
 
     #[test]
@@ -620,6 +636,11 @@ mod tests {
         let p = VramPlan::compute(&req(Some(4 * GIB))).unwrap();
         within(&p);
         assert!(p.cache_slots() > 0);
+        assert!(
+            p.render().contains("up to 3 experts"),
+            "the plan does not say experts are copied ahead: {}",
+            p.render()
+        );
         // Slots go in proportion to each class's bytes.
         let c = &p.classes;
         let r0 = c[0].cache_slots as f64 / c[0].experts as f64;

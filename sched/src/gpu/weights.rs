@@ -462,6 +462,15 @@ impl DenseBlocks {
         }
     }
 
+    /// Block `block`'s bytes if they live in this device's VRAM (not
+    /// streamed, not another device's).
+    pub fn vram_view(&self, block: usize) -> Option<BufView<'_, u8>> {
+        match self.homes.get(block) {
+            Some(Home::Vram(buf)) => Some(buf.as_view()),
+            _ => None,
+        }
+    }
+
     /// The kernels reading block `block` are all issued.
     pub fn finish(&mut self, dev: &CudaDevice) -> Result<(), GpuError> {
         if let Some(b) = self.current.take() {

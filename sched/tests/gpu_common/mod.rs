@@ -102,6 +102,20 @@ pub fn engine_on(
     ram_budget: Option<u64>,
     max_rows: usize,
 ) -> Engine {
+    engine_with(
+        model,
+        &GpuOptions {
+            device,
+            vram_budget,
+            devices,
+            max_rows,
+            ..GpuOptions::default()
+        },
+        ram_budget,
+    )
+}
+
+pub fn engine_with(model: &std::path::Path, opts: &GpuOptions, ram_budget: Option<u64>) -> Engine {
     colibri_model::kernels::set_exact_quant(crate::EXACT_QUANT);
     let mut e = Engine::load(
         model,
@@ -113,18 +127,8 @@ pub fn engine_on(
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
-    let got = attach(
-        &mut e,
-        &GpuOptions {
-            device,
-            vram_budget,
-            devices,
-            max_rows,
-            ..GpuOptions::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
-    if device == DeviceChoice::Cuda {
+    let got = attach(&mut e, opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    if opts.device == DeviceChoice::Cuda {
         assert!(matches!(got, Attached::Gpu(_)));
     }
     e
