@@ -98,6 +98,10 @@ pub struct BenchIoArgs {
     /// --model: compute threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// --model: Q8_0/Q4_0 products on the exact dequantized weights, as
+    /// `run --exact-quant` (default: 8-bit activations).
+    #[arg(long)]
+    pub exact_quant: bool,
     /// --model: decode without reading predicted experts ahead.
     #[arg(long, conflicts_with = "compare_prefetch")]
     pub no_prefetch: bool,
@@ -147,7 +151,10 @@ pub fn main(args: BenchIoArgs) -> Result<()> {
     }
     match (&args.raw, &args.model) {
         (Some(file), None) => raw(&args, file),
-        (None, Some(dir)) => model(&args, dir),
+        (None, Some(dir)) => {
+            colibri_model::kernels::set_exact_quant(args.exact_quant);
+            model(&args, dir)
+        }
         _ => bail!("give --raw FILE or --model DIR"),
     }
 }

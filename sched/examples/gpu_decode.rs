@@ -11,7 +11,8 @@
 //! ```text
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
 //!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
-//!     [--devices 0,1] [--ring-slots 8] [--ahead N]
+//!     [--devices 0,1] [--ring-slots 8] [--ahead N] \
+//!     [--prompt 16] [--exact-quant]
 //! ```
 //!
 //! With several devices the layers are split between them; the HBM figure
@@ -101,6 +102,7 @@ fn bandwidths() -> Result<(f64, f64), Box<dyn std::error::Error>> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    colibri_model::kernels::set_exact_quant(args.iter().any(|a| a == "--exact-quant"));
     let dir = PathBuf::from(args.get(1).ok_or("usage: gpu_decode MODEL_DIR [options]")?);
     let vram_budget = size_arg(&args, "--vram-budget");
     let devices: Vec<usize> = match arg::<String>(&args, "--devices") {
@@ -205,7 +207,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let active = dense + (moe_layers * top_k) as u64 * expert_bytes;
 
     let vocab = spec.vocab_size as u32;
-    let prompt: Vec<u32> = (1..=16u32).map(|t| t % vocab.max(1)).collect();
+    let prompt_len = arg::<u32>(&args, "--prompt").unwrap_or(16).max(1);
+    let prompt: Vec<u32> = (1..=prompt_len).map(|t| t % vocab.max(1)).collect();
     let mut seq = Sequence::new(
         &engine.model,
         GenRequest {
@@ -221,10 +224,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None,
     )?;
     let mut count = 0usize;
+    let began = Instant::now();
+    let mut prefill_s = 0.0f64;
     let mut start: Option<(Instant, colibri_sched::gpu::GpuStats)> = None;
     let mut end: Option<(Instant, colibri_sched::gpu::GpuStats)> = None;
     engine.generate(&mut seq, |_| {
         count += 1;
+        if count == 1 {
+            // The prompt's pass and the first token's sampling.
+            prefill_s = began.elapsed().as_secs_f64();
+        }
         if count == warmup + 1 {
             gpu.reset_profile();
             start = Some((Instant::now(), gpu.stats()));
@@ -257,6 +266,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         moe_layers,
         top_k,
         ByteSize(expert_bytes)
+    );
+    println!(
+        "prefill               {prompt_len} tokens in {prefill_s:.3} s ({:.0} tok/s)",
+        prompt_len as f64 / prefill_s
     );
     println!("decode                {tok_s:.1} tok/s over {tokens} tokens ({secs:.3} s)");
     println!(
@@ -327,6 +340,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "ram_budget": ram_budget,
             "tokens": tokens,
             "decode_tok_s": tok_s,
+            "prompt_tokens": prompt_len,
+            "prefill_s": prefill_s,
             "bytes_per_token": active,
             "d2d_copy_gb_s": d2d,
             "hbm_roofline_tok_s": roofline,
