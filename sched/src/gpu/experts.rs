@@ -574,16 +574,19 @@ impl ExpertTier {
         })
     }
 
-    /// Experts of the next MoE layer copied ahead per layer at most.
-    pub fn ahead_max(&self) -> usize {
-        self.ahead_max
+    /// Whether experts of MoE layer `layer` can be copied ahead (copies
+    /// ahead are on and its size class has cache slots): otherwise the
+    /// guess is not worth its router product.
+    pub fn can_stage_ahead(&self, layer: usize) -> bool {
+        self.ahead_max > 0
+            && matches!(self.classes.layer_class.get(layer), Some(Some(c)) if self.cache.slots(*c) > 0)
     }
 
     /// Copies the first of `guesses` (experts of MoE layer `layer`, most
     /// likely first) that are neither in VRAM nor on their way there but
     /// are in pinned RAM now ([`ExpertSource::peek`]) into cache slots, on
     /// the copy stream behind every copy issued so far, at most
-    /// [`Self::ahead_max`] of them. Called once a layer's own copies are
+    /// `ahead_max` of them. Called once a layer's own copies are
     /// issued, so the bus carries the next layer's likely experts while
     /// this layer computes and the next one's attention runs, instead of
     /// idling until its routing is known. The layer then finds them as
@@ -604,7 +607,7 @@ impl ExpertTier {
         ) else {
             return Ok(());
         };
-        if self.ahead_max == 0 || self.cache.slots(class) == 0 {
+        if !self.can_stage_ahead(layer) {
             return Ok(());
         }
         let sb = self.classes.slot_bytes[class];

@@ -383,8 +383,6 @@ pub(crate) fn next_tier_id() -> u64 {
     NEXT_TIER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Which share of the model a [`State`] runs: stage `index` of `count`,
-/// layers `layers` (the last stage also runs the head).
 /// The experts chosen by `rows` (routings over `experts` experts), those
 /// chosen by more rows first, then by their best rank in a row's choice.
 fn likely_first(rows: &[Routing], experts: usize) -> Vec<usize> {
@@ -402,6 +400,8 @@ fn likely_first(rows: &[Routing], experts: usize) -> Vec<usize> {
     ids
 }
 
+/// Which share of the model a [`State`] runs: stage `index` of `count`,
+/// layers `layers` (the last stage also runs the head).
 #[derive(Clone, Debug)]
 pub(crate) struct StageOf {
     pub tier: u64,
@@ -1237,7 +1237,7 @@ impl State {
                 // computes (read back with this layer's logits).
                 let nl = n * ne;
                 let ahead = match self.next_moe(l) {
-                    Some((l2, r2)) if self.experts.ahead_max() > 0 => {
+                    Some((l2, r2)) if self.experts.can_stage_ahead(l2) => {
                         match self.dense.vram_view(l2) {
                             Some(base) => {
                                 let w = r2.view(base)?;
@@ -1354,5 +1354,29 @@ impl State {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routed(experts: &[usize]) -> Routing {
+        Routing {
+            experts: experts.to_vec(),
+            weights: vec![1.0 / experts.len() as f32; experts.len()],
+        }
+    }
+
+    #[test]
+    fn likely_first_orders_by_rows_then_rank() {
+        // One row: its choices in their order.
+        assert_eq!(likely_first(&[routed(&[5, 2, 7])], 8), vec![5, 2, 7]);
+        // Chosen by two rows first; ties by the best rank, then the id.
+        let rows = [routed(&[3, 1, 6]), routed(&[6, 0, 3]), routed(&[4, 2, 7])];
+        assert_eq!(likely_first(&rows, 8), vec![3, 6, 4, 0, 1, 2, 7]);
+        // Out-of-range ids are ignored, not a panic.
+        assert_eq!(likely_first(&[routed(&[9, 1])], 4), vec![1]);
+        assert!(likely_first(&[], 4).is_empty());
     }
 }
