@@ -61,7 +61,7 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut b = bytes(fmt.row_bytes(cols).unwrap_or(0) * rows, seed);
     let scale = 0x2000u16.to_le_bytes(); // f16 ≈ 0.0078
     match fmt {
-        WeightFormat::Q8_0 => b
+        WeightFormat::Q8_0 | WeightFormat::Q8_0Q8 => b
             .chunks_exact_mut(34)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
         WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => b
@@ -115,6 +115,7 @@ fn main() -> colibri_cuda::Result<()> {
             WeightFormat::Q4_0,
             WeightFormat::Q4_0Q8,
             WeightFormat::Q8_0,
+            WeightFormat::Q8_0Q8,
             WeightFormat::Bf16,
             WeightFormat::F8E4M3,
         ] {

@@ -28,6 +28,8 @@ typedef unsigned long long u64;
 // Q4_0 weights, each product's input quantized to 8-bit blocks (the CPU
 // tier's default arithmetic; matvec.cu).
 #define FMT_Q4_0_Q8 6
+// Q8_0 weights, likewise.
+#define FMT_Q8_0_Q8 7
 
 // Programmatic dependent launch (sm_90 and later; nothing before). The
 // host launches every kernel with programmatic stream serialization

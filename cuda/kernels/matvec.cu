@@ -21,9 +21,9 @@
 // (alignment only picks wider loads, never another order), nor on how many
 // matrices are in the group.
 //
-// FMT_Q4_0_Q8 is the other arithmetic: the CPU tier's 8-bit activations
-// and integer block sums (matvec_core_q8 below), with the same
-// independence from the batch, the placement and the launch shape.
+// FMT_Q4_0_Q8 and FMT_Q8_0_Q8 are the other arithmetic: the CPU tier's
+// 8-bit activations and integer block sums (matvec_core_q8 below), with
+// the same independence from the batch, the placement and the launch shape.
 //
 // Launch: block = MV_THREADS (8 warps), each warp owns R consecutive rows
 // (MV_PLAIN_ROWS_PER_WARP, MV_TABLE_ROWS_PER_WARP, MV_GLU_ROWS_PER_WARP);
@@ -48,7 +48,8 @@
 // lane l meets its groups in increasing order. (The f32/f16/bf16 groups
 // load as they are used; two of them per lane made ptxas spill.)
 #define MV_TILE_FOR(FMT, NT) \
-    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
+    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
+                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -440,23 +441,29 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
 }
 
 // ---------------------------------------------------------------------------
-// Q4_0 with 8-bit activations (FMT_Q4_0_Q8): the CPU tier's default
-// arithmetic (model/src/kernels/q4_0.rs, `dot_q4_0_q8`), bit for bit.
+// Q4_0 and Q8_0 with 8-bit activations (FMT_Q4_0_Q8, FMT_Q8_0_Q8): the CPU
+// tier's default arithmetic (model/src/kernels/q4_0.rs `dot_q4_0_q8`,
+// q8act.rs `dot_q8_0_q8`), bit for bit.
 //
 //   * Each token's input is quantized per block of 32 as
 //     `Q8Activation::quantize` does: d = amax / 127, q = round(x · (1/d))
 //     (half away from zero, clamped to ±127; 1/d = 0 for an all-zero block).
-//   * Block b of a row gives the exact integer s_b = Σ (code − 8) · q (DP4A
-//     on the nibbles, minus 8 · Σ q) and the scale d_b = f16(w.d_b) · x.d_b
-//     (one f32 rounding).
-//   * d_b · s_b is added by one fused multiply-add into accumulator b mod 4,
-//     blocks in increasing order; the result is (a0 + a2) + (a1 + a3).
+//   * Block b of a row gives the scale d_b = f16(w.d_b) · x.d_b (one f32
+//     rounding) and K exact integer sums s_{b,k} (DP4A): Q4_0 one,
+//     Σ (code − 8) · q; Q8_0 eight, Σ w · q over elements 4k .. 4k + 3 (the
+//     AVX2 kernel's eight i32 lanes).
+//   * d_b · s_{b,k} is added by one fused multiply-add into accumulator
+//     (b mod A, k), blocks in increasing order: Q4_0 has A = 4, and its
+//     result is (a0 + a2) + (a1 + a3); Q8_0 has A = 2, and its result is
+//     hsum8 of the eight lanes acc[0][k] + acc[1][k].
 //
-// The lanes form (d_b, s_b) for their groups in parallel as the float path
-// does; the four accumulator chains then run in lanes 4t + k (token t,
-// chain k) over the round's 32 groups, read back through shared memory.
-// So the bits depend on `cols` alone, as the float path's do: not on the
-// batch, the placement or the launch shape.
+// The lanes form (d_b, s_{b,k}) for their groups in parallel as the float
+// path does; the C = A·K accumulator chains of a token then run in lanes
+// C·j + K·a + k (j: the token within a pass of 32 / C tokens) over the
+// round's 32 groups, read back through shared memory; a butterfly over
+// the C lanes gives the CPU's final sums (chain_sum). So the bits depend on
+// `cols` alone, as the float path's do: not on the batch, the placement or
+// the launch shape.
 
 // Σ of the four signed byte products of a and b, plus c (exact).
 __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
@@ -549,41 +556,127 @@ __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __res
     }
 }
 
-// matvec_core for FMT_Q4_0_Q8 (same contract; no FP8 scales).
-template <int NT, int R, bool EARLY, bool GLU>
+// How the integer path meets one storage format: constructed from a
+// lane's weight group (once per round, shared by the tokens), `sums`
+// gives block b's K integer sums with token t's quants.
+template <int FMT> struct Q8Dot;
+
+// Q4_0: one sum per block, accumulators by b mod 4 (`dot_q4_0_q8`).
+template <> struct Q8Dot<FMT_Q4_0_Q8> {
+    static constexpr int WFMT = FMT_Q4_0, A = 4, K = 1;
+    u32 lo[4], hi[4];  // the low and high nibbles, one per byte
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q4_0>& g) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo[i] = g.q[i] & 0x0f0f0f0fu;
+            hi[i] = (g.q[i] >> 4) & 0x0f0f0f0fu;
+        }
+    }
+    // Σ (code − 8) · q: DP4A on the codes, minus 8 · Σ q.
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+        int v = dp4a_s8(lo[0], xl.x, 0);
+        v = dp4a_s8(lo[1], xl.y, v);
+        v = dp4a_s8(lo[2], xl.z, v);
+        v = dp4a_s8(lo[3], xl.w, v);
+        v = dp4a_s8(hi[0], xh.x, v);
+        v = dp4a_s8(hi[1], xh.y, v);
+        v = dp4a_s8(hi[2], xh.z, v);
+        v = dp4a_s8(hi[3], xh.w, v);
+        s[0] = v - xs.z[t][b];
+    }
+};
+
+// Q8_0: eight sums of four elements per block, accumulators by b mod 2
+// (`dot_q8_0_q8`). Word i of the weights holds elements 4i .. 4i + 3, as
+// does word i of the tile's `lo` (i < 4) or `hi` (i ≥ 4).
+template <> struct Q8Dot<FMT_Q8_0_Q8> {
+    static constexpr int WFMT = FMT_Q8_0, A = 2, K = 8;
+    u32 q[8];
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q8_0>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i];
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+        s[0] = dp4a_s8(q[0], xl.x, 0);
+        s[1] = dp4a_s8(q[1], xl.y, 0);
+        s[2] = dp4a_s8(q[2], xl.z, 0);
+        s[3] = dp4a_s8(q[3], xl.w, 0);
+        s[4] = dp4a_s8(q[4], xh.x, 0);
+        s[5] = dp4a_s8(q[5], xh.y, 0);
+        s[6] = dp4a_s8(q[6], xh.z, 0);
+        s[7] = dp4a_s8(q[7], xh.w, 0);
+    }
+};
+
+// The final sum of C accumulator chains held by C consecutive lanes (C a
+// power of two; lane K·a + k holds chain (a, k)), in the CPU's order in the
+// first lane: Q4_0 (C = 4): (a0 + a2) + (a1 + a3); Q8_0 (C = 16): acc[0][k]
+// + acc[1][k] for each k, then hsum8's ((0 + 4) + (2 + 6)) + ((1 + 5) +
+// (3 + 7)). The other lanes get the same sums with each addition's operands
+// swapped: the same bits.
+template <int C>
+__device__ __forceinline__ float chain_sum(float v) {
+#pragma unroll
+    for (int o = C / 2; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// matvec_core for FMT_Q4_0_Q8 and FMT_Q8_0_Q8 (same contract; no FP8
+// scales).
+template <int FMT, int NT, int R, bool EARLY, bool GLU>
 __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0,
                                                const u8* __restrict__ w1,
                                                const float* __restrict__ xm, u32 x_tstride,
                                                const u32* __restrict__ xrows,
                                                float* __restrict__ ym, u32 y_tstride, u32 rows,
                                                u32 cols, u32 nt) {
+    using Dot = Q8Dot<FMT>;
+    constexpr int WFMT = Dot::WFMT, A = Dot::A, K = Dot::K;
+    constexpr int C = A * K;                   // chains per token
+    constexpr int L = 32 / A;                  // a chain's groups per round
+    constexpr int TP = NT < 32 / C ? NT : 32 / C;  // tokens per pass
+    constexpr int P = NT / TP;                 // passes
+    static_assert(NT % TP == 0, "whole passes");
     constexpr int M = GLU ? 2 : 1;
-    constexpr u32 TILE = MV_TILE_FOR(FMT_Q4_0_Q8, NT);
+    constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
     constexpr int J = TILE / 1024;
     __shared__ __align__(16) Q8Tile<NT, TILE> xs;
-    // Per warp and token, one round's (d_b, s_b) with group l at
-    // (l mod 4) · 8 + l / 4: chain k's 8 values side by side.
-    __shared__ __align__(16) float cd[MV_WARPS][NT][32];
-    __shared__ __align__(16) float cs[MV_WARPS][NT][32];
+    // Per warp and token of a pass, one round's d_b and s_{b,k}, group l at
+    // (l mod A) · L + l / A: each chain's L values side by side (and the
+    // lanes' stores in distinct banks).
+    __shared__ __align__(16) float cd[MV_WARPS][TP][32];
+    __shared__ __align__(16) float cs[MV_WARPS][TP][K * 32];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 row0 = bx * (MV_WARPS * R) + warp * R;
-    const u64 rb = row_bytes<FMT_Q4_0>(cols);
+    const u64 rb = row_bytes<WFMT>(cols);
     const u32 ngroups = cols / 32;
     const u8* const w[2] = {w0, w1};  // only the first M are used
     const float* const s[2] = {nullptr, nullptr};
-    const u32 slot = (lane & 3) * 8 + (lane >> 2);
+    const u32 slot = (lane % A) * L + lane / A;
+    // This lane's chain in the FMA phase: token j of the pass, (a, k).
+    const u32 cj = lane / C, ca = (lane % C) / K, ck = lane % K;
 
-    // Lane 4t + k (t < NT) keeps accumulator k of token t for each
-    // (matrix, row); the other lanes' values are never read.
-    float acc[M][R];
+    // Lane C·j + K·a + k (j < TP) keeps chain (a, k) of token p·TP + j in
+    // acc[m][r][p]; the other lanes' values are never written out.
+    float acc[M][R][P];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int p = 0; p < P; ++p) acc[m][r][p] = 0.0f;
 
-    Group<FMT_Q4_0> grp[M][J][R];
+    Group<WFMT> grp[M][J][R];
     if (EARLY) {
-        mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
+        mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
         pdl_entry();
     }
 
@@ -593,11 +686,11 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
         // so their latency overlaps the quantization (as EARLY does for
         // the first tile of a plain launch).
         if (NT == 1 && (!EARLY || c0 != 0))
-            mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+            mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
         q8_stage<NT, TILE>(xs, xm, x_tstride, xrows, nt, c0, cols);
         __syncthreads();
         if (NT != 1 && (!EARLY || c0 != 0))
-            mv_load_tile<FMT_Q4_0, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+            mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
             const u32 b = jj * 32 + lane;       // this lane's group in the tile
@@ -606,46 +699,44 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
             for (int m = 0; m < M; ++m) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const Group<FMT_Q4_0>& G = grp[m][jj][r];
-                    u32 lo[4], hi[4];
+                    const Group<WFMT>& G = grp[m][jj][r];
+                    const Dot dot(G);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        lo[i] = G.q[i] & 0x0f0f0f0fu;
-                        hi[i] = (G.q[i] >> 4) & 0x0f0f0f0fu;
-                    }
-                    // (Four tokens at a time: all eight of a table launch's
-                    // made ptxas spill.)
+                    for (int p = 0; p < P; ++p) {
+                        // (Four tokens at a time: all eight of a Q4_0
+                        // table launch's made ptxas spill.)
 #pragma unroll 4
-                    for (int t = 0; t < NT; ++t) {
-                        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
-                        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
-                        int sum = dp4a_s8(lo[0], xl.x, 0);
-                        sum = dp4a_s8(lo[1], xl.y, sum);
-                        sum = dp4a_s8(lo[2], xl.z, sum);
-                        sum = dp4a_s8(lo[3], xl.w, sum);
-                        sum = dp4a_s8(hi[0], xh.x, sum);
-                        sum = dp4a_s8(hi[1], xh.y, sum);
-                        sum = dp4a_s8(hi[2], xh.z, sum);
-                        sum = dp4a_s8(hi[3], xh.w, sum);
-                        cd[warp][t][slot] = __fmul_rn(G.d, xs.d[t][b]);
-                        cs[warp][t][slot] = (float)(sum - xs.z[t][b]);
-                    }
-                    __syncwarp();
-                    if (lane < 4 * NT) {
-                        const u32 t = lane >> 2, k = lane & 3;
-                        const float4 d0 = *(const float4*)&cd[warp][t][k * 8];
-                        const float4 d1 = *(const float4*)&cd[warp][t][k * 8 + 4];
-                        const float4 s0 = *(const float4*)&cs[warp][t][k * 8];
-                        const float4 s1 = *(const float4*)&cs[warp][t][k * 8 + 4];
-                        const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
-                        const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-                        float a = acc[m][r];
+                        for (int j = 0; j < TP; ++j) {
+                            const u32 t = p * TP + j;
+                            int si[K];
+                            dot.sums(xs, t, b, si);
+                            cd[warp][j][slot] = __fmul_rn(G.d, xs.d[t][b]);
 #pragma unroll
-                        for (int i = 0; i < 8; ++i)
-                            if (g0 + 4 * i + k < ngroups) a = fmaf(dv[i], sv[i], a);
-                        acc[m][r] = a;
+                            for (int k = 0; k < K; ++k) cs[warp][j][k * 32 + slot] = (float)si[k];
+                        }
+                        __syncwarp();
+                        if (lane < C * TP) {
+                            const float* dp = &cd[warp][cj][ca * L];
+                            const float* sp = &cs[warp][cj][ck * 32 + ca * L];
+                            float a = acc[m][r][p];
+                            // Group g0 + A·i + ca is in the row. (Tested
+                            // as A·i < n, a constant per FMA: the sum in
+                            // every test made ptxas spill on sm_90.)
+                            const int n = (int)ngroups - (int)(g0 + ca);
+#pragma unroll
+                            for (int i = 0; i < L; i += 4) {
+                                const float4 d4 = *(const float4*)(dp + i);
+                                const float4 s4 = *(const float4*)(sp + i);
+                                const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
+                                const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    if (A * (i + e) < n) a = fmaf(dv[e], sv[e], a);
+                            }
+                            acc[m][r][p] = a;
+                        }
+                        __syncwarp();
                     }
-                    __syncwarp();
                 }
             }
         }
@@ -654,19 +745,13 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
+        for (int p = 0; p < P; ++p) {
             float v[M];
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float a0 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 0);
-                const float a1 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 1);
-                const float a2 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 2);
-                const float a3 = __shfl_sync(FULL_MASK, acc[m][r], 4 * t + 3);
-                v[m] = __fadd_rn(__fadd_rn(a0, a2), __fadd_rn(a1, a3));
-            }
+            for (int m = 0; m < M; ++m) v[m] = chain_sum<C>(acc[m][r][p]);
             const float out = GLU ? __fmul_rn(silu_f32(v[0]), v[M - 1]) : v[0];
-            const u32 row = row0 + r;
-            if (lane == (u32)((r * NT + t) & 31) && row < rows && (u32)t < nt)
+            const u32 row = row0 + r, t = p * TP + cj;
+            if (lane % C == 0 && lane < C * TP && row < rows && t < nt)
                 ym[(u64)t * y_tstride + row] = out;
         }
     }
@@ -683,9 +768,9 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             const u32* __restrict__ xrows,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt) {
-    if constexpr (FMT == FMT_Q4_0_Q8) {
-        matvec_core_q8<NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride, rows,
-                                          cols, nt);
+    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8) {
+        matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
+                                               rows, cols, nt);
     } else {
         matvec_core_f<FMT, NT, R, EARLY, GLU>(bx, w0, s0, w1, s1, s_block, s_cols, xm, x_tstride,
                                               xrows, ym, y_tstride, rows, cols, nt);
@@ -758,8 +843,10 @@ __device__ __forceinline__ void matvec_seg_body(
 // larger batch runs the gate and up launches and `swiglu`).
 // (FMT_Q4_0_Q8 keeps 2 for one token: its expert matrices' short rows — a
 // down projection's 24 groups — left a warp too little to load; ncu on the
-// H200: 11.7 → 11.0 µs for a layer's 8 down projections.)
-#define MV_TABLE_ROWS_PER_WARP(FMT, NT) ((NT) == 1 && (FMT) != FMT_F32 && (FMT) != FMT_Q4_0_Q8 ? 1 : 2)
+// H200: 11.7 → 11.0 µs for a layer's 8 down projections. FMT_Q8_0_Q8 does
+// the same, by analogy: not measured.)
+#define MV_TABLE_ROWS_PER_WARP(FMT, NT) \
+    ((NT) == 1 && (FMT) != FMT_F32 && (FMT) != FMT_Q4_0_Q8 && (FMT) != FMT_Q8_0_Q8 ? 1 : 2)
 #define MV_GLU_ROWS_PER_WARP 1
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
@@ -856,3 +943,4 @@ MATVEC_FORMAT(matvec_f8e4m3, FMT_F8E4M3)
 MATVEC_FORMAT(matvec_q8_0, FMT_Q8_0)
 MATVEC_FORMAT(matvec_q4_0, FMT_Q4_0)
 MATVEC_FORMAT(matvec_q4_0q8, FMT_Q4_0_Q8)
+MATVEC_FORMAT(matvec_q8_0q8, FMT_Q8_0_Q8)

@@ -15,11 +15,11 @@ use crate::kernels::KernelSet;
 use crate::ops::{Args, WeightFormat, grid, need, nonzero, span, u32_arg};
 
 /// Rows a block of the table kernel owns: 8 warps of 1 row for one token
-/// (2 for f32 and Q4_0Q8), of 2 for more (MV_TABLE_ROWS_PER_WARP in
+/// (2 for f32, Q4_0Q8 and Q8_0Q8), of 2 for more (MV_TABLE_ROWS_PER_WARP in
 /// kernels/matvec.cu).
 fn table_rows_per_block(format: WeightFormat, nt: usize) -> usize {
     8 * match (nt, format) {
-        (1, WeightFormat::F32 | WeightFormat::Q4_0Q8) => 2,
+        (1, WeightFormat::F32 | WeightFormat::Q4_0Q8 | WeightFormat::Q8_0Q8) => 2,
         (1, _) => 1,
         _ => 2,
     }
@@ -63,7 +63,7 @@ pub struct MatvecTable<'a> {
 }
 
 fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 7] = [
+    const NAMES: [[&str; 4]; 8] = [
         [
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
@@ -106,8 +106,14 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
             "matvec_q4_0q8_table_t4",
             "matvec_q4_0q8_table_t8",
         ],
+        [
+            "matvec_q8_0q8_table_t1",
+            "matvec_q8_0q8_table_t2",
+            "matvec_q8_0q8_table_t4",
+            "matvec_q8_0q8_table_t8",
+        ],
     ];
-    const GLU_NAMES: [[&str; 2]; 7] = [
+    const GLU_NAMES: [[&str; 2]; 8] = [
         ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
         ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
         ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
@@ -115,6 +121,7 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
         ["matvec_q8_0_table_glu_t1", "matvec_q8_0_table_glu_t2"],
         ["matvec_q4_0_table_glu_t1", "matvec_q4_0_table_glu_t2"],
         ["matvec_q4_0q8_table_glu_t1", "matvec_q4_0q8_table_glu_t2"],
+        ["matvec_q8_0q8_table_glu_t1", "matvec_q8_0q8_table_glu_t2"],
     ];
     let i = match nt {
         1 => 0,

@@ -33,6 +33,9 @@ pub enum WeightFormat {
     /// sum integers: the CPU tier's default arithmetic (`dot_q4_0_q8` of
     /// colibri-model), bit for bit; `Q4_0` is the exact dequantized product.
     Q4_0Q8,
+    /// Q8_0 storage with the CPU tier's default arithmetic (`dot_q8_0_q8`
+    /// of colibri-model), as `Q4_0Q8` is for Q4_0.
+    Q8_0Q8,
 }
 
 impl WeightFormat {
@@ -43,10 +46,23 @@ impl WeightFormat {
             WeightFormat::F32 => cols.checked_mul(4),
             WeightFormat::F16 | WeightFormat::Bf16 => cols.checked_mul(2),
             WeightFormat::F8E4M3 => Some(cols),
-            WeightFormat::Q8_0 => cols.is_multiple_of(32).then(|| cols / 32 * 34),
+            WeightFormat::Q8_0 | WeightFormat::Q8_0Q8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 34)
+            }
             WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
                 cols.is_multiple_of(32).then(|| cols / 32 * 18)
             }
+        }
+    }
+
+    /// The format of the same bytes whose products are the exact
+    /// dequantized ones (kernels that read single elements, as
+    /// `mla_absorb`, know only those).
+    fn storage(self) -> WeightFormat {
+        match self {
+            WeightFormat::Q4_0Q8 => WeightFormat::Q4_0,
+            WeightFormat::Q8_0Q8 => WeightFormat::Q8_0,
+            f => f,
         }
     }
 
@@ -60,6 +76,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => 4,
             WeightFormat::Q4_0 => 5,
             WeightFormat::Q4_0Q8 => 6,
+            WeightFormat::Q8_0Q8 => 7,
         }
     }
 
@@ -116,6 +133,12 @@ impl WeightFormat {
                 "matvec_q4_0q8_t4",
                 "matvec_q4_0q8_t8",
             ],
+            WeightFormat::Q8_0Q8 => [
+                "matvec_q8_0q8_t1",
+                "matvec_q8_0q8_t2",
+                "matvec_q8_0q8_t4",
+                "matvec_q8_0q8_t8",
+            ],
         }
     }
 }
@@ -131,6 +154,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "matvec_q8_0_seg_t1",
             WeightFormat::Q4_0 => "matvec_q4_0_seg_t1",
             WeightFormat::Q4_0Q8 => "matvec_q4_0q8_seg_t1",
+            WeightFormat::Q8_0Q8 => "matvec_q8_0q8_seg_t1",
         }
     }
 }
@@ -1435,7 +1459,7 @@ impl KernelSet {
         }
         let mut a = Args::new();
         a.ptr(kv_b.data.device_ptr())
-            .u32(kv_b.format.code())
+            .u32(kv_b.format.storage().code())
             .u32(u32_arg(K, "kv_lora_rank", r)?)
             .ptr(sp)
             .u32(u32_arg(K, "fp8 block", sb)?)
@@ -1594,6 +1618,8 @@ mod tests {
         assert_eq!(WeightFormat::Bf16.row_bytes(7), Some(14));
         assert_eq!(WeightFormat::F8E4M3.row_bytes(7), Some(7));
         assert_eq!(WeightFormat::Q8_0.row_bytes(64), Some(68));
+        assert_eq!(WeightFormat::Q8_0Q8.row_bytes(64), Some(68));
+        assert_eq!(WeightFormat::Q8_0Q8.row_bytes(48), None);
         assert_eq!(WeightFormat::Q4_0.row_bytes(64), Some(36));
         assert_eq!(WeightFormat::Q4_0.row_bytes(48), None);
         assert_eq!(WeightFormat::F32.row_bytes(usize::MAX), None);

@@ -58,6 +58,9 @@ fn run(
     g.dev.download(y.as_view()).unwrap()
 }
 
+/// A CPU reference of the 8-bit-activation formats: one row · one token.
+type IntDot = fn(&[u8], &Q8Ref) -> f32;
+
 fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
     let mut rng = rng(seed);
     let w = random_weights(&mut rng, fmt, rows, cols);
@@ -75,18 +78,23 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
             (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>())
         })
         .unzip();
-    if fmt == WeightFormat::Q4_0Q8 {
+    let int_dot: Option<(IntDot, &str)> = match fmt {
+        WeightFormat::Q4_0Q8 => Some((dot_q4_0_q8_ref, "dot_q4_0_q8")),
+        WeightFormat::Q8_0Q8 => Some((dot_q8_0_q8_ref, "dot_q8_0_q8")),
+        _ => None,
+    };
+    if let Some((dot, dot_name)) = int_dot {
         // The CPU tier's integer arithmetic, bit for bit; and near the exact
         // product: each input element moves by at most half its block's
         // step d, so |y − exact| ≤ Σ |wᵢ| · dᵢ / 2 (plus f32 rounding).
-        let rb = cols / 32 * 18;
+        let rb = fmt.row_bytes(cols).unwrap();
         let qs: Vec<Q8Ref> = (0..max_tok)
             .map(|t| quantize_q8_ref(&x[t * cols..(t + 1) * cols]))
             .collect();
         let reference: Vec<f32> = (0..max_tok * rows)
-            .map(|i| dot_q4_0_q8_ref(&w.bytes[(i % rows) * rb..][..rb], &qs[i / rows]))
+            .map(|i| dot(&w.bytes[(i % rows) * rb..][..rb], &qs[i / rows]))
             .collect();
-        assert_bits(&format!("{name} vs dot_q4_0_q8"), &all, &reference);
+        assert_bits(&format!("{name} vs {dot_name}"), &all, &reference);
         let step: Vec<f64> = (0..max_tok * rows)
             .map(|i| {
                 let (t, r) = (i / rows, i % rows);
@@ -134,7 +142,7 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
         let moved = run(fmt, &w, rows, cols, &x, max_tok, s);
         assert_bits(&format!("{name}: placed {s} bytes further"), &moved, &all);
     }
-    if fmt != WeightFormat::F32 && fmt != WeightFormat::Q4_0Q8 {
+    if int_dot.is_none() && fmt != WeightFormat::F32 {
         let twin = Weights {
             bytes: w.f32.iter().flat_map(|v| v.to_le_bytes()).collect(),
             f32: w.f32.clone(),
@@ -207,6 +215,19 @@ fn matvec_q4_0_q8_activations() {
     check(WeightFormat::Q4_0Q8, 7, 96, 55);
     check(WeightFormat::Q4_0Q8, 45, 2080, 56);
     check(WeightFormat::Q4_0Q8, 130, 2368, 57);
+}
+
+/// Q8_0 with 8-bit activations: the CPU's `dot_q8_0_q8` bits, for rows of
+/// 3, 37, 65, 74 and 129 blocks (even and odd chains of unequal lengths,
+/// partial rounds and tiles).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q8_0_q8_activations() {
+    check(WeightFormat::Q8_0Q8, 301, 1184, 58);
+    check(WeightFormat::Q8_0Q8, 7, 96, 59);
+    check(WeightFormat::Q8_0Q8, 45, 2080, 60);
+    check(WeightFormat::Q8_0Q8, 130, 2368, 62);
+    check(WeightFormat::Q8_0Q8, 33, 4128, 63);
 }
 
 /// Three q4_0 matrices at an odd stride, each with its own 3 tokens, in one

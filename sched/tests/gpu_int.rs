@@ -1,21 +1,22 @@
-//! The GPU tier with the CPU tier's default arithmetic for Q4_0: products
-//! quantize their input to 8-bit blocks and sum integers (no
+//! The GPU tier with the CPU tier's default arithmetic for Q4_0 and Q8_0:
+//! products quantize their input to 8-bit blocks and sum integers (no
 //! `--exact-quant`). The exact path is sched/tests/gpu.rs's.
 //!
 //! With a GPU (`cargo test -p colibri-sched --test gpu_int -- --ignored
 //! --test-threads=1`, `COLIBRI_NVRTC_DIR` pointing at libnvrtc.so.13):
 //!
-//! * a Q4_0 product on the GPU has the bits of the CPU's own
-//!   `dot_q4_0_q8` (the dispatched SIMD kernel and the scalar reference),
-//!   for one token and for a batch;
-//! * on the Q4_0 GGUF fixtures, greedy continuations equal the CPU tier's
-//!   and per-position NLL is within [`NLL_REL_TOL`] of it;
+//! * a Q4_0 or Q8_0 product on the GPU has the bits of the CPU's own
+//!   `dot_q4_0_q8` / `dot_q8_0_q8` (the dispatched SIMD kernel and the
+//!   scalar reference), for one token and for a batch;
+//! * on the Q4_0 and Q8_0 GGUF fixtures, greedy continuations equal the CPU
+//!   tier's and per-position NLL is within [`NLL_REL_TOL`] of it;
 //! * logits are bit-identical across VRAM budgets and pass sizes.
 
 use colibri_cuda::{WeightFormat as DevFormat, WeightView};
 use colibri_model::kernels::Q8Activation;
 use colibri_sched::gpu::DeviceChoice;
 use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 mod gpu_common;
 use gpu_common::*;
@@ -31,44 +32,46 @@ fn q4_0_models() -> Vec<std::path::PathBuf> {
     ]
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
-fn q4_0_products_have_the_cpu_kernel_bits() {
-    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
-    let (dev, k) = colibri_sched::gpu::open_device(0).unwrap();
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x0d4a);
-    // 97 rows of 67 blocks (chains of 17 and 16), 6 tokens.
-    let (rows, cols, ntok) = (97usize, 2144usize, 6usize);
-    let rb = cols / 32 * 18;
-    let mut w = Vec::with_capacity(rows * rb);
-    for _ in 0..rows * cols / 32 {
-        // f16 scales between 2^-9 and 0.047 (exponent fields 6..10).
-        let d: u16 = rng.random_range(0x1800..0x2a00);
-        w.extend_from_slice(&d.to_le_bytes());
-        w.extend((0..16).map(|_| rng.random::<u8>()));
-    }
-    let x: Vec<f32> = (0..ntok * cols)
+fn q8_0_models() -> Vec<std::path::PathBuf> {
+    let f = fixtures().join("gguf");
+    vec![f.join("qwen3_moe.q8_0.gguf"), f.join("mixtral.q8_0.gguf")]
+}
+
+/// `ntok` random tokens of `cols` inputs, ±[0.01, 2).
+fn random_tokens(rng: &mut ChaCha8Rng, ntok: usize, cols: usize) -> Vec<f32> {
+    (0..ntok * cols)
         .map(|_| {
             let v: f32 = rng.random_range(0.01..2.0);
             if rng.random() { v } else { -v }
         })
-        .collect();
-    let cpu = colibri_model::kernels::kernels();
+        .collect()
+}
+
+/// The `rows × cols` matrix `w` (rows of `rb` bytes) in `format` on the
+/// GPU, for all tokens of `x` at once and for the first alone, against
+/// `cpu(row, activation)` bit for bit.
+fn assert_cpu_bits(
+    format: DevFormat,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    cpu: impl Fn(&[u8], &Q8Activation) -> f32,
+) {
+    let (dev, k) = colibri_sched::gpu::open_device(0).unwrap();
+    let rb = format.row_bytes(cols).unwrap();
+    let ntok = x.len() / cols;
     let want: Vec<u32> = (0..ntok * rows)
         .map(|i| {
             let (t, r) = (i / rows, i % rows);
             let a = Q8Activation::quantize(&x[t * cols..(t + 1) * cols]);
-            let row = &w[r * rb..(r + 1) * rb];
-            let simd = (cpu.dot_q4_0_q8)(row, &a);
-            let scalar = colibri_model::kernels::q4_0::dot_q4_0_q8(row, &a);
-            assert_eq!(simd.to_bits(), scalar.to_bits(), "CPU kernels disagree");
-            simd.to_bits()
+            cpu(&w[r * rb..(r + 1) * rb], &a).to_bits()
         })
         .collect();
-    let wb = dev.upload(&w).unwrap();
-    let xb = dev.upload(&x).unwrap();
+    let wb = dev.upload(w).unwrap();
+    let xb = dev.upload(x).unwrap();
     let view = WeightView {
-        format: DevFormat::Q4_0Q8,
+        format,
         rows,
         cols,
         data: wb.as_view(),
@@ -83,14 +86,65 @@ fn q4_0_products_have_the_cpu_kernel_bits() {
             .iter()
             .map(|v| v.to_bits())
             .collect();
-        assert_eq!(got, want[..n * rows], "{n} tokens: GPU vs dot_q4_0_q8");
+        assert_eq!(got, want[..n * rows], "{format:?}, {n} tokens: GPU vs CPU");
     }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
-fn q4_0_models_match_the_cpu_tier_and_themselves() {
-    for model in q4_0_models() {
+fn q4_0_products_have_the_cpu_kernel_bits() {
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0d4a);
+    // 97 rows of 67 blocks (chains of 17 and 16), 6 tokens.
+    let (rows, cols, ntok) = (97usize, 2144usize, 6usize);
+    let mut w = Vec::with_capacity(rows * cols / 32 * 18);
+    for _ in 0..rows * cols / 32 {
+        // f16 scales between 2^-9 and 0.047 (exponent fields 6..10).
+        let d: u16 = rng.random_range(0x1800..0x2a00);
+        w.extend_from_slice(&d.to_le_bytes());
+        w.extend((0..16).map(|_| rng.random::<u8>()));
+    }
+    let x = random_tokens(&mut rng, ntok, cols);
+    let cpu = colibri_model::kernels::kernels();
+    assert_cpu_bits(DevFormat::Q4_0Q8, &w, rows, cols, &x, |row, a| {
+        let simd = (cpu.dot_q4_0_q8)(row, a);
+        let scalar = colibri_model::kernels::q4_0::dot_q4_0_q8(row, a);
+        assert_eq!(simd.to_bits(), scalar.to_bits(), "CPU kernels disagree");
+        simd
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn q8_0_products_have_the_cpu_kernel_bits() {
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0d80);
+    // 97 rows of 67 blocks (chains of 34 and 33 blocks; two tiles for
+    // one token), 6 tokens; every weight byte, -128 included.
+    let (rows, cols, ntok) = (97usize, 2144usize, 6usize);
+    let mut w = Vec::with_capacity(rows * cols / 32 * 34);
+    for _ in 0..rows * cols / 32 {
+        let d: u16 = rng.random_range(0x1800..0x2a00);
+        w.extend_from_slice(&d.to_le_bytes());
+        w.extend((0..32).map(|_| rng.random::<u8>()));
+    }
+    let x = random_tokens(&mut rng, ntok, cols);
+    let cpu = colibri_model::kernels::kernels();
+    assert_cpu_bits(DevFormat::Q8_0Q8, &w, rows, cols, &x, |row, a| {
+        let simd = (cpu.dot_q8_0_q8)(row, a);
+        let scalar = colibri_model::kernels::q8act::dot_q8_0_q8(row, a);
+        let mut multi = [0.0f32];
+        (cpu.dot_q8_0_q8_multi)(row, &[a], &mut multi);
+        assert_eq!(simd.to_bits(), scalar.to_bits(), "CPU kernels disagree");
+        assert_eq!(multi[0].to_bits(), scalar.to_bits(), "CPU multi kernel");
+        simd
+    });
+}
+
+/// Greedy continuations, NLL against the CPU tier, and bit-identity across
+/// VRAM budgets and pass sizes, on each of `models`.
+fn models_match_the_cpu_tier_and_themselves(models: Vec<std::path::PathBuf>) {
+    for model in models {
         let name = model.display().to_string();
         let (prompt, tokens) = reference_tokens(&model);
         let cpu = engine(&model, DeviceChoice::Cpu, None, None, 512);
@@ -131,4 +185,16 @@ fn q4_0_models_match_the_cpu_tier_and_themselves() {
             want.len()
         );
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn q4_0_models_match_the_cpu_tier_and_themselves() {
+    models_match_the_cpu_tier_and_themselves(q4_0_models());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn q8_0_models_match_the_cpu_tier_and_themselves() {
+    models_match_the_cpu_tier_and_themselves(q8_0_models());
 }

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 7] = [
+pub const FORMATS: [WeightFormat; 8] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
@@ -19,6 +19,7 @@ pub const FORMATS: [WeightFormat; 7] = [
     WeightFormat::Q8_0,
     WeightFormat::Q4_0,
     WeightFormat::Q4_0Q8,
+    WeightFormat::Q8_0Q8,
 ];
 
 pub struct Gpu {
@@ -150,13 +151,13 @@ pub fn random_weights(
                 }
             }
         }
-        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
+        WeightFormat::Q8_0 | WeightFormat::Q8_0Q8 | WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
             assert!(cols.is_multiple_of(32));
             for _ in 0..rows * cols / 32 {
                 let d = half::f16::from_f32(rng.random_range(0.002f32..0.05));
                 w.bytes.extend_from_slice(&d.to_bits().to_le_bytes());
                 let d = d.to_f32();
-                if fmt == WeightFormat::Q8_0 {
+                if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q8_0Q8) {
                     for _ in 0..32 {
                         let q: i8 = rng.random_range(-127..=127);
                         w.bytes.push(q as u8);
@@ -218,6 +219,26 @@ pub fn dot_q4_0_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
         acc[b % 4] = d.mul_add(s as f32, acc[b % 4]);
     }
     (acc[0] + acc[2]) + (acc[1] + acc[3])
+}
+
+/// colibri-model's `dot_q8_0_q8`, written out: block b's eight exact
+/// integer sums of four elements times `f16(w.d) · x.d`, each fused-added
+/// into lane k of accumulator b mod 2; the two accumulators added lane by
+/// lane and the eight lanes reduced in the AVX2 kernel's order (`hsum8`).
+pub fn dot_q8_0_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
+    let mut acc = [[0.0f32; 8]; 2];
+    for (b, blk) in row.chunks_exact(34).enumerate() {
+        let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32() * x.d[b];
+        let q = &x.q[b * 32..(b + 1) * 32];
+        for (k, lane) in acc[b % 2].iter_mut().enumerate() {
+            let s: i32 = (4 * k..4 * k + 4)
+                .map(|j| blk[2 + j] as i8 as i32 * q[j] as i32)
+                .sum();
+            *lane = d.mul_add(s as f32, *lane);
+        }
+    }
+    let v: [f32; 8] = std::array::from_fn(|k| acc[0][k] + acc[1][k]);
+    ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
 }
 
 /// Fails unless `got` is within `tol(i)` of the f64 `want`, element by

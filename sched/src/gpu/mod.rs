@@ -29,12 +29,11 @@
 //! reduction order, whatever the batch, the slot, the placement or the
 //! chunking, so a GPU run is bit-identical to itself under every VRAM
 //! budget and batch composition. It is not bit-identical to the CPU tier
-//! (different, equally exact-in-spirit reduction orders). Q4_0 products
-//! follow the CPU's choice: by default they quantize their input to 8-bit
-//! blocks and sum integers exactly as the CPU's `dot_q4_0_q8` does (the
-//! same bits per product); with `--exact-quant` Q4_0 and Q8_0 weights are
-//! dequantized exactly, and Q8_0 always is (so the CPU reference for a
-//! Q8_0 model is the CPU run with `--exact-quant`).
+//! (different, equally exact-in-spirit reduction orders). Q4_0 and Q8_0
+//! products follow the CPU's choice: by default they quantize their input
+//! to 8-bit blocks and sum integers exactly as the CPU's `dot_q4_0_q8` and
+//! `dot_q8_0_q8` do (the same bits per product); with `--exact-quant` the
+//! weights are dequantized exactly, on both tiers.
 
 pub mod plan;
 pub mod slots;
@@ -171,14 +170,14 @@ impl From<GpuError> for ModelError {
     }
 }
 
-/// The device format of a matrix stored as `f`. Q4_0 products take the
-/// CPU tier's arithmetic: 8-bit activations and integer sums unless
-/// `--exact-quant` asked for the exact dequantized product.
+/// The device format of a matrix stored as `f`. Q4_0 and Q8_0 products
+/// take the CPU tier's arithmetic: 8-bit activations and integer sums
+/// unless `--exact-quant` asked for the exact dequantized product.
 pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
+    let int = colibri_model::kernels::kernels().int_activations;
     match f {
-        WeightFormat::Q4_0 if colibri_model::kernels::kernels().int_activations => {
-            DevFormat::Q4_0Q8
-        }
+        WeightFormat::Q4_0 if int => DevFormat::Q4_0Q8,
+        WeightFormat::Q8_0 if int => DevFormat::Q8_0Q8,
         WeightFormat::F32 => DevFormat::F32,
         WeightFormat::F16 => DevFormat::F16,
         WeightFormat::Bf16 => DevFormat::Bf16,
