@@ -383,23 +383,6 @@ pub(crate) fn next_tier_id() -> u64 {
     NEXT_TIER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The experts chosen by `rows` (routings over `experts` experts), those
-/// chosen by more rows first, then by their best rank in a row's choice.
-fn likely_first(rows: &[Routing], experts: usize) -> Vec<usize> {
-    let mut score = vec![(0usize, usize::MAX); experts];
-    for r in rows {
-        for (rank, &e) in r.experts.iter().enumerate() {
-            if let Some(s) = score.get_mut(e) {
-                s.0 += 1;
-                s.1 = s.1.min(rank);
-            }
-        }
-    }
-    let mut ids: Vec<usize> = (0..experts).filter(|&e| score[e].0 > 0).collect();
-    ids.sort_by_key(|&e| (std::cmp::Reverse(score[e].0), score[e].1, e));
-    ids
-}
-
 /// Which share of the model a [`State`] runs: stage `index` of `count`,
 /// layers `layers` (the last stage also runs the head).
 #[derive(Clone, Debug)]
@@ -1280,7 +1263,7 @@ impl State {
                             .chunks_exact(ne)
                             .map(|row| route_portable(spec, row, bias))
                             .collect();
-                        Some((l2, likely_first(&rows, ne)))
+                        Some((l2, crate::prefetch::router::likely_first(&rows, ne)))
                     }
                     None => None,
                 };
@@ -1354,29 +1337,5 @@ impl State {
             )?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn routed(experts: &[usize]) -> Routing {
-        Routing {
-            experts: experts.to_vec(),
-            weights: vec![1.0 / experts.len() as f32; experts.len()],
-        }
-    }
-
-    #[test]
-    fn likely_first_orders_by_rows_then_rank() {
-        // One row: its choices in their order.
-        assert_eq!(likely_first(&[routed(&[5, 2, 7])], 8), vec![5, 2, 7]);
-        // Chosen by two rows first; ties by the best rank, then the id.
-        let rows = [routed(&[3, 1, 6]), routed(&[6, 0, 3]), routed(&[4, 2, 7])];
-        assert_eq!(likely_first(&rows, 8), vec![3, 6, 4, 0, 1, 2, 7]);
-        // Out-of-range ids are ignored, not a panic.
-        assert_eq!(likely_first(&[routed(&[9, 1])], 4), vec![1]);
-        assert!(likely_first(&[], 4).is_empty());
     }
 }

@@ -589,3 +589,62 @@ fn greedy(engine: &Engine, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
         .unwrap();
     got
 }
+
+#[test]
+fn prefetch_reads_caps_the_reads_per_layer_and_changes_no_bit() {
+    let dir = fixture("qwen3_moe");
+    let r = reference(&dir);
+    let want = logits_all(&resident_engine(&dir, 1), &r.tokens);
+    let mut reads = Vec::new();
+    for max_reads in [0, 1] {
+        let (model, tier) = open_tier(
+            &dir,
+            TierOptions {
+                prefetch_layers: 2,
+                ..options(0, IoBackendChoice::Auto)
+            },
+        );
+        let moe_layers = tier.layout().moe_layers().count() as u64;
+        assert!(moe_layers > 1, "the fixture must predict a next layer");
+        let pool = Arc::new(Pool::new(2).unwrap());
+        let options = PrefetchOptions {
+            max_reads,
+            ..PrefetchOptions::default()
+        };
+        let prefetcher =
+            Arc::new(Prefetcher::new(tier.clone(), &model, pool.clone(), &options).unwrap());
+        let engine = Engine::with_pool(
+            model,
+            prefetcher.clone(),
+            pool,
+            Default::default(),
+            &EngineOptions {
+                threads: 2,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap();
+        let got = logits_all(&engine, &r.tokens);
+        assert!(got == want, "max_reads {max_reads}: logits differ");
+        // Decode steps: one row each, so the guesses are few and a staging
+        // slot is free for them.
+        let tokens = greedy(&engine, &r.prompt, r.greedy.len(), &r.eos_masked);
+        assert_eq!(
+            tokens, r.greedy,
+            "max_reads {max_reads}: greedy continuation"
+        );
+        let s = tier.stats();
+        let steps = prefetcher.stats().steps;
+        if max_reads > 0 {
+            // One predicted layer per MoE layer but the last, per step.
+            assert!(
+                s.prefetch_reads <= steps * (moe_layers - 1) * max_reads as u64,
+                "{s:?} over {steps} steps"
+            );
+        }
+        assert_prefetch_accounted(&tier, &format!("max_reads {max_reads}"));
+        reads.push(s.prefetch_reads);
+    }
+    assert!(reads[1] > 0, "the cap stopped every read: {reads:?}");
+    assert!(reads[1] < reads[0], "the cap did not bite: {reads:?}");
+}
