@@ -112,10 +112,6 @@ pub struct BenchIoArgs {
         default_value = "next"
     )]
     pub predictor: Predictor,
-    /// --model: predicted experts read ahead per layer at most, as `run`'s
-    /// --prefetch-reads.
-    #[arg(long, value_name = "N", default_value_t = colibri_sched::prefetch::DEFAULT_MAX_READS)]
-    pub prefetch_reads: usize,
     /// --model: also decode without prefetch and with every other predictor
     /// (each on a fresh, cold tier) and compare tokens/s.
     #[arg(long)]
@@ -357,7 +353,6 @@ fn decode_run(
                 enabled: predictor.is_some(),
                 predictor: predictor.unwrap_or_default(),
                 evaluate,
-                max_reads: args.prefetch_reads,
                 ..PrefetchOptions::default()
             },
         },

@@ -67,10 +67,6 @@ pub struct ModelArgs {
         default_value = "next"
     )]
     pub prefetch_predictor: Predictor,
-    /// Predicted experts read ahead per layer at most, the most likely not
-    /// in RAM first (0: every predicted expert not in RAM).
-    #[arg(long, value_name = "N", default_value_t = colibri_sched::prefetch::DEFAULT_MAX_READS)]
-    pub prefetch_reads: usize,
     /// Record every routing decision and router prediction to FILE (JSON
     /// lines), to evaluate predictors and cache sizes offline
     /// (`cargo run -p colibri-sched --example prefetch_replay -- FILE`).
@@ -144,7 +140,6 @@ impl ModelArgs {
             enabled: !self.no_prefetch,
             predictor: self.prefetch_predictor,
             trace: self.routing_trace.clone(),
-            max_reads: self.prefetch_reads,
             ..PrefetchOptions::default()
         }
     }

@@ -34,9 +34,6 @@ pub use self::router::RouterSet;
 pub use self::source::Prefetcher;
 pub use self::trace::{Trace, TraceHeader, TraceRecord, TraceWriter};
 
-/// Reads ahead per predicted layer by default (0: no limit).
-pub const DEFAULT_MAX_READS: usize = 0;
-
 /// Settings of the prefetcher (`--no-prefetch`, `--routing-trace`).
 #[derive(Clone, Debug)]
 pub struct PrefetchOptions {
@@ -50,9 +47,6 @@ pub struct PrefetchOptions {
     /// Record every routing decision and router guess to this file (implies
     /// `evaluate`).
     pub trace: Option<PathBuf>,
-    /// Reads started ahead per predicted layer at most, the most likely
-    /// guesses not in RAM first (0: every guess not in RAM).
-    pub max_reads: usize,
     /// Names the model in a trace's header.
     pub model_name: String,
 }
@@ -64,7 +58,6 @@ impl Default for PrefetchOptions {
             predictor: Predictor::default(),
             evaluate: false,
             trace: None,
-            max_reads: DEFAULT_MAX_READS,
             model_name: String::new(),
         }
     }

@@ -30,7 +30,7 @@ use super::logic::{PredictorScore, PrefetchLogic};
 use super::router::RouterSet;
 use super::trace::{TraceHeader, TraceRecord, TraceWriter};
 use super::{PrefetchOptions, PrefetcherStats};
-use crate::tier::{Residency, TierCache};
+use crate::tier::TierCache;
 
 /// What the last `moe_input` produced, for the fetch that follows it.
 struct Observation {
@@ -58,8 +58,6 @@ pub struct Prefetcher {
     guess_ns: AtomicU64,
     guesses: AtomicU64,
     stale_dropped: AtomicU64,
-    /// PrefetchOptions::max_reads.
-    max_reads: usize,
 }
 
 impl Prefetcher {
@@ -112,7 +110,6 @@ impl Prefetcher {
             guess_ns: AtomicU64::new(0),
             guesses: AtomicU64::new(0),
             stale_dropped: AtomicU64::new(0),
-            max_reads: options.max_reads,
         })
     }
 
@@ -295,20 +292,6 @@ impl Prefetcher {
             self.stale_dropped
                 .fetch_add(dropped as u64, Ordering::Relaxed);
         }
-        self.limit_reads(guesses)
-    }
-
-    /// The first `max_reads` guesses of each layer that are not in RAM or
-    /// on their way (all of them when `max_reads` is 0).
-    fn limit_reads(&self, mut guesses: Vec<(usize, Vec<usize>)>) -> Vec<(usize, Vec<usize>)> {
-        if self.max_reads == 0 {
-            return guesses;
-        }
-        for (layer, ids) in &mut guesses {
-            ids.retain(|&e| self.tier.residency(*layer, e) == Some(Residency::Absent));
-            ids.truncate(self.max_reads);
-        }
-        guesses.retain(|(_, ids)| !ids.is_empty());
         guesses
     }
 }
