@@ -69,11 +69,11 @@ impl PinnedArena {
 
     /// [`Self::new`], asking the kernel for transparent huge pages when
     /// `huge_pages` (and `COLIBRI_NO_HUGEPAGES` is unset). Worth it for an
-    /// arena that is filled once and then streamed by the kernels (every
-    /// expert resident: a few percent on the matrix–vector products); not
-    /// for one that fills while reads wait on it under a memory cap, where
-    /// each first touch of a huge page may have to compact memory (blocked
-    /// on reads went from 11–15% to 22% of an 8 GiB-cgroup decode).
+    /// arena the kernels stream (fewer TLB misses); an arena that fills
+    /// while reads wait on it should also be faulted in ahead
+    /// ([`Self::populate_in_background`]), or each first touch of a huge
+    /// page may compact memory while a read waits (blocked on reads went
+    /// from 11–15% to 22% of an 8 GiB-cgroup decode).
     pub fn with_pages(
         slot_size: usize,
         slot_count: usize,
@@ -156,6 +156,52 @@ impl PinnedArena {
             free: Mutex::new(free),
             slot_returned: Condvar::new(),
         }))
+    }
+
+    /// Faults the whole arena in on a background thread, from its end
+    /// backwards (slots are handed out from the start), 32 MiB at a time
+    /// (`MADV_POPULATE_WRITE`): reads and kernels then meet resident pages,
+    /// huge where [`Self::with_pages`] asked for them, instead of faulting
+    /// them in (and compacting memory for them) on the decode's critical
+    /// path. Contents never change: a page a read has filled is present
+    /// and left alone. The thread holds the arena only for one step at a
+    /// time, so dropping the arena stops it. Best effort: a kernel without
+    /// `MADV_POPULATE_WRITE` (before 5.14) ends it at once.
+    pub fn populate_in_background(self: &Arc<Self>) {
+        const STEP: usize = 32 << 20;
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("colibri-arena-fault".into())
+            .spawn(move || {
+                let mut end = match weak.upgrade() {
+                    Some(a) => a.bytes,
+                    None => return,
+                };
+                while end > 0 {
+                    let Some(arena) = weak.upgrade() else {
+                        return;
+                    };
+                    let start = end.saturating_sub(STEP);
+                    // SAFETY: `start..end` lies in the mapping, which the
+                    // upgraded `arena` keeps alive during the call;
+                    // MADV_POPULATE_WRITE only faults pages in (a present
+                    // page, maybe being written by a read, is untouched).
+                    let rc = unsafe {
+                        libc::madvise(
+                            arena.base.as_ptr().add(start).cast(),
+                            end - start,
+                            libc::MADV_POPULATE_WRITE,
+                        )
+                    };
+                    if rc != 0 {
+                        return;
+                    }
+                    end = start;
+                }
+            });
+        if let Err(error) = spawned {
+            tracing::debug!("arena pages fault in on first use: {error}");
+        }
     }
 
     /// Process-unique id of this arena.
@@ -385,6 +431,50 @@ mod tests {
         let got = arena.acquire_timeout(Duration::from_secs(60));
         giver.join().expect("join");
         assert!(got.is_some());
+    }
+
+    /// Pages of `arena` the kernel reports resident (mincore).
+    fn resident_pages(arena: &PinnedArena) -> usize {
+        let pages = arena.len_bytes().div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the range is the arena's mapping; `vec` has a byte per page.
+        let rc =
+            unsafe { libc::mincore(arena.as_ptr().cast(), arena.len_bytes(), vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn populating_in_the_background_faults_every_page_and_keeps_the_bytes() {
+        // 40 MiB: more than one 32 MiB step.
+        let arena = PinnedArena::with_pages(1 << 20, 40, true).expect("arena");
+        let mut first = arena.try_acquire().expect("slot");
+        let pattern: Vec<u8> = (0..first.bytes().len())
+            .map(|i| (i * 7 + 3) as u8)
+            .collect();
+        first.bytes_mut().copy_from_slice(&pattern);
+        arena.populate_in_background();
+        let pages = arena.len_bytes() / 4096;
+        let start = std::time::Instant::now();
+        while resident_pages(&arena) < pages {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{} of {pages} pages resident after a minute",
+                resident_pages(&arena)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            first.bytes(),
+            &pattern[..],
+            "populating changed a slot's bytes"
+        );
+        // Dropping the arena while a populate could run is fine: the
+        // thread holds it one step at a time.
+        drop(first);
+        let other = PinnedArena::with_pages(1 << 20, 40, true).expect("arena");
+        other.populate_in_background();
+        drop(other);
     }
 
     #[test]

@@ -775,10 +775,11 @@ impl TierCache {
             let slots = class.arena_slots().max(1);
             let slot_bytes = usize::try_from(class.slot_bytes)
                 .map_err(|_| TierError::Budget(format!("slot of {} bytes", class.slot_bytes)))?;
-            // Huge pages only where every expert of the class has a slot:
-            // such an arena fills once, and nothing waits on it later.
-            let every_expert = class.pinned_slots + class.cache_slots >= class.experts;
-            let arena = PinnedArena::with_pages(slot_bytes, slots, every_expert)?;
+            // Huge pages, faulted in by a background thread rather than by
+            // the reads that fill the slots (docs/benchmarks.md, "Expert
+            // arenas faulted in ahead").
+            let arena = PinnedArena::with_pages(slot_bytes, slots, true)?;
+            arena.populate_in_background();
             arenas.push(Arc::clone(&arena));
             let base = (c * 3) as ListId;
             classes.push(ClassState {
