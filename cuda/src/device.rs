@@ -379,16 +379,45 @@ impl CudaDevice {
         }
         self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
         // SAFETY: the caller guarantees the range is live host memory;
-        // PORTABLE makes it usable from every context (several GPUs).
-        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-            .result()
-            .op("cuMemHostRegister")?;
+        // PORTABLE makes it usable from every context (several GPUs),
+        // DEVICEMAP lets kernels read it in place ([`Self::mapped_address`]).
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr.cast(),
+                len,
+                sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        }
+        .result()
+        .op("cuMemHostRegister")?;
         Ok(HostRegistration {
             ptr,
             len,
             ctx: self.ctx.clone(),
             copy: self.copy.clone(),
         })
+    }
+
+    /// The address at which this device's kernels read the byte at `ptr`
+    /// inside `reg` (a registration made with [`Self::register_host`], by
+    /// this device or another: the registrations are portable), over the
+    /// bus. Kernels given it read host memory in place, so the bytes must
+    /// stay registered, and unchanged while a kernel may read them.
+    pub fn mapped_address(&self, reg: &HostRegistration, ptr: *const u8) -> Result<u64> {
+        let off = (ptr as usize)
+            .checked_sub(reg.ptr as usize)
+            .filter(|&o| o < reg.len)
+            .ok_or_else(|| {
+                CudaError::invalid("mapped_address", "the byte is outside the registration")
+            })?;
+        self.ctx.bind_to_thread().op("cuCtxSetCurrent")?;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `reg.ptr` starts a live registration made with DEVICEMAP
+        // (register_host); the call only writes `base`.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut base, reg.ptr.cast(), 0) }
+            .result()
+            .op("cuMemHostGetDevicePointer")?;
+        Ok(base + off as u64)
     }
 
     /// Starts copying `src[offset .. offset + dst.len()]` into `dst` on the
@@ -795,6 +824,13 @@ unsafe impl Send for HostRegistration {}
 unsafe impl Sync for HostRegistration {}
 
 impl HostRegistration {
+    /// Whether `ptr .. ptr + len` lies inside the registered range.
+    pub fn contains(&self, ptr: *const u8, len: usize) -> bool {
+        let (a, b) = (self.ptr as usize, self.ptr as usize + self.len);
+        let p = ptr as usize;
+        p >= a && p.checked_add(len).is_some_and(|e| e <= b)
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

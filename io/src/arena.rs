@@ -89,9 +89,17 @@ impl PinnedArena {
         let slot_size = slot_size
             .checked_next_multiple_of(SLOT_GRANULE)
             .ok_or_else(|| IoError::InvalidArgument(format!("slot size {slot_size}")))?;
-        let bytes = slot_size.checked_mul(slot_count as usize).ok_or_else(|| {
-            IoError::InvalidArgument(format!("{slot_count} slots of {slot_size} bytes overflow"))
-        })?;
+        // One granule past the last slot: a device that reads a slot's
+        // bytes in place may read a few bytes past a matrix's end (the GPU
+        // tier's kernels do), which must stay inside the mapping.
+        let bytes = slot_size
+            .checked_mul(slot_count as usize)
+            .and_then(|b| b.checked_add(SLOT_GRANULE))
+            .ok_or_else(|| {
+                IoError::InvalidArgument(format!(
+                    "{slot_count} slots of {slot_size} bytes overflow"
+                ))
+            })?;
         // SAFETY: an anonymous private mapping at a kernel-chosen address
         // touches no existing memory; the result is checked below.
         let raw = unsafe {
@@ -216,7 +224,8 @@ impl PinnedArena {
         self.base.as_ptr()
     }
 
-    /// Length of the whole arena in bytes.
+    /// Length of the whole arena in bytes (the slots and one granule
+    /// after them).
     pub fn len_bytes(&self) -> usize {
         self.bytes
     }

@@ -12,7 +12,7 @@
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
 //!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
 //!     [--devices 0,1] [--ring-slots 8] [--ahead N] \
-//!     [--prompt 16] [--exact-quant]
+//!     [--prompt 16] [--exact-quant] [--no-in-place]
 //! ```
 //!
 //! With several devices the layers are split between them; the HBM figure
@@ -169,6 +169,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ring_slots: arg::<usize>(&args, "--ring-slots")
                 .unwrap_or(colibri_sched::gpu::plan::DEFAULT_RING_SLOTS),
             ahead: arg::<usize>(&args, "--ahead").unwrap_or(colibri_sched::gpu::DEFAULT_AHEAD),
+            in_place: !args.iter().any(|a| a == "--no-in-place"),
             ..GpuOptions::default()
         },
     )? {
@@ -254,6 +255,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let graphs = per_tok(s_a.graph_launches, s_b.graph_launches);
     let waits = per_tok(s_a.host_waits, s_b.host_waits);
     let copies = per_tok(s_a.copies, s_b.copies);
+    // Experts the kernels read in place from pinned RAM cross the bus too.
+    let in_place_bytes = s_b.in_place_bytes - s_a.in_place_bytes;
+    let in_place_reads = per_tok(s_a.in_place_reads, s_b.in_place_reads);
+    let bus_rate = (h2d_bytes + in_place_bytes) as f64 / secs / 1e9;
     let hits = s_b.cache.hits - s_a.cache.hits;
     let misses = s_b.cache.misses - s_a.cache.misses;
     let roofline = d2d * 1e9 / active.max(1) as f64;
@@ -286,6 +291,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          measured ({:.0}%)",
         ByteSize(h2d_bytes / tokens.max(1) as u64),
         100.0 * h2d_rate / h2d
+    );
+    println!(
+        "read in place         {in_place_reads:.1} experts per token ({} per token) in {} of {tokens} \
+         steps ({} route switches); bus {bus_rate:.1} GB/s with the copies ({:.0}% of measured)",
+        ByteSize(in_place_bytes / tokens.max(1) as u64),
+        s_b.in_place_passes - s_a.in_place_passes,
+        s_b.route_switches - s_a.route_switches,
+        100.0 * bus_rate / h2d
     );
     let ahead_copied = s_b.ahead_copied - s_a.ahead_copied;
     let ahead_used = s_b.ahead_used - s_a.ahead_used;
@@ -349,6 +362,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "h2d_decode_gb_s": h2d_rate,
             "h2d_bytes_per_token": h2d_bytes as f64 / tokens as f64,
             "h2d_used_gb_s": useful_rate,
+            "in_place_reads_per_token": in_place_reads,
+            "in_place_bytes_per_token": in_place_bytes as f64 / tokens as f64,
+            "bus_gb_s": bus_rate,
             "ahead_copied": ahead_copied,
             "ahead_used": ahead_used,
             "vram_hits": hits,

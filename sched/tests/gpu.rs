@@ -301,6 +301,87 @@ fn copying_experts_ahead_changes_no_bit() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn reading_experts_in_place_changes_no_bit() {
+    let (mut promoted, mut switched) = (0, 0);
+    for model in models() {
+        let name = model.display().to_string();
+        let (prompt, tokens) = reference_tokens(&model);
+        let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        let plan = full.gpu.as_ref().unwrap().plan().clone();
+        let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
+        let small = plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes;
+        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
+            let tf = teacher_forced(e, &tokens, 4);
+            (bits(&tf), greedy(e, &prompt, 16))
+        };
+        let want = run(&full);
+        // Few or no VRAM slots, RAM holding every expert: decode layers
+        // route on the device and read the experts without a slot from
+        // pinned RAM; with 512 rows a pass the prompt routes on the host.
+        for (slots, rows, in_place) in [(0, 4, true), (3, 4, true), (12, 512, true), (3, 4, false)]
+        {
+            let opts = GpuOptions {
+                device: DeviceChoice::Cuda,
+                vram_budget: Some(small + slots * slot),
+                max_rows: rows,
+                in_place,
+                ..GpuOptions::default()
+            };
+            let e = engine_with(&model, &opts, None);
+            let got = run(&e);
+            let s = e.gpu.as_ref().unwrap().stats();
+            // A budget that caches every expert has nothing to read in
+            // place; FP8 scales are unpacked into ordinary memory, which
+            // the device cannot read, so FP8 experts always route on the
+            // host.
+            let cached = e.gpu.as_ref().unwrap().plan().every_expert_cached();
+            let fp8 = name.contains("fp8");
+            assert!(
+                got.0 == want.0,
+                "{name}: logits differ with {slots} slots, {rows} rows, in place {in_place} \
+                 ({s:?})"
+            );
+            assert_eq!(
+                got.1, want.1,
+                "{name}: greedy differs ({slots} slots, {rows} rows, in place {in_place})"
+            );
+            if in_place && !cached && !fp8 {
+                assert!(
+                    s.in_place_passes > 0 && s.in_place_reads > 0 && s.in_place_bytes > 0,
+                    "{name}: nothing was read in place with {slots} slots ({s:?})"
+                );
+                if std::env::var_os("COLIBRI_GPU_NO_GRAPH").is_none() {
+                    assert!(s.graph_launches > 0, "{name}: no graph replayed ({s:?})");
+                }
+                if slots > 0 && s.promotions > 0 {
+                    promoted += 1;
+                }
+                // The route picker measured both routes (an epoch each).
+                switched += s.route_switches;
+            } else if !in_place {
+                assert_eq!(s.in_place_passes, 0, "{name}: read in place when off");
+            }
+            eprintln!(
+                "{name}: identical with {slots} slots, {rows} rows, in place {in_place}: {} \
+                 passes, {} switches, {} experts read in place, {} promoted, {} hits / {} misses",
+                s.in_place_passes,
+                s.route_switches,
+                s.in_place_reads,
+                s.promotions,
+                s.cache.hits,
+                s.cache.misses
+            );
+        }
+    }
+    assert!(promoted > 0, "no run promoted an expert read in place");
+    assert!(
+        switched > 0,
+        "no run switched between reading in place and host routing"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn gpu_is_bit_identical_across_batch_compositions() {
     for model in models() {
         let name = model.display().to_string();

@@ -48,6 +48,11 @@ use super::weights::TENSOR_ALIGN;
 use super::{Dims, GpuError, cuda_format};
 use crate::tier::ExpertLayout;
 
+mod in_place;
+
+use in_place::DeviceTable;
+pub(crate) use in_place::{InPlaceCounters, PROMOTE_PER_PASS};
+
 /// One stored matrix of an expert as the device sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatShape {
@@ -491,10 +496,11 @@ pub(crate) struct ExpertTier {
     max_held: usize,
     held: VecDeque<(usize, usize)>,
     pub counters: ExpertCounters,
-    /// Set once every routed expert of the model sits pinned in a cache
-    /// slot: `[layer][expert][6]` device addresses of gate, up, down and
-    /// their FP8 scales (0 where none), for routing on the device.
-    resident: Option<DeviceBuffer<u64>>,
+    /// Set once the device can find every routed expert (all pinned in
+    /// cache slots, or read in place from RAM where they have none), for
+    /// routing on the device.
+    table: Option<DeviceTable>,
+    pub in_place: InPlaceCounters,
     /// Experts of the next layer to copy ahead per MoE layer at most (0:
     /// none).
     ahead_max: usize,
@@ -565,7 +571,8 @@ impl ExpertTier {
             max_held: max_held.clamp(1, ring_min),
             held: VecDeque::new(),
             counters: ExpertCounters::default(),
-            resident: None,
+            table: None,
+            in_place: InPlaceCounters::default(),
             ahead_max,
             ahead: Vec::new(),
             ahead_unused: std::collections::HashSet::new(),
@@ -709,12 +716,6 @@ impl ExpertTier {
         self.cache.stats()
     }
 
-    /// Whether every routed expert is pinned in VRAM (layers can then be
-    /// routed and planned on the device, see [`Self::moe_layer_resident`]).
-    pub fn all_resident(&self) -> bool {
-        self.resident.is_some()
-    }
-
     /// When the cache has a slot for every routed expert of the model,
     /// loads them all (pinned: nothing is ever evicted) and records their
     /// addresses for device-side routing. Returns how many were loaded
@@ -843,7 +844,7 @@ impl ExpertTier {
                 }
             }
         }
-        self.resident = Some(dev.upload(&table)?);
+        self.table = Some(DeviceTable::resident(dev, table)?);
         Ok(loaded)
     }
 
@@ -894,10 +895,6 @@ impl ExpertTier {
         h: BufView<'_, f32>,
         bufs: &mut MoeBufs,
     ) -> Result<(), GpuError> {
-        let table = self
-            .resident
-            .as_ref()
-            .ok_or_else(|| GpuError::Internal("device routing without resident experts".into()))?;
         let shape = self
             .shapes
             .get(layer)
@@ -911,6 +908,12 @@ impl ExpertTier {
         let tl = per.min(nk);
         let lay = MetaLayout::new(0, tl, 0, nk);
         {
+            let t = self.table.as_mut().ok_or_else(|| {
+                GpuError::Internal("device routing without an expert table".into())
+            })?;
+            // Reading in place, the routed ids go to the log the host
+            // reads back after the pass (the combine reads them there).
+            let (table, log) = t.parts(layer * per * 6..(layer + 1) * per * 6, layer, nk)?;
             let meta = bufs.d_meta.view_mut(lay.all())?;
             let (ptrs, rest) = meta.split_at(48 * tl)?;
             let (off, rest) = rest.split_at(4 * tl)?;
@@ -918,9 +921,15 @@ impl ExpertTier {
             let comb = bufs.d_comb.view_mut(0..12 * nk)?;
             let (pair_of, rest) = comb.split_at(4 * nk)?;
             let (ids, weights) = rest.split_at(4 * nk)?;
-            // SAFETY: the table holds the addresses of this layer's experts
-            // in their pinned cache slots (preload_all), which no eviction
-            // can take while the tier lives.
+            let ids = match log {
+                Some(l) => l,
+                None => ids.cast::<u32>()?,
+            };
+            // SAFETY: the table holds the addresses of this layer's
+            // experts: their cache slots, pinned for the tier's life
+            // (preload_all), or where each is now, VRAM slot or pinned RAM
+            // held for the tier's life, neither of which changes while a
+            // pass runs (in_place).
             unsafe {
                 kern.moe_route_plan(
                     dev,
@@ -931,8 +940,8 @@ impl ExpertTier {
                         k,
                         router,
                         bias,
-                        expert_ptrs: table.view(layer * per * 6..(layer + 1) * per * 6)?,
-                        ids: ids.cast::<u32>()?,
+                        expert_ptrs: table,
+                        ids,
                         weights: weights.cast::<f32>()?,
                         ptrs: ptrs.cast::<u64>()?,
                         ptr_stride: tl,

@@ -627,6 +627,14 @@ impl State {
         self.experts.preload_all(&self.dev, source)
     }
 
+    /// When VRAM cannot hold every routed expert but the RAM tier's
+    /// pinned arenas hold them all: reads the ones without a VRAM slot in
+    /// place (see `ExpertTier::map_ram`). Returns how many.
+    pub fn map_ram(&mut self, source: &dyn ExpertSource) -> Result<usize, GpuError> {
+        self.experts
+            .map_ram(&self.dev, &self.dims, source, &self.registrations)
+    }
+
     pub fn stats(&self) -> GpuStats {
         let c = self.experts.counters;
         let dc = self.dev.counters();
@@ -637,7 +645,7 @@ impl State {
             experts_copied: c.copied,
             expert_h2d_bytes: c.h2d_bytes,
             dense_h2d_bytes: self.dense.streamed_bytes,
-            promotions: c.promotions,
+            promotions: c.promotions + self.experts.in_place.promotions,
             kv_vram_bytes: self
                 .kv_grant
                 .in_vram
@@ -657,6 +665,10 @@ impl State {
             ahead_copied: c.ahead_copied,
             ahead_bytes: c.ahead_bytes,
             ahead_used: c.ahead_used,
+            in_place_passes: self.experts.in_place.passes,
+            in_place_reads: self.experts.in_place.reads,
+            in_place_bytes: self.experts.in_place.bytes,
+            route_switches: self.experts.in_place.switches,
         }
     }
 
@@ -766,6 +778,19 @@ impl State {
         }
         let mut logits: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
         let mut replayed = false;
+        // Promotions of the last pass are in their slots now; a pass that
+        // routes on the device reads some experts in place and promotes.
+        let device_routed = self.dims.experts > 0 && self.device_routes(n);
+        // A pass that could read in place is timed for the route picker.
+        let timed = (self.dims.experts > 0
+            && self.device_router.is_some()
+            && self.experts.reads_in_place()
+            && n <= DEVICE_ROUTE_MAX_ROWS)
+            .then(std::time::Instant::now);
+        self.experts.settle()?;
+        if device_routed {
+            self.experts.begin_device_pass(&self.dev)?;
+        }
         if self.graphable(n, &wanted) {
             match self.replay_step(model, experts, n, parts, &starts, &wanted) {
                 Ok(()) => {
@@ -796,6 +821,9 @@ impl State {
                 self.dense.finish(&self.dev)?;
                 r?;
             }
+            if device_routed {
+                self.experts.download_log(&self.dev)?;
+            }
             if !self.is_last() {
                 self.download_hidden(n)?;
             } else if !wanted.is_empty() {
@@ -807,6 +835,18 @@ impl State {
             }
             self.mark(Phase::Head)?;
             self.profile_pass(self.kv_shape.layers.len())?;
+        }
+        if device_routed && self.experts.reads_in_place() {
+            if !replayed {
+                self.sync_compute()?;
+            }
+            self.experts.end_device_pass(n);
+        }
+        if let Some(t0) = timed {
+            if !device_routed {
+                self.sync_compute()?;
+            }
+            self.experts.record_pass(t0.elapsed().as_secs_f64());
         }
         self.passes += 1;
         self.rows += n as u64;
@@ -851,11 +891,21 @@ impl State {
     fn graphable(&self, n: usize, wanted: &[(usize, usize)]) -> bool {
         self.profile.is_none()
             && !self.graphs_off
-            && (self.dims.experts == 0
-                || (self.device_router.is_some() && self.experts.all_resident()))
+            && (self.dims.experts == 0 || self.device_routes(n))
             && n <= DEVICE_ROUTE_MAX_ROWS
             && self.dense.all_resident()
             && (!self.is_last() || (!wanted.is_empty() && wanted.len() <= LM_ROWS))
+    }
+
+    /// Whether the MoE layers of a pass of `n` rows route on the device:
+    /// it knows where every expert is (VRAM, or pinned RAM read in place)
+    /// and the pass is small (larger ones, prefill, route on the host: the
+    /// same bits either way, and the host's plan launches only the experts
+    /// in use).
+    fn device_routes(&self, n: usize) -> bool {
+        self.device_router.is_some()
+            && self.experts.routes_on_device()
+            && n <= DEVICE_ROUTE_MAX_ROWS
     }
 
     /// Runs the pass as one graph replay, capturing it first when its
@@ -927,6 +977,7 @@ impl State {
             self.dense.finish(&self.dev)?;
             r?;
         }
+        self.experts.download_log(&self.dev)?;
         if !self.is_last() {
             return self.download_hidden(n);
         }
@@ -1194,9 +1245,9 @@ impl State {
             )?;
         }
         match self.device_router {
-            Some(router) if self.experts.all_resident() && n <= DEVICE_ROUTE_MAX_ROWS => {
-                // Every expert is in VRAM: route and plan on the device,
-                // no read-back, no wait.
+            Some(router) if self.device_routes(n) => {
+                // The device knows where every expert is: route and plan
+                // there, no read-back, no wait.
                 self.mark(Phase::Router)?;
                 let bias = self.bias[l].as_ref().map(|b| b.as_view());
                 self.experts.moe_layer_resident(
@@ -1317,7 +1368,8 @@ impl State {
                 &self.dev,
                 self.moe.eo.view(0..n * k * hd)?,
                 self.moe.comb_slot_rows(n * k)?,
-                self.moe.comb_ids(n * k)?,
+                self.experts
+                    .routed_ids(&self.moe, l, n * k, self.device_routes(n))?,
                 self.moe.comb_w(n * k)?,
                 if has_shared {
                     Some(self.s.sh.view(0..n * hd)?)

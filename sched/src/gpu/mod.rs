@@ -129,6 +129,11 @@ pub struct GpuOptions {
     /// MoE layer's router picks for this layer's input into VRAM (0: off;
     /// `--no-prefetch` turns it off). Speed only, never results.
     pub ahead: usize,
+    /// When VRAM cannot hold every routed expert but RAM can: hold them
+    /// all in the RAM tier's pinned arenas and let the kernels read the
+    /// ones without a VRAM slot in place, so decode layers route on the
+    /// device and steps replay as graphs. Speed only, never results.
+    pub in_place: bool,
 }
 
 impl Default for GpuOptions {
@@ -140,6 +145,7 @@ impl Default for GpuOptions {
             max_rows: DEFAULT_MAX_ROWS,
             ring_slots: plan::DEFAULT_RING_SLOTS,
             ahead: DEFAULT_AHEAD,
+            in_place: true,
         }
     }
 }
@@ -367,6 +373,15 @@ pub struct GpuStats {
     pub ahead_copied: u64,
     pub ahead_bytes: u64,
     pub ahead_used: u64,
+    /// Device-routed passes that read experts without a VRAM slot in place
+    /// from pinned RAM, those experts' uses and bytes (read over the bus
+    /// by the kernels; not in `expert_h2d_bytes`).
+    pub in_place_passes: u64,
+    pub in_place_reads: u64,
+    pub in_place_bytes: u64,
+    /// Changes between reading in place and routing on the host (the
+    /// faster route, by measurement).
+    pub route_switches: u64,
 }
 
 impl GpuStats {
@@ -397,6 +412,10 @@ impl GpuStats {
             ahead_copied: d(self.ahead_copied, earlier.ahead_copied),
             ahead_bytes: d(self.ahead_bytes, earlier.ahead_bytes),
             ahead_used: d(self.ahead_used, earlier.ahead_used),
+            in_place_passes: d(self.in_place_passes, earlier.in_place_passes),
+            in_place_reads: d(self.in_place_reads, earlier.in_place_reads),
+            in_place_bytes: d(self.in_place_bytes, earlier.in_place_bytes),
+            route_switches: d(self.route_switches, earlier.route_switches),
             ..*self
         }
     }
@@ -428,6 +447,10 @@ impl GpuStats {
         self.ahead_copied += o.ahead_copied;
         self.ahead_bytes += o.ahead_bytes;
         self.ahead_used += o.ahead_used;
+        self.in_place_passes = self.in_place_passes.max(o.in_place_passes);
+        self.in_place_reads += o.in_place_reads;
+        self.in_place_bytes += o.in_place_bytes;
+        self.route_switches += o.route_switches;
     }
 }
 
@@ -665,6 +688,7 @@ pub(crate) fn vram_request(
     layer_shapes: &[Option<ExpertShape>],
     pin_candidates: Vec<usize>,
     share: Option<LayerShare>,
+    in_place: bool,
 ) -> Result<(VramRequest, Dims, experts::Classes), GpuError> {
     let dims = Dims::of(model, opts.max_rows)?;
     let classes = experts::Classes::of(layer_shapes, dims.experts);
@@ -689,6 +713,7 @@ pub(crate) fn vram_request(
         expert_classes: classes.requests(),
         ring_slots: opts.ring_slots,
         ahead: opts.ahead,
+        in_place,
         scratch_bytes: forward::scratch_bytes(&dims, rope_positions, model),
         pin_candidates,
         share,
@@ -800,20 +825,23 @@ pub struct DeviceMemory {
 }
 
 /// What `colibri plan` shows for the GPU tier of a model on `devices` (in
-/// layer order; several split the layers).
+/// layer order; several split the layers); `ram_holds_all`: the RAM
+/// tier's plan holds every routed expert.
 pub fn plans_for(
     model: &Model,
     locator: Option<&dyn colibri_model::source::ExpertLocator>,
     ctx: usize,
     opts: &GpuOptions,
     devices: &[DeviceMemory],
+    ram_holds_all: bool,
 ) -> Result<Vec<VramPlan>, GpuError> {
     let shapes = experts::shapes_from_locator(model, locator)?;
     let shares = shares(model, &shapes, devices.len())?;
     devices
         .iter()
         .zip(shares)
-        .map(|(d, share)| {
+        .enumerate()
+        .map(|(i, (d, share))| {
             let st_shapes = shapes_of_share(&shapes, share.as_ref());
             let (req, _, _) = vram_request(
                 model,
@@ -825,6 +853,8 @@ pub fn plans_for(
                 &st_shapes,
                 Vec::new(),
                 share,
+                // Experts are read in place by the first device only.
+                opts.in_place && ram_holds_all && i == 0,
             )?;
             VramPlan::compute(&req).map_err(GpuError::Plan)
         })
@@ -899,6 +929,7 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
             &st_shapes,
             pin_candidates,
             share,
+            opts.in_place && index == 0 && ram_holds_every_expert(engine),
         )?;
         let plan = VramPlan::compute(&req).map_err(GpuError::Plan)?;
         for w in &plan.warnings {
@@ -947,6 +978,19 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
                 "GPU tier: {all} routed experts loaded into VRAM of {device} in {:.1} s",
                 t0.elapsed().as_secs_f64()
             );
+        } else if plan.in_place {
+            // Otherwise, when RAM holds every routed expert, they are all
+            // loaded into it now and the device reads those without a
+            // VRAM slot in place: layers still route on the device.
+            let t0 = std::time::Instant::now();
+            let n = state.map_ram(engine.experts.as_ref())?;
+            if n > 0 {
+                tracing::info!(
+                    "GPU tier: every routed expert in pinned RAM ({:.1} s); {n} without a VRAM \
+                     slot are read in place by {device}",
+                    t0.elapsed().as_secs_f64()
+                );
+            }
         }
         let (blocks, resident) = plan.held_blocks();
         let what = if count > 1 {
@@ -987,6 +1031,15 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
         plans,
         summary,
     })
+}
+
+/// Whether the RAM tier's plan has a slot for every routed expert (so
+/// holding them all at once leaves it working).
+fn ram_holds_every_expert(engine: &Engine) -> bool {
+    engine
+        .tier
+        .as_ref()
+        .is_some_and(|t| t.plan().holds_every_expert())
 }
 
 /// Registers the RAM tier's arenas with CUDA (portable, so every device

@@ -67,6 +67,9 @@ pub struct VramRequest {
     pub ring_slots: usize,
     /// Experts of the next MoE layer copied ahead per layer at most.
     pub ahead: usize,
+    /// The RAM tier holds every routed expert and this device may read
+    /// those without a VRAM slot in place (`GpuOptions::in_place`).
+    pub in_place: bool,
     /// Scratch activations, rotary tables and metadata.
     pub scratch_bytes: u64,
     /// Experts the usage history would pin (per class), hottest first
@@ -183,6 +186,9 @@ pub struct VramPlan {
     pub share: Option<LayerShare>,
     /// Experts of the next MoE layer copied ahead per layer at most.
     pub ahead: usize,
+    /// Experts without a VRAM slot are read in place from pinned RAM
+    /// (when not every one is cached).
+    pub in_place: bool,
     pub warnings: Vec<String>,
 }
 
@@ -387,6 +393,7 @@ impl VramPlan {
             working_set_bytes: fixed + stream_buf,
             share: req.share.clone(),
             ahead: req.ahead,
+            in_place: req.in_place,
             warnings,
         })
     }
@@ -521,6 +528,16 @@ impl VramPlan {
             "every routed expert is loaded at start: layers route on the device and a decode \
              step runs as one CUDA graph"
                 .to_string()
+        } else if self.in_place {
+            format!(
+                "every routed expert is loaded into pinned RAM at start; decode steps either \
+                 route on the device and read experts without a VRAM slot in place (one CUDA \
+                 graph per step; missed experts promoted into the cache, {} per step once it \
+                 is full) or route on the host and copy them (up to {} copied ahead), whichever \
+                 is measured faster",
+                super::experts::PROMOTE_PER_PASS,
+                self.ahead
+            )
         } else if self.ahead > 0 && self.cache_slots() > 0 {
             format!(
                 "routing decisions on the host from device logits; while a layer computes, up \
@@ -572,6 +589,7 @@ mod tests {
             ],
             ring_slots: DEFAULT_RING_SLOTS,
             ahead: 3,
+            in_place: false,
             scratch_bytes: 300 * MIB,
             pin_candidates: vec![],
             share: None,

@@ -289,6 +289,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Whether every routed expert has a slot of its own (pinned or
+    /// cached), so all can be held in RAM at once.
+    pub fn holds_every_expert(&self) -> bool {
+        !self.classes.is_empty()
+            && self
+                .classes
+                .iter()
+                .all(|c| c.pinned_slots + c.cache_slots >= c.experts)
+    }
+
     /// Places everything; pure (no I/O).
     pub fn compute(req: &PlanRequest<'_>) -> Plan {
         let layout = req.layout;
