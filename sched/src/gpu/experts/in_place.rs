@@ -528,12 +528,15 @@ pub(crate) enum Route {
 }
 
 /// Passes per measurement epoch, and how many of its first passes are not
-/// timed (a switch's graph capture, promotions, copies in flight).
+/// timed (a switch's graph capture, promotions, copies in flight). An
+/// epoch's figure is the median of its timed passes, so a prompt's pass
+/// among decode steps does not decide it.
 const EPOCH: u32 = 16;
 const SETTLE: u32 = 2;
 /// Epochs between two probes of the slower route, first and at most: a
-/// probe that loses doubles the interval, one that wins resets it.
-const PROBE_FIRST: u64 = 8;
+/// probe that loses doubles the interval, one that wins resets it. The
+/// first is soon: the first epochs run while the VRAM cache fills.
+const PROBE_FIRST: u64 = 2;
 const PROBE_MAX: u64 = 256;
 
 /// Chooses, by measurement, how passes that could read experts in place
@@ -548,10 +551,10 @@ const PROBE_MAX: u64 = 256;
 pub(crate) struct RoutePicker {
     route: Route,
     in_epoch: u32,
-    sum: f64,
-    timed: u32,
+    /// The epoch's timed passes, in seconds.
+    times: Vec<f64>,
     epoch: u64,
-    /// Mean seconds per pass of each route's last measured epoch.
+    /// Median seconds per pass of each route's last measured epoch.
     mean: [Option<f64>; 2],
     probe_every: u64,
     next_probe: u64,
@@ -565,8 +568,7 @@ impl Default for RoutePicker {
         RoutePicker {
             route: Route::InPlace,
             in_epoch: 0,
-            sum: 0.0,
-            timed: 0,
+            times: Vec::with_capacity(EPOCH as usize),
             epoch: 0,
             mean: [None, None],
             probe_every: PROBE_FIRST,
@@ -620,18 +622,19 @@ impl RoutePicker {
             return;
         }
         if self.in_epoch >= SETTLE {
-            self.sum += seconds;
-            self.timed += 1;
+            self.times.push(seconds);
         }
         self.in_epoch += 1;
         if self.in_epoch < EPOCH {
             return;
         }
-        let mean = self.sum / self.timed.max(1) as f64;
+        self.times.sort_unstable_by(f64::total_cmp);
+        let mean = self.times.get(self.times.len() / 2).copied().unwrap_or(0.0);
         let (cur, other) = (self.route, Self::other(self.route));
         self.mean[Self::slot(cur)] = Some(mean);
         self.epoch += 1;
-        (self.in_epoch, self.sum, self.timed) = (0, 0.0, 0);
+        self.in_epoch = 0;
+        self.times.clear();
         let next = match self.mean[Self::slot(other)] {
             // Never measured: measure it now.
             None => {
@@ -732,6 +735,22 @@ mod tests {
                 (_, k) if (k as u32) < SETTLE => 1.0,
                 (Route::InPlace, _) => 0.004,
                 (Route::Host, _) => 0.006,
+            }
+        });
+        assert_eq!(p.route(), Route::InPlace);
+    }
+
+    #[test]
+    fn one_long_pass_in_an_epoch_does_not_decide_it() {
+        // A prompt's pass (ten times a decode step) in the middle of the
+        // first, in place, epoch: in place stays the faster route.
+        let mut p = RoutePicker::default();
+        run(&mut p, 4 * EPOCH as usize, |r, i| {
+            let base = if r == Route::InPlace { 0.004 } else { 0.006 };
+            if i == EPOCH as usize / 2 {
+                10.0 * base
+            } else {
+                base
             }
         });
         assert_eq!(p.route(), Route::InPlace);
