@@ -540,11 +540,15 @@ const PROBE_FIRST: u64 = 2;
 const PROBE_MAX: u64 = 256;
 
 /// Chooses, by measurement, how passes that could read experts in place
-/// route. Which is faster depends on the misses and the bus: a kernel
-/// reads host memory over PCIe at well below the DMA engines' rate (H200:
-/// about 22 against 52 GB/s), so reading in place wins when few experts
-/// miss (no round trip per layer, one graph per step) and loses when many
-/// do. Both give the same bits, so the choice is free to change: each
+/// route. Which is faster depends on the misses, the bus and the cache:
+/// kernels reading host memory in place stall on the bus as they compute
+/// (H200, every expert missing: 43 GB/s against 49 for the host route's
+/// copies), and the few promotions per step leave the cache colder than
+/// promoting every staged miss does. Reading in place wins when few
+/// experts miss (no round trip per layer, one graph per step; on the
+/// synthetic 30B-A3B, 8 GiB of VRAM: 260 against 185 tok/s) and loses
+/// when most do (2 GiB: 44 against 47.5). Both give the same bits, so the
+/// choice is free to change: each
 /// epoch of passes is timed, the faster route is kept, and the other is
 /// probed again now and then (less often while it keeps losing).
 #[derive(Clone, Debug)]
