@@ -10,7 +10,8 @@
 //! cache, attention per sequence, output projection) and the FFN (dense
 //! SwiGLU, or the MoE block: router logits read back, rows routed on the
 //! host with the GPU tier's portable routing, or on the device when
-//! every expert of the layer is in VRAM; experts through [`ExpertTier`],
+//! the device knows where every expert is (VRAM, or pinned RAM read in
+//! place); experts through [`ExpertTier`],
 //! shared expert, combine) with residual adds; the head normalizes and
 //! projects the rows that want logits, a few at a time, and reads them
 //! back. Every pass ends with the compute stream drained, so pinned host
