@@ -465,7 +465,8 @@ pub(crate) struct ExpertCounters {
     pub copied: u64,
     pub h2d_bytes: u64,
     pub promotions: u64,
-    /// MoE layers routed and planned on the device (the device table knows where every expert is).
+    /// MoE layers routed and planned on the device (the device table
+    /// knows where every expert is).
     pub device_routed: u64,
     /// Experts of the next MoE layer copied into cache slots ahead of its
     /// routing ([`ExpertTier::stage_ahead`]), their bytes (also in

@@ -886,7 +886,8 @@ impl State {
     }
 
     /// Whether this pass can run as a captured graph: every MoE layer
-    /// routes on the device (all experts resident, few rows), nothing
+    /// routes on the device (the device table knows where every expert is,
+    /// few rows), nothing
     /// streams, the logits fit one head chunk (or a stage before the last
     /// hands its hidden rows on), and no profile is taken.
     fn graphable(&self, n: usize, wanted: &[(usize, usize)]) -> bool {

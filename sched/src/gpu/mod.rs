@@ -357,7 +357,8 @@ pub struct GpuStats {
     /// RAM-tier arenas registered with CUDA (copies from them are DMA).
     pub arenas_registered: usize,
     pub dense_resident_blocks: usize,
-    /// MoE layers routed and planned on the device (the device table knows where every expert is;
+    /// MoE layers routed and planned on the device (the device table
+    /// knows where every expert is;
     /// counted when issued: a replayed graph repeats them uncounted).
     pub device_routed_layers: u64,
     /// Decode steps captured as graphs.
