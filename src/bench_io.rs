@@ -857,6 +857,17 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             g.ahead_copied as f64 / tokens as f64,
             percent((g.ahead_copied > 0).then(|| g.ahead_used as f64 / g.ahead_copied as f64))
         );
+        if g.in_place_passes > 0 || g.route_switches > 0 {
+            println!(
+                "read in place from pinned RAM: {:.1} experts ({}) per token, in {} of {} steps \
+                 ({} route switches)",
+                g.in_place_reads as f64 / tokens as f64,
+                ByteSize(g.in_place_bytes / tokens),
+                g.in_place_passes,
+                g.passes,
+                g.route_switches
+            );
+        }
     }
     let l = &run.read_latency_us;
     println!(

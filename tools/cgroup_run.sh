@@ -27,6 +27,13 @@ sync; echo 1 > /proc/sys/vm/drop_caches 2>/dev/null || true
 set +e
 bash -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' _ "$dir" "$@"
 status=$?
+# What the cap did to the page cache: file-backed pages charged, major
+# faults, and file pages refaulted after reclaim (mapped weights re-read).
+if [[ -f "$dir/memory.stat" ]]; then
+    grep -E '^(anon|file|file_mapped|pgmajfault|workingset_refault_file|workingset_refault) ' \
+        "$dir/memory.stat" | tr '\n' ' ' | sed 's/^/cgroup memory.stat: /' >&2
+    echo >&2
+fi
 if [[ -f "$dir/memory.max_usage_in_bytes" ]]; then
     echo "cgroup peak memory: $(cat "$dir/memory.max_usage_in_bytes") bytes (limit $limit)" >&2
 elif [[ -f "$dir/memory.peak" ]]; then
