@@ -105,6 +105,10 @@ pub struct BenchIoArgs {
     /// --model: decode without reading predicted experts ahead.
     #[arg(long, conflicts_with = "compare_prefetch")]
     pub no_prefetch: bool,
+    /// --model: how cached experts are chosen for eviction (lru or slru,
+    /// as on the model commands).
+    #[arg(long, value_name = "lru|slru", default_value = "lru")]
+    pub eviction: colibri_sched::tier::EvictionPolicy,
     /// --model: the predictor of the main run.
     #[arg(
         long,
@@ -336,6 +340,7 @@ fn decode_run(
         usage: UsageMode::Off,
         // CPU tiles only for experts the CPU will compute.
         tile_q4_0: !colibri_sched::gpu::likely(&gpu),
+        policy: args.eviction,
         ..TierOptions::default()
     };
     colibri_sched::gpu::preflight(&gpu).with_context(|| format!("--device {}", args.device))?;

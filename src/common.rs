@@ -42,6 +42,11 @@ pub struct ModelArgs {
     /// budget when a usage history exists, else nothing.
     #[arg(long, value_name = "SIZE")]
     pub pin_budget: Option<ByteSize>,
+    /// How cached experts are chosen for eviction: least recently used, or
+    /// segmented LRU (experts used again while cached are protected from
+    /// one-off uses).
+    #[arg(long, value_name = "lru|slru", default_value = "lru")]
+    pub eviction: colibri_sched::tier::EvictionPolicy,
     /// How experts are read: io_uring, a pread thread pool, or io_uring with a
     /// fallback to pread where the kernel refuses it.
     #[arg(long, value_name = "auto|uring|pread", default_value = "auto")]
@@ -130,6 +135,7 @@ impl ModelArgs {
             },
             // CPU tiles only for experts the CPU will compute.
             tile_q4_0: !colibri_sched::gpu::likely(&self.gpu_options()),
+            policy: self.eviction,
             ..TierOptions::default()
         }
     }
