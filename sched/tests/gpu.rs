@@ -242,28 +242,61 @@ fn gpu_is_bit_identical_across_vram_and_ram_budgets() {
     }
 }
 
+/// A fixture's all-in-VRAM run (teacher-forced logits' bits and greedy
+/// tokens) and the VRAM budgets that hold its dense weights and KV cache
+/// plus a few expert slots.
+struct SlotBudgets {
+    name: String,
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    want: (Vec<u32>, Vec<u32>),
+    /// Dense weights and KV cache.
+    small: u64,
+    /// One expert slot (the first size class).
+    slot: u64,
+}
+
+impl SlotBudgets {
+    fn of(model: &std::path::Path) -> SlotBudgets {
+        let (prompt, tokens) = reference_tokens(model);
+        let full = engine(model, DeviceChoice::Cuda, None, None, 512);
+        let plan = full.gpu.as_ref().unwrap().plan().clone();
+        let mut b = SlotBudgets {
+            name: model.display().to_string(),
+            prompt,
+            tokens,
+            want: (Vec::new(), Vec::new()),
+            small: plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes,
+            slot: plan.classes.first().map_or(0, |c| c.slot_bytes),
+        };
+        b.want = b.run(&full);
+        b
+    }
+
+    fn budget(&self, slots: u64) -> u64 {
+        self.small + slots * self.slot
+    }
+
+    fn run(&self, e: &Engine) -> (Vec<u32>, Vec<u32>) {
+        let tf = teacher_forced(e, &self.tokens, 4);
+        (bits(&tf), greedy(e, &self.prompt, 16))
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn copying_experts_ahead_changes_no_bit() {
     let mut exercised = 0;
     for model in models() {
-        let name = model.display().to_string();
-        let (prompt, tokens) = reference_tokens(&model);
-        let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
-        let plan = full.gpu.as_ref().unwrap().plan().clone();
-        let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
         // Dense weights and KV cache in VRAM, a few expert slots: layers
         // route on the host, and the cache churns.
-        let small = plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes;
-        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
-            let tf = teacher_forced(e, &tokens, 4);
-            (bits(&tf), greedy(e, &prompt, 16))
-        };
-        let want = run(&full);
+        let b = SlotBudgets::of(&model);
+        let (name, want) = (&b.name, &b.want);
+        let run = |e: &Engine| b.run(e);
         for (slots, ahead, rows) in [(0, 8, 4), (4, 1, 4), (4, 8, 1), (12, 8, 4), (12, 0, 4)] {
             let opts = GpuOptions {
                 device: DeviceChoice::Cuda,
-                vram_budget: Some(small + slots * slot),
+                vram_budget: Some(b.budget(slots)),
                 max_rows: rows,
                 ahead,
                 ..GpuOptions::default()
@@ -304,17 +337,9 @@ fn copying_experts_ahead_changes_no_bit() {
 fn reading_experts_in_place_changes_no_bit() {
     let (mut promoted, mut switched) = (0, 0);
     for model in models() {
-        let name = model.display().to_string();
-        let (prompt, tokens) = reference_tokens(&model);
-        let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
-        let plan = full.gpu.as_ref().unwrap().plan().clone();
-        let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
-        let small = plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes;
-        let run = |e: &Engine| -> (Vec<u32>, Vec<u32>) {
-            let tf = teacher_forced(e, &tokens, 4);
-            (bits(&tf), greedy(e, &prompt, 16))
-        };
-        let want = run(&full);
+        let b = SlotBudgets::of(&model);
+        let (name, want) = (&b.name, &b.want);
+        let run = |e: &Engine| b.run(e);
         // Few or no VRAM slots, RAM holding every expert: decode layers
         // route on the device and read the experts without a slot from
         // pinned RAM; with 512 rows a pass the prompt routes on the host.
@@ -322,7 +347,7 @@ fn reading_experts_in_place_changes_no_bit() {
         {
             let opts = GpuOptions {
                 device: DeviceChoice::Cuda,
-                vram_budget: Some(small + slots * slot),
+                vram_budget: Some(b.budget(slots)),
                 max_rows: rows,
                 in_place,
                 ..GpuOptions::default()

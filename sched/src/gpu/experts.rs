@@ -660,12 +660,7 @@ impl ExpertTier {
                 // readers are ordered before the copy (the wait above),
                 // and its next readers wait for the event (lease in
                 // `moe_layer`, promotion in `flush`).
-                let (done, bytes) = unsafe { copy_expert(dev, &shape, &w, buf, slot.slot * sb)? };
-                let done = match done {
-                    Some(d) => d,
-                    None => dev.record_copy()?,
-                };
-                Ok((done, bytes))
+                unsafe { copy_expert_event(dev, &shape, &w, buf, slot.slot * sb) }
             })();
             match copied {
                 Ok((done, bytes)) => {
@@ -1511,6 +1506,26 @@ unsafe fn copy_expert(
         }
     }
     Ok((last, bytes))
+}
+
+/// [`copy_expert`], with an event even when there was nothing to copy.
+///
+/// # Safety
+/// As [`copy_expert`].
+unsafe fn copy_expert_event(
+    dev: &CudaDevice,
+    shape: &ExpertShape,
+    w: &ExpertWeights,
+    buf: &mut DeviceBuffer<u8>,
+    at: usize,
+) -> Result<(Event, u64), GpuError> {
+    // SAFETY: the caller's contract is copy_expert's.
+    let (done, bytes) = unsafe { copy_expert(dev, shape, w, buf, at)? };
+    let done = match done {
+        Some(d) => d,
+        None => dev.record_copy()?,
+    };
+    Ok((done, bytes))
 }
 
 fn bytemuck_f32(v: &[f32]) -> &[u8] {

@@ -36,7 +36,7 @@ use colibri_model::experts::{ExpertSource, ExpertWeights};
 
 use super::super::slots::{Reserve, VramResidency};
 use super::super::{Dims, GpuError};
-use super::{ExpertShape, ExpertTier, MoeBufs, bytemuck_f32, copy_expert, stored_bytes};
+use super::{ExpertShape, ExpertTier, MoeBufs, bytemuck_f32, copy_expert_event, stored_bytes};
 
 /// Missed experts promoted into VRAM per device-routed pass at most, once
 /// the cache has no free slot (while it has, every miss is promoted). Each
@@ -410,12 +410,7 @@ impl ExpertTier {
                 // above) and no kernel runs on it: the last pass drained,
                 // and this one reads it only after `settle` has waited for
                 // the event below.
-                let (done, bytes) = unsafe { copy_expert(dev, &shape, w, buf, slot.slot * sb)? };
-                let done = match done {
-                    Some(d) => d,
-                    None => dev.record_copy()?,
-                };
-                Ok((done, bytes))
+                unsafe { copy_expert_event(dev, &shape, w, buf, slot.slot * sb) }
             })();
             match copied {
                 Ok((done, bytes)) => {
