@@ -984,6 +984,11 @@ fn open(engine: &Engine, opts: &GpuOptions) -> Result<GpuTier, GpuError> {
             // loaded into it now and the device reads those without a
             // VRAM slot in place: layers still route on the device.
             let t0 = std::time::Instant::now();
+            tracing::info!(
+                "GPU tier: loading all {} routed experts into pinned RAM, so that {device} can \
+                 read those without a VRAM slot in place (a read of every expert not yet in RAM)",
+                plan.classes.iter().map(|c| c.experts).sum::<usize>()
+            );
             let n = state.map_ram(engine.experts.as_ref())?;
             if n > 0 {
                 tracing::info!(
