@@ -226,29 +226,30 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
                 const float* __restrict__ shared_gate, float* __restrict__ out, u32 k,
                 u32 hidden, u32 accumulate) {
     pdl_entry();
-    __shared__ u32 order[CB_MAX_K];
+    __shared__ u32 ids[CB_MAX_K];
+    __shared__ u64 src[CB_MAX_K];   // slot_out row of the j-th summand
+    __shared__ float wt[CB_MAX_K];  // its weight
     const u64 row = blockIdx.y;
-    if (threadIdx.x == 0) {
-        // Stable insertion sort of the slots by expert id (k is small).
-        for (u32 s = 0; s < k; ++s) {
-            const u32 e = experts[row * k + s];
-            u32 j = s;
-            while (j > 0 && experts[row * k + order[j - 1]] > e) {
-                order[j] = order[j - 1];
-                --j;
-            }
-            order[j] = s;
-        }
+    // The slots in ascending expert id, ties by slot (a stable sort): slot
+    // s goes to place #{experts below e_s} + #{earlier slots with e_s}.
+    // Every thread of the first k reads and places one slot, so the block
+    // waits for one round of loads, not a chain of them.
+    if (threadIdx.x < k) ids[threadIdx.x] = experts[row * k + threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x < k) {
+        const u32 s = threadIdx.x, e = ids[s];
+        u32 place = 0;
+        for (u32 j = 0; j < k; ++j) place += (ids[j] < e || (ids[j] == e && j < s)) ? 1u : 0u;
+        src[place] = slot_rows != nullptr ? (u64)slot_rows[row * k + s] : row * k + s;
+        wt[place] = weights[row * k + s];
     }
     __syncthreads();
     const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
     if (i >= hidden) return;
     float acc = 0.0f;
-    for (u32 j = 0; j < k; ++j) {
-        const u32 s = order[j];
-        const u64 sr = slot_rows != nullptr ? (u64)slot_rows[row * k + s] : row * k + s;
-        acc = __fadd_rn(acc, __fmul_rn(slot_out[sr * hidden + i], weights[row * k + s]));
-    }
+    // In order; eight summands' loads in flight at a time.
+#pragma unroll 8
+    for (u32 j = 0; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(slot_out[src[j] * hidden + i], wt[j]));
     if (shared != nullptr) {
         const float sv = shared[row * hidden + i];
         acc = __fadd_rn(acc, shared_gate != nullptr ? __fmul_rn(sigmoid_f32(shared_gate[row]), sv) : sv);
