@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checks and measures the GPU tier (sched/src/gpu) on a machine with an
-# NVIDIA GPU: the matvec kernel tests (cuda/tests/gpu_matvec.rs), the
+# NVIDIA GPU: the kernel tests (cuda/tests/gpu_matvec.rs, gpu_ops.rs), the
 # GPU-vs-CPU and placement-invariance tests (sched/tests/gpu.rs with
 # --exact-quant, sched/tests/gpu_int.rs with the default 8-bit activations;
 # the #[ignore]d ones), `colibri plan`/`run` with
@@ -29,7 +29,7 @@ if [[ "${1:-}" == "--bundle" ]]; then
   mkdir -p "$dir"
   json=$(mktemp)
   cargo test -p colibri-sched --release --test gpu --test gpu_int --no-run --message-format=json >"$json"
-  cargo test -p colibri-cuda --release --test gpu_batch --test gpu_matvec --no-run --message-format=json >>"$json"
+  cargo test -p colibri-cuda --release --test gpu_batch --test gpu_matvec --test gpu_ops --no-run --message-format=json >>"$json"
   cargo build -p colibri-sched --release --example synth_moe --example gpu_decode \
     --message-format=json >>"$json"
   cargo build --release --bin colibri --message-format=json >>"$json"
@@ -83,6 +83,7 @@ step() {
 
 step "colibri-cuda matvec kernels" timeout 120 "$bundle/gpu_matvec" --include-ignored --test-threads=1
 step "colibri-cuda engine helpers" timeout 120 "$bundle/gpu_batch" --include-ignored --test-threads=1
+step "colibri-cuda norm, rope, routing, attention kernels" timeout 180 "$bundle/gpu_ops" --include-ignored --test-threads=1
 step "GPU tier tests" timeout 480 "$bundle/gpu" --include-ignored --test-threads=1
 step "GPU tier tests, 8-bit activations" timeout 240 "$bundle/gpu_int" --include-ignored --test-threads=1
 step "synthetic model" timeout 120 "$bundle/synth_moe" "$synth" $synth_args

@@ -20,12 +20,15 @@
 // Σ e·v the threads form KG = AT_THREADS / dvp groups of dvp (dv rounded up
 // to 128) threads, thread d of a group owning output dim d: group g sums
 // the g-th of KG contiguous slices of the chunk's positions in position
-// order, and the group sums are added in group order. (A decode step is
-// one block per head: the more warps share a chunk, the shorter its serial
-// chains of loads.)
+// order, and the group sums are added in group order.
 //
-// Not yet done (later work): splitting long contexts across blocks
-// (flash-decoding) and sharing K/V loads between the heads of a group.
+// `attention_split` (flash-decoding, for passes of few rows): grid =
+// (heads, rows, S); block z forms chunks z, z + S, ... of its (row, head)
+// exactly as above and stores each chunk's (max, sum, Σ e·v); the block that
+// arrives last (a counter per (row, head), reset by that block) merges all
+// chunks in ascending order with the same recurrence as `attention`. So
+// both kernels give the same bits for every row; a row of one chunk is
+// merged in place by its single block.
 #include "common.cuh"
 
 #define AT_THREADS 512
@@ -33,23 +36,158 @@
 #define AT_CHUNK 256
 #define AT_MAX_DQ 640
 #define AT_MAX_DV 512
+// How many loads a warp keeps in flight changes no bit, only registers
+// and occupancy: `attention` (prefill: many blocks per SM) scores 4 keys
+// a dim at a time and loads 8 values ahead; `attention_split` (decode: a
+// few blocks, each worth its latency) 4 keys 4 dims at a time and 16
+// values ahead (~100 registers: one block per SM).
 #define AT_KEYS 4
-#define AT_VUNROLL 8
 
-extern "C" __global__ void __launch_bounds__(AT_THREADS)
-    attention(const float* __restrict__ q, u32 nh, u32 dA, u32 dB,
-              const float* __restrict__ kA, u32 kA_tstride, u32 kA_hstride,
-              const float* __restrict__ kB, u32 kB_tstride, u32 kB_hstride,
-              const float* __restrict__ v, u32 v_tstride, u32 v_hstride, u32 dv, u32 group,
-              const u32* __restrict__ pos, const u32* __restrict__ slot0, u32 capacity,
-              u32 window, float scale, float* __restrict__ out) {
+struct AtArgs {
+    const float* __restrict__ kA;
+    u32 kA_tstride, kA_hstride;
+    const float* __restrict__ kB;
+    u32 kB_tstride, kB_hstride;
+    const float* __restrict__ v;
+    u32 v_tstride, v_hstride;
+    u32 dA, dB, dv;
+    float scale;
+};
+
+// One key batch's partial dot products over one key part, lanes over dims,
+// DIMS dims of each key loaded before they are used, the FMAs in the order
+// of increasing dim (that of a plain loop over i = lane, lane + 32, …).
+template <int DIMS>
+__device__ __forceinline__ void at_dots(const float* __restrict__ qs, const float* __restrict__ kp,
+                                        u32 tstride, u32 dim, u32 lane, u32 nkeys,
+                                        float (&acc)[AT_KEYS]) {
+    for (u32 i0 = 0; i0 < dim; i0 += 32 * DIMS) {
+        float kv[DIMS][AT_KEYS];
+#pragma unroll
+        for (int u = 0; u < DIMS; ++u) {
+            const u32 i = i0 + 32 * u + lane;
+#pragma unroll
+            for (int j = 0; j < AT_KEYS; ++j)
+                kv[u][j] = (i < dim && (u32)j < nkeys) ? kp[(u64)j * tstride + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < DIMS; ++u) {
+            const u32 i = i0 + 32 * u + lane;
+            if (i < dim) {
+                const float qv = qs[i];
+#pragma unroll
+                for (int j = 0; j < AT_KEYS; ++j)
+                    if ((u32)j < nkeys) acc[j] = fmaf(qv, kv[u][j], acc[j]);
+            }
+        }
+    }
+}
+
+// One chunk [cstart, cend) of one (row, head), slots from s0, KV head kvh:
+// its score max `mc`, Σ exp(s − mc) `lc`, and in the threads that own an
+// output dim of group 0, Σ e·v of that dim `oc`. Ends with a barrier (sc
+// and vpart free again).
+template <int DIMS, int VUNROLL>
+__device__ __forceinline__ void at_chunk(const AtArgs& a, const float* __restrict__ qs, u64 s0,
+                                         u32 kvh, u32 cstart, u32 cend, float* sc,
+                                         float* scratch, float* vpart, float& mc, float& lc,
+                                         float& oc) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 len = cend - cstart;
+    // Each warp scores AT_KEYS keys at a time (their loads in flight
+    // together); every key's dot product is formed exactly as alone.
+    for (u32 t0 = cstart + warp * AT_KEYS; t0 < cend; t0 += AT_WARPS * AT_KEYS) {
+        const u32 nkeys = min((u32)AT_KEYS, cend - t0);
+        float sa[AT_KEYS], sb[AT_KEYS];
+#pragma unroll
+        for (int j = 0; j < AT_KEYS; ++j) {
+            sa[j] = 0.0f;
+            sb[j] = 0.0f;
+        }
+        at_dots<DIMS>(qs, a.kA + (s0 + t0) * a.kA_tstride + (u64)kvh * a.kA_hstride, a.kA_tstride,
+                a.dA, lane, nkeys, sa);
+        if (a.dB != 0)
+            at_dots<DIMS>(qs + a.dA, a.kB + (s0 + t0) * a.kB_tstride + (u64)kvh * a.kB_hstride,
+                    a.kB_tstride, a.dB, lane, nkeys, sb);
+#pragma unroll
+        for (int j = 0; j < AT_KEYS; ++j) {
+            if ((u32)j < nkeys) {
+                float s = warp_sum(sa[j]);
+                if (a.dB != 0) s = __fadd_rn(s, warp_sum(sb[j]));
+                if (lane == 0) sc[t0 + j - cstart] = __fmul_rn(s, a.scale);
+            }
+        }
+    }
+    __syncthreads();
+    float mx = -f32_inf();
+    for (u32 i = threadIdx.x; i < len; i += AT_THREADS) mx = fmaxf(mx, sc[i]);
+    mc = block_max<AT_WARPS>(mx, scratch);
+    float part = 0.0f;
+    for (u32 i = threadIdx.x; i < len; i += AT_THREADS) {
+        const float e = expf(__fsub_rn(sc[i], mc));
+        sc[i] = e;
+        part = __fadd_rn(part, e);
+    }
+    // block_sum's barriers also publish the exps written above.
+    lc = block_sum<AT_WARPS>(part, scratch);
+    const u32 dvp = (a.dv + 127) / 128 * 128;
+    const u32 groups = AT_THREADS / dvp;
+    const u32 kg = threadIdx.x / dvp, d = threadIdx.x % dvp;
+    const bool owns = kg < groups && d < a.dv;
+    const float* vb = a.v + (s0 + cstart) * a.v_tstride + (u64)kvh * a.v_hstride;
+    // Group kg's slice of the chunk, in position order, VUNROLL values
+    // loaded ahead of use.
+    oc = 0.0f;
+    if (owns) {
+        const u32 per = (len + groups - 1) / groups;
+        const u32 t1 = min(len, (kg + 1) * per);
+        u32 t = min(len, kg * per);
+        for (; t + VUNROLL <= t1; t += VUNROLL) {
+            float vv[VUNROLL];
+#pragma unroll
+            for (int u = 0; u < VUNROLL; ++u) vv[u] = vb[(u64)(t + u) * a.v_tstride + d];
+#pragma unroll
+            for (int u = 0; u < VUNROLL; ++u) oc = fmaf(sc[t + u], vv[u], oc);
+        }
+        for (; t < t1; ++t) oc = fmaf(sc[t], vb[(u64)t * a.v_tstride + d], oc);
+        if (kg > 0) vpart[threadIdx.x] = oc;
+    }
+    __syncthreads();
+    // The group sums in group order.
+    if (owns && kg == 0)
+        for (u32 g = 1; g < groups; ++g) oc = __fadd_rn(oc, vpart[g * dvp + d]);
+    __syncthreads();
+}
+
+// The online softmax's merge of one chunk into the running (m, l, o).
+__device__ __forceinline__ void at_merge(float mc, float lc, float oc, float& m, float& l,
+                                         float& o) {
+    const float mn = fmaxf(m, mc);
+    const float a_old = expf(__fsub_rn(m, mn)), a_new = expf(__fsub_rn(mc, mn));
+    o = __fadd_rn(__fmul_rn(o, a_old), __fmul_rn(oc, a_new));
+    l = __fadd_rn(__fmul_rn(l, a_old), __fmul_rn(lc, a_new));
+    m = mn;
+}
+
+#define AT_PARAMS                                                                              \
+    const float *__restrict__ q, u32 nh, u32 dA, u32 dB, const float *__restrict__ kA,         \
+        u32 kA_tstride, u32 kA_hstride, const float *__restrict__ kB, u32 kB_tstride,          \
+        u32 kB_hstride, const float *__restrict__ v, u32 v_tstride, u32 v_hstride, u32 dv,     \
+        u32 group, const u32 *__restrict__ pos, const u32 *__restrict__ slot0, u32 capacity,   \
+        u32 window, float scale, float *__restrict__ out
+
+#define AT_ARGS_INIT                                                                           \
+    const AtArgs args = {kA, kA_tstride, kA_hstride, kB, kB_tstride, kB_hstride, v,            \
+                         v_tstride, v_hstride, dA, dB, dv, scale}
+
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
     pdl_entry();
     __shared__ float qs[AT_MAX_DQ];
     __shared__ float sc[AT_CHUNK];
     __shared__ float scratch[AT_WARPS];
     __shared__ float vpart[AT_THREADS];
+    AT_ARGS_INIT;
     const u32 head = blockIdx.x, row = blockIdx.y;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 kvh = head / group;
     const u32 p = pos[row];
     const u64 s0 = slot0[row];
@@ -63,101 +201,94 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
         for (u32 d = threadIdx.x; d < dv; d += AT_THREADS) orow[d] = __int_as_float(0x7fc00000);
         return;
     }
-
     const float* qr = q + ((u64)row * nh + head) * dq;
     for (u32 i = threadIdx.x; i < dq; i += AT_THREADS) qs[i] = qr[i];
     __syncthreads();
 
-    // This thread's place in the Σ e·v pass: group kg, output dim d.
     const u32 dvp = (dv + 127) / 128 * 128;
-    const u32 groups = AT_THREADS / dvp;
-    const u32 kg = threadIdx.x / dvp, d = threadIdx.x % dvp;
-    const bool owns = kg < groups && d < dv;
-    float o = 0.0f;
-    float m = -f32_inf(), l = 0.0f;
-
+    const bool out_dim = threadIdx.x < dvp && threadIdx.x < dv;  // group 0's owners
+    float o = 0.0f, m = -f32_inf(), l = 0.0f;
     for (u32 cb = first / AT_CHUNK * AT_CHUNK; cb <= p; cb += AT_CHUNK) {
-        const u32 cstart = max(first, cb), cend = min(p + 1, cb + AT_CHUNK);
-        const u32 len = cend - cstart;
-        // Each warp scores AT_KEYS keys at a time (their loads in flight
-        // together); every key's dot product is formed exactly as alone.
-        for (u32 t0 = cstart + warp * AT_KEYS; t0 < cend; t0 += AT_WARPS * AT_KEYS) {
-            float a[AT_KEYS], b[AT_KEYS];
-#pragma unroll
-            for (int j = 0; j < AT_KEYS; ++j) {
-                a[j] = 0.0f;
-                b[j] = 0.0f;
-            }
-            const float* ka = kA + (s0 + t0) * kA_tstride + (u64)kvh * kA_hstride;
-            for (u32 i = lane; i < dA; i += 32) {
-                const float qv = qs[i];
-#pragma unroll
-                for (int j = 0; j < AT_KEYS; ++j)
-                    if (t0 + j < cend) a[j] = fmaf(qv, ka[(u64)j * kA_tstride + i], a[j]);
-            }
-            if (dB != 0) {
-                const float* kb = kB + (s0 + t0) * kB_tstride + (u64)kvh * kB_hstride;
-                for (u32 i = lane; i < dB; i += 32) {
-                    const float qv = qs[dA + i];
-#pragma unroll
-                    for (int j = 0; j < AT_KEYS; ++j)
-                        if (t0 + j < cend) b[j] = fmaf(qv, kb[(u64)j * kB_tstride + i], b[j]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < AT_KEYS; ++j) {
-                if (t0 + j < cend) {
-                    float s = warp_sum(a[j]);
-                    if (dB != 0) s = __fadd_rn(s, warp_sum(b[j]));
-                    if (lane == 0) sc[t0 + j - cstart] = __fmul_rn(s, scale);
-                }
-            }
-        }
-        __syncthreads();
-        float mx = -f32_inf();
-        for (u32 i = threadIdx.x; i < len; i += AT_THREADS) mx = fmaxf(mx, sc[i]);
-        const float mc = block_max<AT_WARPS>(mx, scratch);
-        float part = 0.0f;
-        for (u32 i = threadIdx.x; i < len; i += AT_THREADS) {
-            const float e = expf(__fsub_rn(sc[i], mc));
-            sc[i] = e;
-            part = __fadd_rn(part, e);
-        }
-        // block_sum's barriers also publish the exps written above.
-        const float lc = block_sum<AT_WARPS>(part, scratch);
-        const float mn = fmaxf(m, mc);
-        const float a_old = expf(__fsub_rn(m, mn)), a_new = expf(__fsub_rn(mc, mn));
-        const float* vb = v + (s0 + cstart) * v_tstride + (u64)kvh * v_hstride;
-        // Group kg's slice of the chunk, in position order, AT_VUNROLL
-        // values loaded ahead of use.
-        float oc = 0.0f;
-        if (owns) {
-            const u32 per = (len + groups - 1) / groups;
-            const u32 t1 = min(len, (kg + 1) * per);
-            u32 t = min(len, kg * per);
-            for (; t + AT_VUNROLL <= t1; t += AT_VUNROLL) {
-                float vv[AT_VUNROLL];
-#pragma unroll
-                for (int u = 0; u < AT_VUNROLL; ++u) vv[u] = vb[(u64)(t + u) * v_tstride + d];
-#pragma unroll
-                for (int u = 0; u < AT_VUNROLL; ++u) oc = fmaf(sc[t + u], vv[u], oc);
-            }
-            for (; t < t1; ++t) oc = fmaf(sc[t], vb[(u64)t * v_tstride + d], oc);
-            if (kg > 0) vpart[threadIdx.x] = oc;
-        }
-        __syncthreads();
-        if (owns && kg == 0) {
-            // The group sums in group order.
-            for (u32 g = 1; g < groups; ++g) oc = __fadd_rn(oc, vpart[g * dvp + d]);
-            o = __fadd_rn(__fmul_rn(o, a_old), __fmul_rn(oc, a_new));
-        }
-        l = __fadd_rn(__fmul_rn(l, a_old), __fmul_rn(lc, a_new));
-        m = mn;
-        // The next chunk overwrites sc.
-        __syncthreads();
+        float mc, lc, oc;
+        at_chunk<1, 8>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
+                       vpart, mc, lc, oc);
+        at_merge(mc, lc, oc, m, l, o);
     }
+    if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
+}
 
-    if (owns && kg == 0) orow[d] = __fdiv_rn(o, l);
+// Chunk records of `attention_split`: [rows][heads][chunk_cap][2 + dv]
+// floats (max, sum, Σ e·v by dim); `counters` [rows][heads], zero between
+// launches.
+extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
+    attention_split(AT_PARAMS, u32 splits, u32 chunk_cap, float* __restrict__ part,
+                    u32* __restrict__ counters) {
+    pdl_entry();
+    __shared__ float qs[AT_MAX_DQ];
+    __shared__ float sc[AT_CHUNK];
+    __shared__ float scratch[AT_WARPS];
+    __shared__ float vpart[AT_THREADS];
+    __shared__ u32 ticket;
+    AT_ARGS_INIT;
+    const u32 head = blockIdx.x, row = blockIdx.y, z = blockIdx.z;
+    const u32 kvh = head / group;
+    const u32 p = pos[row];
+    const u64 s0 = slot0[row];
+    const u32 first = (window != 0 && p + 1 > window) ? p + 1 - window : 0;
+    const u32 dq = dA + dB;
+    float* orow = out + ((u64)row * nh + head) * dv;
+    const u32 c0 = first / AT_CHUNK, chunks = p / AT_CHUNK - c0 + 1;
+    // As `attention` (and NaN too where the records would not fit).
+    if (s0 + p >= capacity || chunks > chunk_cap) {
+        if (z == 0)
+            for (u32 d = threadIdx.x; d < dv; d += AT_THREADS) orow[d] = __int_as_float(0x7fc00000);
+        return;
+    }
+    if (z >= chunks) return;
+    const float* qr = q + ((u64)row * nh + head) * dq;
+    for (u32 i = threadIdx.x; i < dq; i += AT_THREADS) qs[i] = qr[i];
+    __syncthreads();
+
+    const u32 dvp = (dv + 127) / 128 * 128;
+    const bool out_dim = threadIdx.x < dvp && threadIdx.x < dv;
+    const u32 rec = 2 + dv;
+    float* base = part + ((u64)row * nh + head) * chunk_cap * rec;
+    if (chunks == 1) {
+        float mc, lc, oc, o = 0.0f, m = -f32_inf(), l = 0.0f;
+        at_chunk<4, 16>(args, qs, s0, kvh, first, p + 1, sc, scratch, vpart, mc, lc, oc);
+        at_merge(mc, lc, oc, m, l, o);
+        if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
+        return;
+    }
+    for (u32 c = z; c < chunks; c += splits) {
+        const u32 cb = (c0 + c) * AT_CHUNK;
+        float mc, lc, oc;
+        at_chunk<4, 16>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
+                        vpart, mc, lc, oc);
+        float* r = base + (u64)c * rec;
+        if (threadIdx.x == 0) {
+            r[0] = mc;
+            r[1] = lc;
+        }
+        if (out_dim) r[2 + threadIdx.x] = oc;
+    }
+    // Publish the records, then count this block in; the last one merges.
+    __threadfence();
+    __syncthreads();
+    u32* counter = counters + (u64)row * nh + head;
+    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+    __syncthreads();
+    if (ticket != min(splits, chunks) - 1) return;
+    __threadfence();
+    float o = 0.0f, m = -f32_inf(), l = 0.0f;
+    for (u32 c = 0; c < chunks; ++c) {
+        const float* r = base + (u64)c * rec;
+        const float mc = __ldcg(r), lc = __ldcg(r + 1);
+        const float oc = out_dim ? __ldcg(r + 2 + threadIdx.x) : 0.0f;
+        at_merge(mc, lc, oc, m, l, o);
+    }
+    if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 // Element (row, col) of a weight matrix in any format, exactly as the CPU

@@ -178,7 +178,7 @@ pub const MODULES: &[ModuleSource] = &[
     ModuleSource {
         name: "attention",
         source: include_str!("../kernels/attention.cu"),
-        kernels: &["attention", "mla_absorb"],
+        kernels: &["attention", "attention_split", "mla_absorb"],
     },
     ModuleSource {
         name: "rows",

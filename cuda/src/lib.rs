@@ -60,4 +60,7 @@ pub use device::{
 pub use error::{CudaError, Result};
 pub use kernels::{Arch, CI_ARCHS, CompiledModule, KernelSet, MODULES, compile_all};
 pub use moe::{DeviceRouter, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MoeRoutePlan};
-pub use ops::{Attention, Fp8Scales, KvView, MatvecGroup, RopeTable, WeightFormat, WeightView};
+pub use ops::{
+    ATTENTION_CHUNK, Attention, AttentionSplit, Fp8Scales, KvView, MatvecGroup, RopeTable,
+    WeightFormat, WeightView, attention_split_records,
+};

@@ -249,6 +249,34 @@ pub struct Attention<'a> {
     pub scale: f32,
 }
 
+/// Positions per attention chunk (`AT_CHUNK` in kernels/attention.cu):
+/// the online softmax merges chunks aligned to position 0.
+pub const ATTENTION_CHUNK: usize = 256;
+
+/// Where [`KernelSet::attention_split`] keeps its chunk records.
+pub struct AttentionSplit<'a> {
+    /// Blocks per (row, head); block z forms chunks z, z + blocks, ….
+    pub blocks: usize,
+    /// Chunks a (row, head) may have (rows with more get NaN).
+    pub chunk_cap: usize,
+    /// At least [`attention_split_records`] floats.
+    pub records: BufMut<'a, f32>,
+    /// `rows·heads` counters, zero before and after each launch.
+    pub counters: BufMut<'a, u32>,
+}
+
+/// Floats of chunk records [`KernelSet::attention_split`] needs.
+pub fn attention_split_records(
+    rows: usize,
+    heads: usize,
+    dim_v: usize,
+    chunk_cap: usize,
+) -> Option<usize> {
+    rows.checked_mul(heads)?
+        .checked_mul(chunk_cap)?
+        .checked_mul(dim_v.checked_add(2)?)
+}
+
 /// The kernels' block sizes (see the .cu files).
 /// Rows a block of the strided-group matvec owns: 8 warps of 1 row for
 /// one token (2 for f32), of 4 for more (MV_PLAIN_ROWS_PER_WARP in
@@ -278,14 +306,14 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 
 /// Kernel arguments as 8-byte slots (see the module docs).
 pub(crate) struct Args {
-    slots: [u64; 24],
+    slots: [u64; 28],
     n: usize,
 }
 
 impl Args {
     pub(crate) fn new() -> Args {
         Args {
-            slots: [0; 24],
+            slots: [0; 28],
             n: 0,
         }
     }
@@ -445,6 +473,100 @@ fn check_group(g: &MatvecGroup<'_>, y: &BufMut<'_, f32>) -> Result<(u64, usize, 
         return Err(CudaError::invalid(K, "y strides make outputs overlap"));
     }
     Ok(scales)
+}
+
+/// The arguments `attention` and `attention_split` share (all but `out`,
+/// which is checked), after checking `at`.
+fn attention_args(kernel: &'static str, at: &Attention<'_>, out: &BufMut<'_, f32>) -> Result<Args> {
+    nonzero(kernel, "rows", at.rows)?;
+    nonzero(kernel, "heads", at.heads)?;
+    nonzero(kernel, "dim_a", at.dim_a)?;
+    nonzero(kernel, "dim_v", at.dim_v)?;
+    nonzero(kernel, "group", at.group)?;
+    nonzero(kernel, "capacity", at.capacity)?;
+    if !at.heads.is_multiple_of(at.group) {
+        return Err(CudaError::invalid(
+            kernel,
+            format!("{} heads in groups of {}", at.heads, at.group),
+        ));
+    }
+    let dq = at.dim_a + at.dim_b;
+    if dq > AT_MAX_DQ || at.dim_v > AT_MAX_DV {
+        return Err(CudaError::invalid(
+            kernel,
+            format!("query dim {dq} > {AT_MAX_DQ} or value dim > {AT_MAX_DV}"),
+        ));
+    }
+    if (at.dim_b == 0) != at.key_b.is_none() {
+        return Err(CudaError::invalid(
+            kernel,
+            "key_b must be given exactly when dim_b > 0",
+        ));
+    }
+    need(
+        kernel,
+        "q",
+        span(kernel, &[(at.rows, at.heads), (0, 0)], 0)
+            .and_then(|rh| span(kernel, &[(rh, dq)], 0))?,
+        at.q.len(),
+    )?;
+    let kv_heads = at.heads / at.group;
+    let check_kv = |what: &str, v: &KvView<'_>, dim: usize| -> Result<()> {
+        need(
+            kernel,
+            what,
+            span(
+                kernel,
+                &[
+                    (at.capacity - 1, v.slot_stride),
+                    (kv_heads - 1, v.head_stride),
+                ],
+                dim,
+            )?,
+            v.data.len(),
+        )
+    };
+    check_kv("key_a", &at.key_a, at.dim_a)?;
+    if let Some(kb) = &at.key_b {
+        check_kv("key_b", kb, at.dim_b)?;
+    }
+    check_kv("value", &at.value, at.dim_v)?;
+    need(kernel, "pos", at.rows, at.pos.len())?;
+    need(kernel, "slot0", at.rows, at.slot0.len())?;
+    need(
+        kernel,
+        "out",
+        span(kernel, &[(at.rows, at.heads), (0, 0)], 0)
+            .and_then(|rh| span(kernel, &[(rh, at.dim_v)], 0))?,
+        out.len(),
+    )?;
+    let kb = at.key_b.unwrap_or(KvView {
+        data: at.key_a.data,
+        slot_stride: 0,
+        head_stride: 0,
+    });
+    let mut a = Args::new();
+    a.ptr(at.q.device_ptr())
+        .u32(u32_arg(kernel, "heads", at.heads)?)
+        .u32(at.dim_a as u32)
+        .u32(at.dim_b as u32)
+        .ptr(at.key_a.data.device_ptr())
+        .u32(u32_arg(kernel, "key_a slot stride", at.key_a.slot_stride)?)
+        .u32(u32_arg(kernel, "key_a head stride", at.key_a.head_stride)?)
+        .ptr(kb.data.device_ptr())
+        .u32(u32_arg(kernel, "key_b slot stride", kb.slot_stride)?)
+        .u32(u32_arg(kernel, "key_b head stride", kb.head_stride)?)
+        .ptr(at.value.data.device_ptr())
+        .u32(u32_arg(kernel, "value slot stride", at.value.slot_stride)?)
+        .u32(u32_arg(kernel, "value head stride", at.value.head_stride)?)
+        .u32(at.dim_v as u32)
+        .u32(u32_arg(kernel, "group", at.group)?)
+        .ptr(at.pos.device_ptr())
+        .ptr(at.slot0.device_ptr())
+        .u32(u32_arg(kernel, "capacity", at.capacity)?)
+        .u32(u32_arg(kernel, "window", at.window.unwrap_or(0))?)
+        .f32(at.scale);
+    Ok(a)
 }
 
 impl KernelSet {
@@ -1262,95 +1384,8 @@ impl KernelSet {
         at: &Attention<'_>,
         out: BufMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "attention";
-        nonzero(K, "rows", at.rows)?;
-        nonzero(K, "heads", at.heads)?;
-        nonzero(K, "dim_a", at.dim_a)?;
-        nonzero(K, "dim_v", at.dim_v)?;
-        nonzero(K, "group", at.group)?;
-        nonzero(K, "capacity", at.capacity)?;
-        if !at.heads.is_multiple_of(at.group) {
-            return Err(CudaError::invalid(
-                K,
-                format!("{} heads in groups of {}", at.heads, at.group),
-            ));
-        }
-        let dq = at.dim_a + at.dim_b;
-        if dq > AT_MAX_DQ || at.dim_v > AT_MAX_DV {
-            return Err(CudaError::invalid(
-                K,
-                format!("query dim {dq} > {AT_MAX_DQ} or value dim > {AT_MAX_DV}"),
-            ));
-        }
-        if (at.dim_b == 0) != at.key_b.is_none() {
-            return Err(CudaError::invalid(
-                K,
-                "key_b must be given exactly when dim_b > 0",
-            ));
-        }
-        need(
-            K,
-            "q",
-            span(K, &[(at.rows, at.heads), (0, 0)], 0).and_then(|rh| span(K, &[(rh, dq)], 0))?,
-            at.q.len(),
-        )?;
-        let kv_heads = at.heads / at.group;
-        let check_kv = |what: &str, v: &KvView<'_>, dim: usize| -> Result<()> {
-            need(
-                K,
-                what,
-                span(
-                    K,
-                    &[
-                        (at.capacity - 1, v.slot_stride),
-                        (kv_heads - 1, v.head_stride),
-                    ],
-                    dim,
-                )?,
-                v.data.len(),
-            )
-        };
-        check_kv("key_a", &at.key_a, at.dim_a)?;
-        if let Some(kb) = &at.key_b {
-            check_kv("key_b", kb, at.dim_b)?;
-        }
-        check_kv("value", &at.value, at.dim_v)?;
-        need(K, "pos", at.rows, at.pos.len())?;
-        need(K, "slot0", at.rows, at.slot0.len())?;
-        need(
-            K,
-            "out",
-            span(K, &[(at.rows, at.heads), (0, 0)], 0)
-                .and_then(|rh| span(K, &[(rh, at.dim_v)], 0))?,
-            out.len(),
-        )?;
-        let kb = at.key_b.unwrap_or(KvView {
-            data: at.key_a.data,
-            slot_stride: 0,
-            head_stride: 0,
-        });
-        let mut a = Args::new();
-        a.ptr(at.q.device_ptr())
-            .u32(u32_arg(K, "heads", at.heads)?)
-            .u32(at.dim_a as u32)
-            .u32(at.dim_b as u32)
-            .ptr(at.key_a.data.device_ptr())
-            .u32(u32_arg(K, "key_a slot stride", at.key_a.slot_stride)?)
-            .u32(u32_arg(K, "key_a head stride", at.key_a.head_stride)?)
-            .ptr(kb.data.device_ptr())
-            .u32(u32_arg(K, "key_b slot stride", kb.slot_stride)?)
-            .u32(u32_arg(K, "key_b head stride", kb.head_stride)?)
-            .ptr(at.value.data.device_ptr())
-            .u32(u32_arg(K, "value slot stride", at.value.slot_stride)?)
-            .u32(u32_arg(K, "value head stride", at.value.head_stride)?)
-            .u32(at.dim_v as u32)
-            .u32(u32_arg(K, "group", at.group)?)
-            .ptr(at.pos.device_ptr())
-            .ptr(at.slot0.device_ptr())
-            .u32(u32_arg(K, "capacity", at.capacity)?)
-            .u32(u32_arg(K, "window", at.window.unwrap_or(0))?)
-            .f32(at.scale)
-            .ptr(out.device_ptr());
+        let mut a = attention_args("attention", at, &out)?;
+        a.ptr(out.device_ptr());
         // SAFETY: 21 arguments as attention in kernels/attention.cu (ptr,
         // u32 ×3, ptr, u32 ×2, ptr, u32 ×2, ptr, u32 ×4, ptr, ptr, u32 ×2,
         // f32, ptr); every cache view holds `capacity` slots of every KV
@@ -1360,7 +1395,53 @@ impl KernelSet {
             self.launch(
                 dev,
                 "attention",
-                grid(K, at.heads, at.rows, 1)?,
+                grid("attention", at.heads, at.rows, 1)?,
+                AT_THREADS,
+                &mut a,
+            )
+        }
+    }
+
+    /// [`KernelSet::attention`] with each (row, head)'s chunks of
+    /// [`ATTENTION_CHUNK`] positions spread over `split.blocks` blocks
+    /// (flash-decoding): the same bits, for passes with too few rows to
+    /// fill the device otherwise. `split.records` holds at least
+    /// [`attention_split_records`] floats; `split.counters` `rows·heads`
+    /// zeros, which the launch leaves zero again. A row with more than
+    /// `split.chunk_cap` chunks is answered with NaN.
+    pub fn attention_split(
+        &self,
+        dev: &CudaDevice,
+        at: &Attention<'_>,
+        split: AttentionSplit<'_>,
+        out: BufMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention_split";
+        let mut a = attention_args(K, at, &out)?;
+        nonzero(K, "blocks", split.blocks)?;
+        nonzero(K, "chunk_cap", split.chunk_cap)?;
+        need(
+            K,
+            "records",
+            attention_split_records(at.rows, at.heads, at.dim_v, split.chunk_cap)
+                .ok_or_else(|| CudaError::invalid(K, "sizes overflow"))?,
+            split.records.len(),
+        )?;
+        need(K, "counters", at.rows * at.heads, split.counters.len())?;
+        a.ptr(out.device_ptr())
+            .u32(u32_arg(K, "blocks", split.blocks)?)
+            .u32(u32_arg(K, "chunk_cap", split.chunk_cap)?)
+            .ptr(split.records.device_ptr())
+            .ptr(split.counters.device_ptr());
+        // SAFETY: attention's 21 arguments, then u32 ×2, ptr, ptr as
+        // attention_split in kernels/attention.cu; the records hold
+        // chunk_cap records of 2 + dim_v floats per (row, head) and the
+        // kernel writes only below chunk_cap; one counter per (row, head).
+        unsafe {
+            self.launch(
+                dev,
+                K,
+                grid(K, at.heads, at.rows, split.blocks)?,
                 AT_THREADS,
                 &mut a,
             )

@@ -16,7 +16,10 @@
 
 mod common;
 
-use colibri_cuda::{Attention, KvView, RopeTable, WeightFormat, WeightView};
+use colibri_cuda::{
+    ATTENTION_CHUNK, Attention, AttentionSplit, KvView, RopeTable, WeightFormat, WeightView,
+    attention_split_records,
+};
 use common::*;
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -639,6 +642,154 @@ fn gqa_attention_matches_f64_and_is_batch_invariant() {
             .iter()
             .all(|v| v.is_nan())
     );
+}
+
+/// `attention_split` (a (row, head)'s chunks over several blocks, merged
+/// by the last to finish) gives `attention`'s bits: GQA and MLA shapes,
+/// rows of one to twelve chunks, sliding windows, 1 to 16 blocks, passes of
+/// one and two rows, twice in a row (the counters are left at zero); a row
+/// with more chunks than the records hold gets NaN.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn split_attention_has_the_bits_of_attention() {
+    let g = gpu();
+    let mut rng = rng(750);
+    let capacity = 3000usize;
+    let chunk_cap = capacity.div_ceil(ATTENTION_CHUNK);
+    // (heads, group, dim_a, dim_b, dim_v, kv heads' stride): GQA with 128-dim
+    // heads, then MLA's latent (the value is the key's first part) and a
+    // rotary part, all heads on one latent.
+    for (nh, group, da, db, dv) in [
+        (8usize, 4usize, 128usize, 0usize, 128usize),
+        (4, 4, 80, 24, 80),
+    ] {
+        let nkv = nh / group;
+        let ka = nonzero(&mut rng, capacity * nkv * da, 0.01, 1.0);
+        let kb = nonzero(&mut rng, capacity * nkv * db.max(1), 0.01, 1.0);
+        let vv = nonzero(&mut rng, capacity * nkv * dv, 0.01, 1.0);
+        let (kab, kbb, vb) = (upload(&ka), upload(&kb), upload(&vv));
+        let scale = 0.09f32;
+        // (position, slot0) pairs: within one chunk, on chunk edges, many
+        // chunks, a second sequence further into the cache.
+        let rows: [(u32, u32); 9] = [
+            (0, 0),
+            (255, 0),
+            (256, 0),
+            (700, 0),
+            (1023, 0),
+            (2999, 0),
+            (1500, 1400),
+            (511, 2400),
+            (2200, 700),
+        ];
+        let mut counters = g.dev.upload(&vec![0u32; 2 * nh]).unwrap();
+        let mut records = g
+            .dev
+            .alloc::<f32>(attention_split_records(2, nh, dv, chunk_cap).unwrap())
+            .unwrap();
+        for window in [None, Some(300usize), Some(7)] {
+            for pair in [
+                &rows[0..1],
+                &rows[1..3],
+                &rows[3..4],
+                &rows[4..6],
+                &rows[6..8],
+                &rows[8..9],
+                &rows[5..6],
+            ] {
+                let m = pair.len();
+                let q = nonzero(&mut rng, m * nh * (da + db), 0.01, 1.0);
+                let pos: Vec<u32> = pair.iter().map(|r| r.0).collect();
+                let s0: Vec<u32> = pair.iter().map(|r| r.1).collect();
+                let (qb, pb, sb) = (upload(&q), upload(&pos), upload(&s0));
+                let view = |data, d: usize| KvView {
+                    data,
+                    slot_stride: nkv * d,
+                    head_stride: d,
+                };
+                let at = Attention {
+                    q: qb.as_view(),
+                    rows: m,
+                    heads: nh,
+                    dim_a: da,
+                    dim_b: db,
+                    dim_v: dv,
+                    group,
+                    key_a: view(kab.as_view(), da),
+                    key_b: (db > 0).then(|| view(kbb.as_view(), db)),
+                    value: view(vb.as_view(), dv),
+                    capacity,
+                    pos: pb.as_view(),
+                    slot0: sb.as_view(),
+                    window,
+                    scale,
+                };
+                let mut want = poisoned(m * nh * dv);
+                g.k.attention(&g.dev, &at, want.as_mut()).unwrap();
+                let want = g.dev.download(want.as_view()).unwrap();
+                for blocks in [1usize, 3, 16] {
+                    for round in 0..2 {
+                        let mut out = poisoned(m * nh * dv);
+                        let split = AttentionSplit {
+                            blocks,
+                            chunk_cap,
+                            records: records.as_mut(),
+                            counters: counters.as_mut(),
+                        };
+                        g.k.attention_split(&g.dev, &at, split, out.as_mut())
+                            .unwrap();
+                        assert_bits(
+                            &format!(
+                                "split attention heads={nh} dim_b={db} rows={pair:?} \
+                                 window={window:?} blocks={blocks} round {round}"
+                            ),
+                            &g.dev.download(out.as_view()).unwrap(),
+                            &want,
+                        );
+                        assert!(
+                            g.dev
+                                .download(counters.as_view())
+                                .unwrap()
+                                .iter()
+                                .all(|&c| c == 0),
+                            "counters left non-zero"
+                        );
+                    }
+                }
+                // Records for fewer chunks than a row has: that row is NaN,
+                // the others keep their bits.
+                let cap = 2usize;
+                let mut out = poisoned(m * nh * dv);
+                let split = AttentionSplit {
+                    blocks: 2,
+                    chunk_cap: cap,
+                    records: records.as_mut(),
+                    counters: counters.as_mut(),
+                };
+                g.k.attention_split(&g.dev, &at, split, out.as_mut())
+                    .unwrap();
+                let got = g.dev.download(out.as_view()).unwrap();
+                for (i, &(p, _)) in pair.iter().enumerate() {
+                    let p = p as usize;
+                    let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                    let chunks = p / ATTENTION_CHUNK - first / ATTENTION_CHUNK + 1;
+                    let row = &got[i * nh * dv..(i + 1) * nh * dv];
+                    if chunks > cap {
+                        assert!(
+                            row.iter().all(|v| v.is_nan()),
+                            "row of {chunks} chunks not NaN"
+                        );
+                    } else {
+                        assert_bits(
+                            "split attention within its records",
+                            row,
+                            &want[i * nh * dv..(i + 1) * nh * dv],
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// MLA in absorbed form: query absorption through kv_b (bf16 and q8_0),

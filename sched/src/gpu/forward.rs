@@ -27,9 +27,10 @@
 use std::sync::Arc;
 
 use colibri_cuda::{
-    Attention, BufMut, BufView, CudaDevice, DeviceBuffer, DeviceRouter, Event, Graph, HostBuffer,
-    HostRegistration, KernelSet, KvView, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MatvecGroup,
-    RopeTable, WeightView,
+    ATTENTION_CHUNK, Attention, AttentionSplit, BufMut, BufView, CudaDevice, DeviceBuffer,
+    DeviceRouter, Event, Graph, HostBuffer, HostRegistration, KernelSet, KvView,
+    MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MatvecGroup, RopeTable, WeightView,
+    attention_split_records,
 };
 use colibri_io::PinnedArena;
 use colibri_model::config::{QkNorm, RouterKind};
@@ -72,10 +73,27 @@ struct ScratchSizes {
     rows: usize,
     hn: usize,
     lg: usize,
+    /// attention_split's chunk records and counters, and the chunks a row
+    /// may have.
+    at_rec: usize,
+    at_cnt: usize,
+    at_chunks: usize,
 }
 
-fn sizes(d: &Dims, mla_fallback: bool) -> ScratchSizes {
+/// Passes of up to this many rows spread each (row, head)'s attention
+/// chunks over several blocks (`attention_split`): a decode step's few
+/// (row, head) pairs leave most of the device idle otherwise.
+pub(super) const SPLIT_ROWS: usize = 2;
+/// Blocks per (row, head) of a split attention launch.
+pub(super) const SPLIT_BLOCKS: usize = 16;
+
+fn sizes(d: &Dims, mla_fallback: bool, rope_positions: usize) -> ScratchSizes {
     let r = d.max_rows;
+    let (heads, dim_v) = match d.attn {
+        AttnDims::Gqa { nh, hd, .. } => (nh, hd),
+        AttnDims::Mla { nh, r: rank, .. } => (nh, rank),
+    };
+    let at_chunks = rope_positions.div_ceil(ATTENTION_CHUNK).max(1);
     let (q, kv, ql, ckv, qa, ctx, mo, mtmp) = match d.attn {
         AttnDims::Gqa { nh, nkv, hd, .. } => (nh * hd, nkv * hd, 0, 0, 0, nh * hd, 0, 0),
         AttnDims::Mla {
@@ -114,6 +132,10 @@ fn sizes(d: &Dims, mla_fallback: bool) -> ScratchSizes {
         rows: r,
         hn: LM_ROWS * d.hidden,
         lg: LM_ROWS * d.vocab,
+        at_rec: attention_split_records(SPLIT_ROWS.min(r), heads, dim_v, at_chunks)
+            .unwrap_or(usize::MAX),
+        at_cnt: SPLIT_ROWS.min(r) * heads,
+        at_chunks,
     }
 }
 
@@ -137,7 +159,7 @@ fn mla_needs_fallback(model: &Model) -> bool {
 
 /// Device bytes of scratch, MoE buffers and rotary tables (planner).
 pub(crate) fn scratch_bytes(d: &Dims, rope_positions: usize, model: &Model) -> u64 {
-    let s = sizes(d, mla_needs_fallback(model));
+    let s = sizes(d, mla_needs_fallback(model), rope_positions);
     let floats = 3 * s.hidden_rows
         + s.q
         + 2 * s.kv
@@ -152,8 +174,9 @@ pub(crate) fn scratch_bytes(d: &Dims, rope_positions: usize, model: &Model) -> u
         + s.rows
         + s.rl
         + s.hn
-        + s.lg;
-    let u32s = 2 * s.rows + LM_ROWS;
+        + s.lg
+        + s.at_rec;
+    let u32s = 2 * s.rows + LM_ROWS + s.at_cnt;
     let rope = super::rope_of(model).dim() * rope_positions;
     (4 * (floats + u32s + rope)) as u64 + MoeBufs::device_bytes(d)
 }
@@ -181,6 +204,10 @@ struct Scratch {
     want: DeviceBuffer<u32>,
     hn: DeviceBuffer<f32>,
     lg: DeviceBuffer<f32>,
+    at_rec: DeviceBuffer<f32>,
+    /// Zero between launches (attention_split leaves them so).
+    at_cnt: DeviceBuffer<u32>,
+    at_chunks: usize,
 }
 
 /// Pinned host buffers of a pass.
@@ -506,7 +533,7 @@ impl State {
         stage: StageOf,
     ) -> Result<State, GpuError> {
         let mla_fallback = mla_needs_fallback(model);
-        let z = sizes(&dims, mla_fallback);
+        let z = sizes(&dims, mla_fallback, rope_positions);
         let f = |n: usize| zeros::<f32>(&dev, n);
         let s = Scratch {
             x: f(z.hidden_rows)?,
@@ -531,6 +558,9 @@ impl State {
             want: zeros::<u32>(&dev, LM_ROWS)?,
             hn: f(z.hn)?,
             lg: f(z.lg)?,
+            at_rec: f(z.at_rec)?,
+            at_cnt: zeros::<u32>(&dev, z.at_cnt)?,
+            at_chunks: z.at_chunks,
         };
         let io = HostIo {
             x: dev.alloc_host(4 * z.hidden_rows)?,

@@ -4,6 +4,29 @@
 
 use super::*;
 
+/// Attention of one sequence's rows: split over several blocks per (row,
+/// head) for a pass of few rows (the same bits either way).
+fn attend(
+    k: &KernelSet,
+    dev: &CudaDevice,
+    at: &Attention<'_>,
+    records: &mut DeviceBuffer<f32>,
+    counters: &mut DeviceBuffer<u32>,
+    chunk_cap: usize,
+    out: BufMut<'_, f32>,
+) -> Result<(), GpuError> {
+    if at.rows > SPLIT_ROWS {
+        return Ok(k.attention(dev, at, out)?);
+    }
+    let split = AttentionSplit {
+        blocks: SPLIT_BLOCKS.min(chunk_cap),
+        chunk_cap,
+        records: records.as_mut(),
+        counters: counters.as_mut(),
+    };
+    Ok(k.attention_split(dev, at, split, out)?)
+}
+
 impl State {
     pub(super) fn attention(
         &mut self,
@@ -284,8 +307,15 @@ impl State {
                 window,
                 scale,
             };
-            self.k
-                .attention(&self.dev, &at, self.s.ctx.view_mut(r0 * qd..(r0 + m) * qd)?)?;
+            attend(
+                &self.k,
+                &self.dev,
+                &at,
+                &mut self.s.at_rec,
+                &mut self.s.at_cnt,
+                self.s.at_chunks,
+                self.s.ctx.view_mut(r0 * qd..(r0 + m) * qd)?,
+            )?;
         }
         let base = self.dense.view(l)?;
         linear(
@@ -485,9 +515,13 @@ impl State {
                 window: None,
                 scale,
             };
-            self.k.attention(
+            attend(
+                &self.k,
                 &self.dev,
                 &at,
+                &mut self.s.at_rec,
+                &mut self.s.at_cnt,
+                self.s.at_chunks,
                 self.s.ctx.view_mut(r0 * ctxw..(r0 + m) * ctxw)?,
             )?;
         }
