@@ -242,6 +242,81 @@ fn gpu_is_bit_identical_across_vram_and_ram_budgets() {
     }
 }
 
+/// A KV cache that grows past half of its VRAM grant (a doubling holds the
+/// old and the grown cache at once) still ends in VRAM, not in mapped RAM
+/// read over the bus at every step, and its positions keep every bit: the
+/// logits equal those of an engine whose grant never made the cache move
+/// through RAM. (The fixture with a context of 4,096 positions instead of
+/// 256: same weights.)
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn a_kv_cache_grown_past_half_its_grant_stays_in_vram() {
+    let src = fixtures().join("models").join("qwen3_moe");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = serde_json::json!(4096);
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    let (_, reference) = reference_tokens(&src);
+    let tokens: Vec<u32> = (0..1000).map(|i| reference[i % reference.len()]).collect();
+    // Prefill in passes of 100 rows to position 960, then 40 decode steps
+    // (split attention over four chunks, captured graphs). The cache grows
+    // 256 → 512 → 1,000 positions.
+    let run = |ctx: usize| {
+        let opts = GpuOptions {
+            device: DeviceChoice::Cuda,
+            ..GpuOptions::default()
+        };
+        let e = engine_ctx(dir.path(), &opts, None, ctx);
+        let mut cache = KvCache::new(&e.model.spec, tokens.len());
+        let mut logits = Vec::new();
+        let (prefill, decode) = tokens.split_at(960);
+        for c in prefill.chunks(100).chain(decode.chunks(1)) {
+            let r = e
+                .forward(&mut [SeqInput {
+                    cache: &mut cache,
+                    tokens: c,
+                    logits: Logits::All,
+                }])
+                .unwrap();
+            logits.extend_from_slice(&r[0]);
+        }
+        // While the cache lives: where it is.
+        let s = e.gpu.as_ref().unwrap().stats();
+        (bits(&logits), s)
+    };
+    let (want, roomy) = run(4096);
+    assert_eq!(roomy.kv_host_bytes, 0, "{roomy:?}");
+    let plan_kv = |ctx: usize| {
+        let opts = GpuOptions {
+            device: DeviceChoice::Cuda,
+            ..GpuOptions::default()
+        };
+        engine_ctx(dir.path(), &opts, None, ctx)
+            .gpu
+            .as_ref()
+            .unwrap()
+            .plan()
+            .kv_vram_bytes
+    };
+    // A grant of 1,024 positions: the step from 512 to 1,000 positions
+    // holds 1,512 at once.
+    let tight = 1024;
+    assert!(plan_kv(tight) < roomy.kv_vram_bytes / 1000 * 1512);
+    let (got, s) = run(tight);
+    assert!(got == want, "logits differ after the cache moved ({s:?})");
+    assert_eq!(
+        s.kv_host_bytes, 0,
+        "the grown cache landed in mapped RAM: {s:?}"
+    );
+    assert_eq!(s.kv_vram_bytes, roomy.kv_vram_bytes, "{s:?}");
+}
+
 /// A fixture's all-in-VRAM run (teacher-forced logits' bits and greedy
 /// tokens) and the VRAM budgets that hold its dense weights and KV cache
 /// plus a few expert slots.

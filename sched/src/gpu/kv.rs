@@ -32,6 +32,10 @@ pub(crate) struct KvGrant {
 }
 
 impl KvGrant {
+    fn left(&self) -> u64 {
+        *self.left.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub fn new(bytes: u64) -> Arc<KvGrant> {
         Arc::new(KvGrant {
             left: Mutex::new(bytes),
@@ -92,21 +96,29 @@ struct StagedKv {
 }
 
 impl DeviceKv {
+    fn floats(shape: &KvShape, cap: usize) -> Result<usize, GpuError> {
+        shape
+            .layers
+            .len()
+            .checked_mul(cap)
+            .and_then(|n| n.checked_mul(shape.a + shape.b))
+            .filter(|&n| n.checked_mul(4).is_some())
+            .ok_or_else(|| GpuError::Internal("KV cache size overflows".into()))
+    }
+
+    /// In VRAM when the grant has room, else in mapped pinned RAM (also
+    /// when `host` asks for it).
     fn alloc(
         dev: &CudaDevice,
         grant: &Arc<KvGrant>,
         shape: &KvShape,
         cap: usize,
+        host: bool,
     ) -> Result<DeviceKv, GpuError> {
         let (a, b) = (shape.a, shape.b);
-        let floats = shape
-            .layers
-            .len()
-            .checked_mul(cap)
-            .and_then(|n| n.checked_mul(a + b))
-            .ok_or_else(|| GpuError::Internal("KV cache size overflows".into()))?;
+        let floats = Self::floats(shape, cap)?;
         let bytes = (floats * 4) as u64;
-        let mem = if grant.take(bytes) {
+        let mem = if !host && grant.take(bytes) {
             match dev.alloc::<f32>(floats) {
                 Ok(buf) => {
                     grant.in_vram.fetch_add(bytes, Ordering::Relaxed);
@@ -133,6 +145,14 @@ impl DeviceKv {
 
     pub fn capacity(&self) -> usize {
         self.cap
+    }
+
+    /// VRAM bytes this cache holds of its grant (0 in mapped RAM).
+    fn vram_bytes(&self) -> u64 {
+        match &self.mem {
+            Mem::Vram(_, _, bytes) => *bytes,
+            Mem::Host(..) => 0,
+        }
     }
 
     /// The device address of the cache's memory (it moves when it grows).
@@ -284,24 +304,55 @@ fn grown(
                 .max(cur.saturating_mul(2))
                 .max(KV_INITIAL_POSITIONS)
                 .min(capacity);
-            let mut fresh = Box::new(DeviceKv::alloc(dev, grant, shape, cap)?);
-            if let Some(old) = old
-                && len > 0
-            {
-                for l in shape.layers.clone() {
-                    for part in 0..2 {
-                        let w = if part == 0 { shape.a } else { shape.b };
-                        let src = old.part(l, part)?.slice(0..len * w)?;
-                        let dst = fresh.part_mut(l, part)?.slice_mut(0..len * w)?;
-                        k.copy_2d(dev, src, len * w, dst, len * w, 1, len * w)?;
+            let fresh_bytes = (DeviceKv::floats(shape, cap)? * 4) as u64;
+            match old {
+                Some(old) if len > 0 => {
+                    let held = old.vram_bytes();
+                    let left = grant.left();
+                    if held > 0 && left < fresh_bytes && left + held >= fresh_bytes {
+                        // The grown cache fits the grant only once the old
+                        // one is gone (a doubling needs 1.5 times the
+                        // grown size at once): park the positions in
+                        // mapped pinned RAM meanwhile, rather than leave
+                        // the whole cache there for good.
+                        let mut park = DeviceKv::alloc(dev, grant, shape, old.cap, true)?;
+                        copy_positions(&old, &mut park, len, shape, dev, k)?;
+                        drop(old);
+                        let mut fresh = Box::new(DeviceKv::alloc(dev, grant, shape, cap, false)?);
+                        copy_positions(&park, &mut fresh, len, shape, dev, k)?;
+                        // `park` drops once both streams are idle.
+                        return Ok(fresh);
                     }
+                    let mut fresh = Box::new(DeviceKv::alloc(dev, grant, shape, cap, false)?);
+                    copy_positions(&old, &mut fresh, len, shape, dev, k)?;
+                    // The old memory is freed when `old` drops: stream-ordered
+                    // for VRAM, after both streams are idle for mapped memory.
+                    Ok(fresh)
                 }
-                // The old memory is freed when `old` drops: stream-ordered
-                // for VRAM, after both streams are idle for mapped memory.
+                _ => Ok(Box::new(DeviceKv::alloc(dev, grant, shape, cap, false)?)),
             }
-            Ok(fresh)
         }
     }
+}
+
+/// The first `len` positions of every layer of `from`, copied into `to`.
+fn copy_positions(
+    from: &DeviceKv,
+    to: &mut DeviceKv,
+    len: usize,
+    shape: &KvShape,
+    dev: &CudaDevice,
+    k: &KernelSet,
+) -> Result<(), GpuError> {
+    for l in shape.layers.clone() {
+        for part in 0..2 {
+            let w = if part == 0 { shape.a } else { shape.b };
+            let src = from.part(l, part)?.slice(0..len * w)?;
+            let dst = to.part_mut(l, part)?.slice_mut(0..len * w)?;
+            k.copy_2d(dev, src, len * w, dst, len * w, 1, len * w)?;
+        }
+    }
+    Ok(())
 }
 
 /// Stage `stage`'s device cache already attached to `cache`.

@@ -116,12 +116,23 @@ pub fn engine_on(
 }
 
 pub fn engine_with(model: &std::path::Path, opts: &GpuOptions, ram_budget: Option<u64>) -> Engine {
+    engine_ctx(model, opts, ram_budget, 256)
+}
+
+/// [`engine_with`] for a context of `ctx` positions (which sizes the KV
+/// cache's share of VRAM).
+pub fn engine_ctx(
+    model: &std::path::Path,
+    opts: &GpuOptions,
+    ram_budget: Option<u64>,
+    ctx: usize,
+) -> Engine {
     colibri_model::kernels::set_exact_quant(crate::EXACT_QUANT);
     let mut e = Engine::load(
         model,
         &EngineOptions {
             threads: 2,
-            ctx: 256,
+            ctx,
             tier: tier(ram_budget),
             ..EngineOptions::default()
         },
