@@ -21,22 +21,32 @@ template <bool ADD>
 __device__ __forceinline__ void rms_norm_row(float* xr, const float* ar, const float* __restrict__ w,
                                              float* yr, u32 n, float eps, double* scratch) {
     double ss = 0.0;
-    float xv[RN_PER], wv[RN_PER];
+    float xv[RN_PER], wv[RN_PER], av[RN_PER];
     const bool held = n <= RN_PER * RN_THREADS;
     if (held) {
+        // Every load first, then the adds and their stores: a store to x
+        // between the loads would make each later load wait for it (x and
+        // a are not known apart here), a chain of round trips.
 #pragma unroll
         for (int k = 0; k < RN_PER; ++k) {
             const u32 i = threadIdx.x + k * RN_THREADS;
             xv[k] = 0.0f;
             wv[k] = 0.0f;
+            av[k] = 0.0f;
             if (i < n) {
-                float v = xr[i];
-                if (ADD) {
-                    v = __fadd_rn(v, ar[i]);
-                    xr[i] = v;
-                }
-                xv[k] = v;
+                xv[k] = xr[i];
+                if (ADD) av[k] = ar[i];
                 wv[k] = w[i];
+            }
+        }
+        if (ADD) {
+#pragma unroll
+            for (int k = 0; k < RN_PER; ++k) {
+                const u32 i = threadIdx.x + k * RN_THREADS;
+                if (i < n) {
+                    xv[k] = __fadd_rn(xv[k], av[k]);
+                    xr[i] = xv[k];
+                }
             }
         }
 #pragma unroll
