@@ -7,7 +7,9 @@
 //! (each step reads a sequence's whole cache once either way, so a copy
 //! would only move the same bytes twice). It is attached to the model's
 //! [`KvCache`] (its tier state), so it moves with the sequence and is freed
-//! with it; capacity grows by doubling, the old positions copied over.
+//! with it; capacity grows by doubling, the old positions copied over
+//! (through pinned RAM when the grant holds the grown cache only without
+//! the old one, so that a context past half the grant stays in VRAM).
 //!
 //! With several devices (`--devices`) each holds the cache of its own
 //! layers: the sequence's tier state keeps one device cache per stage.
