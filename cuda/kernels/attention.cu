@@ -180,6 +180,17 @@ __device__ __forceinline__ void at_merge(float mc, float lc, float oc, float& m,
     const AtArgs args = {kA, kA_tstride, kA_hstride, kB, kB_tstride, kB_hstride, v,            \
                          v_tstride, v_hstride, dA, dB, dv, scale}
 
+// The block's (row, head): its KV head, position, first slot, the first
+// position its window sees, and where its output goes.
+#define AT_ROW                                                                                 \
+    const u32 head = blockIdx.x, row = blockIdx.y;                                             \
+    const u32 kvh = head / group;                                                              \
+    const u32 p = pos[row];                                                                    \
+    const u64 s0 = slot0[row];                                                                 \
+    const u32 first = (window != 0 && p + 1 > window) ? p + 1 - window : 0;                    \
+    const u32 dq = dA + dB;                                                                    \
+    float* orow = out + ((u64)row * nh + head) * dv
+
 extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
     pdl_entry();
     __shared__ float qs[AT_MAX_DQ];
@@ -187,13 +198,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
     __shared__ float scratch[AT_WARPS];
     __shared__ float vpart[AT_THREADS];
     AT_ARGS_INIT;
-    const u32 head = blockIdx.x, row = blockIdx.y;
-    const u32 kvh = head / group;
-    const u32 p = pos[row];
-    const u64 s0 = slot0[row];
-    const u32 first = (window != 0 && p + 1 > window) ? p + 1 - window : 0;
-    const u32 dq = dA + dB;
-    float* orow = out + ((u64)row * nh + head) * dv;
+    AT_ROW;
     // The host cannot see positions (they live on the device). A row whose
     // keys would lie past the cache is answered with NaN, loudly wrong,
     // instead of reading outside it.
@@ -230,13 +235,8 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     __shared__ float vpart[AT_THREADS];
     __shared__ u32 ticket;
     AT_ARGS_INIT;
-    const u32 head = blockIdx.x, row = blockIdx.y, z = blockIdx.z;
-    const u32 kvh = head / group;
-    const u32 p = pos[row];
-    const u64 s0 = slot0[row];
-    const u32 first = (window != 0 && p + 1 > window) ? p + 1 - window : 0;
-    const u32 dq = dA + dB;
-    float* orow = out + ((u64)row * nh + head) * dv;
+    AT_ROW;
+    const u32 z = blockIdx.z;
     const u32 c0 = first / AT_CHUNK, chunks = p / AT_CHUNK - c0 + 1;
     // As `attention` (and NaN too where the records would not fit).
     if (s0 + p >= capacity || chunks > chunk_cap) {

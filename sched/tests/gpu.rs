@@ -274,18 +274,8 @@ fn a_kv_cache_grown_past_half_its_grant_stays_in_vram() {
         };
         let e = engine_ctx(dir.path(), &opts, None, ctx);
         let mut cache = KvCache::new(&e.model.spec, tokens.len());
-        let mut logits = Vec::new();
         let (prefill, decode) = tokens.split_at(960);
-        for c in prefill.chunks(100).chain(decode.chunks(1)) {
-            let r = e
-                .forward(&mut [SeqInput {
-                    cache: &mut cache,
-                    tokens: c,
-                    logits: Logits::All,
-                }])
-                .unwrap();
-            logits.extend_from_slice(&r[0]);
-        }
+        let logits = forward_pieces(&e, &mut cache, prefill.chunks(100).chain(decode.chunks(1)));
         // While the cache lives: where it is.
         let s = e.gpu.as_ref().unwrap().stats();
         (bits(&logits), s)

@@ -204,10 +204,16 @@ struct Scratch {
     want: DeviceBuffer<u32>,
     hn: DeviceBuffer<f32>,
     lg: DeviceBuffer<f32>,
-    at_rec: DeviceBuffer<f32>,
+    split: SplitScratch,
+}
+
+/// What `attention_split` keeps between its blocks.
+struct SplitScratch {
+    records: DeviceBuffer<f32>,
     /// Zero between launches (attention_split leaves them so).
-    at_cnt: DeviceBuffer<u32>,
-    at_chunks: usize,
+    counters: DeviceBuffer<u32>,
+    /// Chunks a row may have.
+    chunks: usize,
 }
 
 /// Pinned host buffers of a pass.
@@ -558,9 +564,11 @@ impl State {
             want: zeros::<u32>(&dev, LM_ROWS)?,
             hn: f(z.hn)?,
             lg: f(z.lg)?,
-            at_rec: f(z.at_rec)?,
-            at_cnt: zeros::<u32>(&dev, z.at_cnt)?,
-            at_chunks: z.at_chunks,
+            split: SplitScratch {
+                records: f(z.at_rec)?,
+                counters: zeros::<u32>(&dev, z.at_cnt)?,
+                chunks: z.at_chunks,
+            },
         };
         let io = HostIo {
             x: dev.alloc_host(4 * z.hidden_rows)?,

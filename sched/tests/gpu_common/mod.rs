@@ -152,11 +152,20 @@ pub fn no_gpu() -> bool {
 /// forward call.
 pub fn teacher_forced(e: &Engine, tokens: &[u32], chunk: usize) -> Vec<f32> {
     let mut cache = KvCache::new(&e.model.spec, 256);
+    forward_pieces(e, &mut cache, tokens.chunks(chunk))
+}
+
+/// Every position's logits of `pieces` fed to `cache` one forward call each.
+pub fn forward_pieces<'t>(
+    e: &Engine,
+    cache: &mut KvCache,
+    pieces: impl Iterator<Item = &'t [u32]>,
+) -> Vec<f32> {
     let mut out = Vec::new();
-    for c in tokens.chunks(chunk) {
+    for c in pieces {
         let r = e
             .forward(&mut [SeqInput {
-                cache: &mut cache,
+                cache: &mut *cache,
                 tokens: c,
                 logits: Logits::All,
             }])

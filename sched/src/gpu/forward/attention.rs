@@ -10,19 +10,17 @@ fn attend(
     k: &KernelSet,
     dev: &CudaDevice,
     at: &Attention<'_>,
-    records: &mut DeviceBuffer<f32>,
-    counters: &mut DeviceBuffer<u32>,
-    chunk_cap: usize,
+    s: &mut SplitScratch,
     out: BufMut<'_, f32>,
 ) -> Result<(), GpuError> {
     if at.rows > SPLIT_ROWS {
         return Ok(k.attention(dev, at, out)?);
     }
     let split = AttentionSplit {
-        blocks: SPLIT_BLOCKS.min(chunk_cap),
-        chunk_cap,
-        records: records.as_mut(),
-        counters: counters.as_mut(),
+        blocks: SPLIT_BLOCKS.min(s.chunks),
+        chunk_cap: s.chunks,
+        records: s.records.as_mut(),
+        counters: s.counters.as_mut(),
     };
     Ok(k.attention_split(dev, at, split, out)?)
 }
@@ -311,9 +309,7 @@ impl State {
                 &self.k,
                 &self.dev,
                 &at,
-                &mut self.s.at_rec,
-                &mut self.s.at_cnt,
-                self.s.at_chunks,
+                &mut self.s.split,
                 self.s.ctx.view_mut(r0 * qd..(r0 + m) * qd)?,
             )?;
         }
@@ -519,9 +515,7 @@ impl State {
                 &self.k,
                 &self.dev,
                 &at,
-                &mut self.s.at_rec,
-                &mut self.s.at_cnt,
-                self.s.at_chunks,
+                &mut self.s.split,
                 self.s.ctx.view_mut(r0 * ctxw..(r0 + m) * ctxw)?,
             )?;
         }
