@@ -12,7 +12,7 @@
 //! cargo run --release -p colibri-sched --example gpu_decode -- MODEL_DIR \
 //!     [--vram-budget BYTES] [--ram-budget BYTES] [--tokens 64] [--warmup 16] \
 //!     [--devices 0,1] [--ring-slots 8] [--ahead N] \
-//!     [--prompt 16] [--exact-quant] [--no-in-place]
+//!     [--prompt 16] [--exact-quant] [--no-in-place] [--temperature 0] [--top-p 1]
 //! ```
 //!
 //! With several devices the layers are split between them; the HBM figure
@@ -215,7 +215,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         GenRequest {
             prompt,
             max_tokens: warmup + tokens + 1,
-            sampling: SamplingParams::default(),
+            // Greedy by default; a temperature puts the sampler's host
+            // time between steps into the figure, as a server's requests do.
+            sampling: SamplingParams {
+                temperature: arg::<f32>(&args, "--temperature").unwrap_or(0.0),
+                top_p: arg::<f32>(&args, "--top-p").unwrap_or(1.0),
+                seed: Some(7),
+                ..SamplingParams::default()
+            },
             stop: vec![],
             eos: vec![],
             ignore_eos: true,
@@ -255,6 +262,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let graphs = per_tok(s_a.graph_launches, s_b.graph_launches);
     let waits = per_tok(s_a.host_waits, s_b.host_waits);
     let copies = per_tok(s_a.copies, s_b.copies);
+    // The device's share of a step: the replayed graphs' GPU time against
+    // the wall time per token (the rest is the host between steps).
+    let graph_ms = per_tok(s_a.graph_gpu_us, s_b.graph_gpu_us) / 1e3;
+    let step_ms = 1e3 * secs / tokens as f64;
     // Experts the kernels read in place from pinned RAM cross the bus too.
     let in_place_bytes = s_b.in_place_bytes - s_a.in_place_bytes;
     let in_place_reads = per_tok(s_a.in_place_reads, s_b.in_place_reads);
@@ -320,6 +331,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          {waits:.1} host waits, {copies:.1} host-device copies ({} layers)",
         spec.num_layers()
     );
+    println!(
+        "device busy           {graph_ms:.3} ms of GPU time per token in graphs, of {step_ms:.3} ms \
+         per token ({:.1}%)",
+        100.0 * graph_ms / step_ms
+    );
     let profile = gpu.profile();
     if let Some(p) = &profile {
         let per_layer = 1e3 / p.layers.max(1) as f64;
@@ -347,6 +363,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "graph_launches_per_token": graphs,
             "host_waits_per_token": waits,
             "copies_per_token": copies,
+            "graph_gpu_ms_per_token": graph_ms,
             "profile": profile,
             "model": dir.display().to_string(),
             "vram_budget": vram_budget,

@@ -257,6 +257,8 @@ pub(crate) struct State {
     /// The last captured step and what it was captured for.
     graph: Option<(GraphKey, Graph)>,
     graphs_captured: u64,
+    /// GPU time of the replayed steps (GpuStats::graph_gpu_us).
+    graph_gpu_us: f64,
     /// Set by COLIBRI_GPU_NO_GRAPH=1 or after a step that failed as a
     /// graph: every pass then runs eagerly.
     graphs_off: bool,
@@ -514,7 +516,13 @@ pub(crate) fn run(
             p.cache.append_external(p.tokens.len())?;
         }
         for (o, l) in owners.iter().zip(logits) {
-            out[*o].extend_from_slice(&l);
+            // A decode step's logits move (608 KB for a 152K vocabulary);
+            // a sequence split over passes appends.
+            if out[*o].is_empty() {
+                out[*o] = l;
+            } else {
+                out[*o].extend_from_slice(&l);
+            }
         }
     }
     Ok(out)
@@ -651,6 +659,7 @@ impl State {
             bias,
             graph: None,
             graphs_captured: 0,
+            graph_gpu_us: 0.0,
             graphs_off: std::env::var_os("COLIBRI_GPU_NO_GRAPH").is_some_and(|v| v == "1"),
             profile,
             k,
@@ -697,6 +706,7 @@ impl State {
             dense_resident_blocks: self.dense.resident_count(),
             device_routed_layers: c.device_routed,
             graphs_captured: self.graphs_captured,
+            graph_gpu_us: self.graph_gpu_us as u64,
             launches: dc.launches,
             graph_launches: dc.graph_launches,
             host_waits: dc.host_waits,
@@ -988,13 +998,17 @@ impl State {
             .graph
             .as_ref()
             .ok_or_else(|| GpuError::Internal("no graph".into()))?;
+        let t0 = self.dev.record_compute_timed()?;
         // SAFETY: the graph was captured for exactly these rows and KV
         // caches (the key: their device addresses and capacities), and
         // every other buffer it touches is the tier's own, alive and of
         // the same size as at capture. Its pinned inputs were written
         // above and before.
         unsafe { self.dev.replay(g)? };
-        self.sync_compute()
+        let t1 = self.dev.record_compute_timed()?;
+        self.sync_compute()?;
+        self.graph_gpu_us += 1e3 * f64::from(t0.elapsed_ms(&t1)?);
+        Ok(())
     }
 
     /// The work of a pass whose every MoE layer routes on the device, up to

@@ -363,6 +363,9 @@ pub struct GpuStats {
     pub device_routed_layers: u64,
     /// Decode steps captured as graphs.
     pub graphs_captured: u64,
+    /// GPU time of the replayed steps, in microseconds (timed events
+    /// around each replay): the part of a decode step the device is busy.
+    pub graph_gpu_us: u64,
     /// What the host asked of the device: kernel launches, graph replays,
     /// host waits, host↔device copies.
     pub launches: u64,
@@ -406,6 +409,7 @@ impl GpuStats {
             promotions: d(self.promotions, earlier.promotions),
             device_routed_layers: d(self.device_routed_layers, earlier.device_routed_layers),
             graphs_captured: d(self.graphs_captured, earlier.graphs_captured),
+            graph_gpu_us: d(self.graph_gpu_us, earlier.graph_gpu_us),
             launches: d(self.launches, earlier.launches),
             graph_launches: d(self.graph_launches, earlier.graph_launches),
             host_waits: d(self.host_waits, earlier.host_waits),
@@ -441,6 +445,7 @@ impl GpuStats {
         self.dense_resident_blocks += o.dense_resident_blocks;
         self.device_routed_layers += o.device_routed_layers;
         self.graphs_captured += o.graphs_captured;
+        self.graph_gpu_us += o.graph_gpu_us;
         self.launches += o.launches;
         self.graph_launches += o.graph_launches;
         self.host_waits += o.host_waits;
