@@ -43,13 +43,15 @@
 #define MV_THREADS (MV_WARPS * 32)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
-// q4_0, fp8): its lanes then own two groups of a tile and load both before
-// using either (twice the loads in flight, half the barriers). Either way
-// lane l meets its groups in increasing order. (The f32/f16/bf16 groups
+// q4_0, fp8, and f16/bf16 through GroupHalfReg): its lanes then own two
+// groups of a tile and load both before using either (twice the loads in
+// flight, half the barriers). Either way lane l meets its groups in
+// increasing order. (f32 groups, and f16/bf16 ones for several tokens,
 // load as they are used; two of them per lane made ptxas spill.)
 #define MV_TILE_FOR(FMT, NT) \
     (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
-                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
+                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3 || (FMT) == FMT_F16 ||   \
+                    (FMT) == FMT_BF16)) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -120,6 +122,46 @@ template <bool BF> struct GroupHalf {
 };
 template <> struct Group<FMT_F16> : GroupHalf<false> {};
 template <> struct Group<FMT_BF16> : GroupHalf<true> {};
+
+// f16 and bf16 for one token: a whole, 16-byte-aligned group's 64 bytes are
+// loaded into registers at `load` (four 16-byte loads in flight per group,
+// where GroupHalf requests 8 bytes as each is used: the BF16 LM head
+// streamed at half the device's bandwidth); other groups go through
+// GroupHalf. Either way `get4` returns the same values.
+template <bool BF> struct GroupHalfReg {
+    uint4 q[4];
+    GroupHalf<BF> slow;
+    bool whole;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32 valid_, float sc) {
+        const uint4* p = (const uint4*)(row + (u64)g * 64);
+        whole = valid_ == 32 && ((u64)p & 15) == 0;
+        if (whole) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) q[i] = __ldg(p + i);
+        } else {
+            slow.load(row, g, valid_, sc);
+        }
+    }
+    __device__ __forceinline__ void zero() {
+        whole = true;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        if (!whole) return slow.get4(sub);
+        const uint4 v = q[sub >> 1];
+        const u32 lo = (sub & 1) ? v.z : v.x, hi = (sub & 1) ? v.w : v.y;
+        return make_float4(GroupHalf<BF>::widen(lo), GroupHalf<BF>::widen(lo >> 16),
+                           GroupHalf<BF>::widen(hi), GroupHalf<BF>::widen(hi >> 16));
+    }
+};
+
+// The group type a launch uses: GroupHalfReg for one token of f16/bf16
+// (REG), Group<FMT> otherwise.
+template <int FMT, bool REG> struct GroupSel { typedef Group<FMT> T; };
+template <> struct GroupSel<FMT_F16, true> { typedef GroupHalfReg<false> T; };
+template <> struct GroupSel<FMT_BF16, true> { typedef GroupHalfReg<true> T; };
+#define MV_HALF(FMT) ((FMT) == FMT_F16 || (FMT) == FMT_BF16)
 
 // Reads the `nwords` aligned words that hold bytes [p, p + nbytes) and
 // returns them realigned so that word i holds bytes p + 4i .. p + 4i + 3.
@@ -273,8 +315,8 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
 // Loads the groups of the tile at column c0 that this lane owns, for each
 // of the M matrices (row bytes `rb`, FP8 scales at `s[m]`) and each of the
 // warp's R rows from row0; rows past `rows` get zero groups.
-template <int FMT, int M, int J, int R>
-__device__ __forceinline__ void mv_load_tile(Group<FMT> (&grp)[M][J][R], const u8* const (&w)[2],
+template <int FMT, int M, int J, int R, typename G>
+__device__ __forceinline__ void mv_load_tile(G (&grp)[M][J][R], const u8* const (&w)[2],
                                              const float* const (&s)[2], u32 s_block, u32 s_cols,
                                              u64 rb, u32 row0, u32 rows, u32 cols, u32 c0) {
     const u32 lane = threadIdx.x & 31;
@@ -360,7 +402,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
 
     // Every group of a tile that this lane owns is loaded first, then used
     // in increasing order.
-    Group<FMT> grp[M][J][R];
+    typename GroupSel<FMT, NT == 1>::T grp[M][J][R];
     if (EARLY) {
         mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, 0);
         pdl_entry();
@@ -371,7 +413,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
     // overlaps the staging (what EARLY does for a plain launch's first
     // tile). f16/bf16 groups load as they are used; FP8's GLU launch
     // spilled (ptxas) with its groups live across the staging.
-    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0);
+    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || MV_HALF(FMT));
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
         if (LOAD_FIRST && (!EARLY || c0 != 0))
@@ -843,11 +885,16 @@ __device__ __forceinline__ void matvec_seg_body(
 // larger batch runs the gate and up launches and `swiglu`).
 // (FMT_Q4_0_Q8 keeps 2 for one token: its expert matrices' short rows — a
 // down projection's 24 groups — left a warp too little to load; ncu on the
-// H200: 11.7 → 11.0 µs for a layer's 8 down projections. FMT_Q8_0_Q8 does
-// the same, by analogy: not measured.)
+// H200: 11.7 → 11.0 µs for a layer's 8 down projections; 4 rows per warp
+// was slower in the decode graph (+0.4 µs per layer). FMT_Q8_0_Q8 does the
+// same, by analogy: not measured.)
+// FMT_Q4_0_Q8's GLU launch takes 2 rows per warp: a decode layer's 8
+// experts at 1 were 768 blocks, 1.45 waves at the 4 blocks of 58 registers
+// an SM holds; at 2 they are 384 blocks of 71 registers, one wave (the
+// 48-layer decode graph on the H200: 2.759 → 2.712 ms per token).
 #define MV_TABLE_ROWS_PER_WARP(FMT, NT) \
     ((NT) == 1 && (FMT) != FMT_F32 && (FMT) != FMT_Q4_0_Q8 && (FMT) != FMT_Q8_0_Q8 ? 1 : 2)
-#define MV_GLU_ROWS_PER_WARP 1
+#define MV_GLU_ROWS_PER_WARP(FMT) ((FMT) == FMT_Q4_0_Q8 ? 2 : 1)
 
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to
@@ -876,7 +923,7 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
     const u32 t0 = blockIdx.y * NT;
     if (t0 >= cnt) return;
     const u64 first = (u64)tok_off[z] + t0;
-    constexpr int R = GLU ? MV_GLU_ROWS_PER_WARP : MV_TABLE_ROWS_PER_WARP(FMT, NT);
+    constexpr int R = GLU ? MV_GLU_ROWS_PER_WARP(FMT) : MV_TABLE_ROWS_PER_WARP(FMT, NT);
     matvec_core<FMT, NT, R, false, GLU>(
         blockIdx.x, (const u8*)w_ptrs[z], s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z],
         GLU ? (const u8*)w2_ptrs[z] : nullptr,

@@ -27,9 +27,14 @@ fn table_rows_per_block(format: WeightFormat, nt: usize) -> usize {
 /// The most tokens per matrix a [`KernelSet::matvec_table_glu`] launch
 /// takes (MATVEC_FORMAT in kernels/matvec.cu: more would spill registers).
 pub const GLU_MAX_TOK: usize = 2;
-/// Rows a block of the GLU table kernel owns: 8 warps of 1 row
-/// (MV_GLU_ROWS_PER_WARP).
-const GLU_ROWS_PER_BLOCK: usize = 8;
+/// Rows a block of the GLU table kernel owns: 8 warps of 2 rows for
+/// Q4_0Q8, of 1 otherwise (MV_GLU_ROWS_PER_WARP).
+fn glu_rows_per_block(format: WeightFormat) -> usize {
+    8 * match format {
+        WeightFormat::Q4_0Q8 => 2,
+        _ => 1,
+    }
+}
 const MV_THREADS: u32 = 256;
 const RW_THREADS: u32 = 256;
 const MAX_GRID_YZ: usize = 65535;
@@ -296,7 +301,7 @@ impl KernelSet {
                 grid(
                     K,
                     t.rows.div_ceil(if glu {
-                        GLU_ROWS_PER_BLOCK
+                        glu_rows_per_block(t.format)
                     } else {
                         table_rows_per_block(t.format, nt)
                     }),
