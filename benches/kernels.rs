@@ -17,6 +17,12 @@
 //!
 //! `-- --tiling` measures rearranging Q4_0 rows into tiles and back (what
 //! the RAM tier does on its installer thread to every expert it reads).
+//!
+//! `-- --attention` times one decode step's attention over one layer's KV
+//! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
+//! context lengths: a task per query head, each re-reading its KV head's
+//! keys and values, against a task per KV head (`attend_heads` with the
+//! group), which reads them once. GB/s counts the cache's bytes once.
 
 use std::time::Instant;
 
@@ -209,6 +215,10 @@ fn main() {
         }
         return;
     }
+    if args.iter().any(|a| a == "--attention") {
+        attention(&pool, mib, threads);
+        return;
+    }
     if args.iter().any(|a| a == "--pages") {
         println!("kernels: {}, threads: {threads}", kernels().name);
         compare_pages(&pool, mib, &mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
@@ -276,5 +286,74 @@ fn main() {
             );
             std::hint::black_box(&y);
         }
+    }
+}
+
+/// `--attention`: see the module notes.
+fn attention(pool: &Pool, mib: usize, threads: usize) {
+    use colibri_model::attention::attend_heads;
+    let (heads, kv_heads, hd) = (32usize, 4usize, 128usize);
+    let group = heads / kv_heads;
+    let stride = kv_heads * hd;
+    let scale = (hd as f32).powf(-0.5);
+    let bw = read_bandwidth(pool, mib << 20);
+    println!("kernels: {}, threads: {threads}", kernels().name);
+    println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
+    println!(
+        "{:>8} {:>10} {:>12} {:>9} {:>12} {:>9}",
+        "context", "MB", "per head ms", "GB/s", "grouped ms", "GB/s"
+    );
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for len in [1000usize, 4000, 16000] {
+        let keys: Vec<f32> = (0..len * stride)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let values: Vec<f32> = (0..len * stride)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let q: Vec<f32> = (0..heads * hd)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let bytes = (2 * len * stride * 4) as f64;
+        let run = |per: usize| {
+            let mut out = vec![0.0f32; heads * hd];
+            let t = Instant::now();
+            pool.for_each_chunk_mut(&mut out, per * hd, |idx, o| {
+                let h0 = idx * per;
+                let kvh = h0 / group;
+                attend_heads(
+                    &q[h0 * hd..(h0 + per) * hd],
+                    hd,
+                    &keys[kvh * hd..],
+                    &values[kvh * hd..],
+                    stride,
+                    len,
+                    scale,
+                    o,
+                );
+            });
+            (t.elapsed().as_secs_f64(), out)
+        };
+        let (mut one, mut grouped) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            let (a, x) = run(1);
+            let (b, y) = run(group);
+            assert!(x == y, "grouping changed a result");
+            one.push(a);
+            grouped.push(b);
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (a, b) = (med(&mut one), med(&mut grouped));
+        println!(
+            "{len:>8} {:>10.1} {:>12.3} {:>9.2} {:>12.3} {:>9.2}",
+            bytes / 1e6,
+            a * 1e3,
+            bytes / a / 1e9,
+            b * 1e3,
+            bytes / b / 1e9
+        );
     }
 }

@@ -4,8 +4,9 @@
 //! latent and the shared rotary key.
 //!
 //! Projections run over every row of the batch at once; the attention
-//! itself runs per (row, head) in parallel. Each (row, head) is computed by
-//! the same code whatever the batch, so batching never changes a result.
+//! itself runs per (row, heads of one KV head) in parallel. Each (row,
+//! head) is computed by the same arithmetic whatever the batch and the
+//! grouping, so neither batching nor the thread count changes a result.
 
 use crate::config::{AttentionSpec, QkNorm};
 use crate::error::Result;
@@ -53,6 +54,80 @@ fn add_bias(l: &Linear, y: &mut [f32]) {
 /// Attention of layer `layer` for the normed hidden rows `h` (`n × hidden`).
 /// Appends this batch's keys/values to each sequence's cache and returns the
 /// output projection (`n × hidden`).
+/// Query heads per attention task: all the heads of one KV head (their
+/// scores and weighted sums share every key and value load, which a head
+/// alone re-reads from memory once the cache outgrows the caches), halved
+/// while that leaves fewer tasks than threads. Every head's arithmetic is
+/// the same whatever the grouping (`attend_heads`), so the result does not
+/// depend on the thread count.
+fn heads_per_task(rows: usize, heads: usize, group: usize, threads: usize) -> usize {
+    let mut per = group.max(1);
+    while per.is_multiple_of(2) && rows * heads / per < threads {
+        per /= 2;
+    }
+    per
+}
+
+/// Key and value rows per block of a task: every head of the task takes
+/// its scores (or its weighted sum) over a block (64 rows of 128 floats:
+/// 32 KiB) while the block is in the core's caches, so the cache is read
+/// from memory once per task, not once per head.
+const ROW_BLOCK: usize = 64;
+
+/// Attention of the query heads `qs` (`hd` floats each) over `len` cached
+/// positions, into `o` (as long as `qs`, zeroed): keys and values are rows
+/// `stride` floats apart. The scores (through the kernel set's grouped dot
+/// when there are several heads), scaled, the softmax, then the weighted
+/// sum of the values; scores and sums one block of rows at a time. Each
+/// head gets the bits it gets alone: the grouped dot equals a dot per head,
+/// and `weighted_rows` continues each element's sum across blocks.
+///
+/// Public for `benches/kernels.rs -- --attention`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads(
+    qs: &[f32],
+    hd: usize,
+    keys: &[f32],
+    values: &[f32],
+    stride: usize,
+    len: usize,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let k = kernels::kernels();
+    let per = qs.len() / hd;
+    let mut scores = vec![0.0f32; per * len];
+    match k.dot_f32_rows_group {
+        Some(f) if per > 1 => {
+            // A block of key rows at a time, so that the group's later
+            // queries find them in the core's caches.
+            let mut blk = vec![0.0f32; per * ROW_BLOCK];
+            for t0 in (0..len).step_by(ROW_BLOCK) {
+                let b = (len - t0).min(ROW_BLOCK);
+                f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
+                for (j, s) in scores.chunks_exact_mut(len).enumerate() {
+                    s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
+                }
+            }
+        }
+        _ => {
+            for (qh, s) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(len)) {
+                (k.dot_f32_rows)(qh, keys, stride, s);
+            }
+        }
+    }
+    for s in scores.chunks_exact_mut(len) {
+        s.iter_mut().for_each(|x| *x *= scale);
+        softmax_inplace(s);
+    }
+    for t0 in (0..len).step_by(ROW_BLOCK) {
+        let t1 = (t0 + ROW_BLOCK).min(len);
+        for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(len)) {
+            (k.weighted_rows)(oh, &s[t0..t1], &values[t0 * stride..], stride);
+        }
+    }
+}
+
 pub(crate) fn attention(
     model: &Model,
     layer: usize,
@@ -119,15 +194,7 @@ pub(crate) fn attention(
             let scale = (hd as f32).powf(-0.5);
             let window = model.spec.layers[layer].sliding_window;
             let group = nh / nkv;
-            // A task takes the heads of one KV head together (their scores
-            // share every key load) when that still leaves every thread
-            // several tasks, else one head; the arithmetic per head is the
-            // same either way.
-            let per = if n * nkv >= 4 * pool.threads() {
-                group
-            } else {
-                1
-            };
+            let per = heads_per_task(n, nh, group, pool.threads());
             let mut out = vec![0.0f32; n * nh * hd];
             let caches: &[&mut KvCache] = caches;
             pool.for_each_chunk_mut(&mut out, per * hd, |idx, o| {
@@ -136,29 +203,18 @@ pub(crate) fn attention(
                 let LayerCache::Gqa { k: kc, v: vc } = &caches[ri.seq].layers[layer] else {
                     return;
                 };
-                let qg = &q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd];
                 let kvh = h0 / group;
                 let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
-                let len = ri.pos + 1 - first;
-                let k = kernels::kernels();
-                let (keys, values) = (
+                attend_heads(
+                    &q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd],
+                    hd,
                     &kc[(first * nkv + kvh) * hd..],
                     &vc[(first * nkv + kvh) * hd..],
+                    nkv * hd,
+                    ri.pos + 1 - first,
+                    scale,
+                    o,
                 );
-                let mut scores = vec![0.0f32; per * len];
-                match k.dot_f32_rows_group {
-                    Some(f) if per > 1 => f(qg, per, keys, nkv * hd, &mut scores),
-                    _ => {
-                        for (qh, s) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(len)) {
-                            (k.dot_f32_rows)(qh, keys, nkv * hd, s);
-                        }
-                    }
-                }
-                for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact_mut(len)) {
-                    s.iter_mut().for_each(|x| *x *= scale);
-                    softmax_inplace(s);
-                    (k.weighted_rows)(oh, s, values, nkv * hd);
-                }
             });
             Ok(linear_rows(pool, &w.o, &out, n))
         }
@@ -251,5 +307,78 @@ pub(crate) fn attention(
         _ => Err(crate::ModelError::Invalid(
             "attention weights do not match the spec".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+    }
+
+    /// The heads of a KV head computed together give every head the bits
+    /// it gets alone, for lengths around the value block and head sizes
+    /// around the vector widths.
+    #[test]
+    fn grouped_heads_give_each_head_its_own_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for hd in [8usize, 72, 128] {
+            for group in [2usize, 3, 4, 8] {
+                for len in [1usize, 5, 63, 64, 65, 130, 300] {
+                    let stride = 2 * hd + 8; // another KV head in between
+                    let keys = rand_vec(&mut rng, (len - 1) * stride + hd);
+                    let values = rand_vec(&mut rng, (len - 1) * stride + hd);
+                    let qs = rand_vec(&mut rng, group * hd);
+                    let scale = (hd as f32).powf(-0.5);
+                    let mut together = vec![0.0f32; group * hd];
+                    attend_heads(&qs, hd, &keys, &values, stride, len, scale, &mut together);
+                    assert!(together.iter().all(|x| x.is_finite()));
+                    assert!(together.iter().any(|&x| x != 0.0));
+                    for h in 0..group {
+                        // The head alone, unblocked: one dot per key, one
+                        // weighted sum over every value row.
+                        let k = kernels::kernels();
+                        let q = &qs[h * hd..(h + 1) * hd];
+                        let mut sc = vec![0.0f32; len];
+                        (k.dot_f32_rows)(q, &keys, stride, &mut sc);
+                        sc.iter_mut().for_each(|x| *x *= scale);
+                        softmax_inplace(&mut sc);
+                        let mut alone = vec![0.0f32; hd];
+                        (k.weighted_rows)(&mut alone, &sc, &values, stride);
+                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&together[h * hd..(h + 1) * hd]),
+                            bits(&alone),
+                            "hd {hd} group {group} len {len} head {h}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A task's heads share one KV head; there are as many tasks as
+    /// threads whenever halving the groups can make it so.
+    #[test]
+    fn heads_per_task_divides_the_group_and_feeds_the_threads() {
+        for (rows, heads, group, threads, want) in [
+            (1, 32, 8, 2, 8),
+            (1, 32, 8, 8, 4),
+            (1, 32, 8, 16, 2),
+            (1, 32, 8, 64, 1),
+            (512, 32, 8, 16, 8),
+            (1, 12, 6, 4, 3),
+            (1, 16, 1, 4, 1),
+        ] {
+            let per = heads_per_task(rows, heads, group, threads);
+            assert_eq!(
+                per, want,
+                "{rows} rows {heads} heads group {group} {threads} threads"
+            );
+            assert_eq!(group % per, 0);
+        }
     }
 }

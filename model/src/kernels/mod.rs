@@ -67,8 +67,8 @@ pub struct KernelSet {
     /// to `dot_f32_rows`'s result for query `j`. `None`: a query at a
     /// time.
     pub dot_f32_rows_group: Option<GroupDot>,
-    /// Attention's weighted sum of value rows (bit-identical at every
-    /// level: [`scalar::weighted_rows`]).
+    /// Attention's weighted sum of value rows, accumulated onto `o`
+    /// (bit-identical at every level: [`scalar::weighted_rows`]).
     pub weighted_rows: fn(&mut [f32], &[f32], &[f32], usize),
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
@@ -1240,7 +1240,7 @@ mod tests {
                 let v = rand_vec(&mut rng, (rows - 1) * stride + len);
                 let mut s = rand_vec(&mut rng, rows);
                 s.iter_mut().for_each(|x| *x = x.abs());
-                let mut want = vec![f32::NAN; len];
+                let mut want = vec![0.0f32; len];
                 scalar::weighted_rows(&mut want, &s, &v, stride);
                 // The reference is the plain sum, row after row.
                 for (i, w) in want.iter().enumerate() {
@@ -1255,10 +1255,24 @@ mod tests {
                         let one = (k.dot_f32)(&q, &v[t * stride..t * stride + len]);
                         assert_eq!(d.to_bits(), one.to_bits(), "{} dot rows", k.name);
                     }
-                    let mut got = vec![f32::NAN; len];
+                    let mut got = vec![0.0f32; len];
                     (k.weighted_rows)(&mut got, &s, &v, stride);
                     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "{} len {len} rows {rows}", k.name);
+                    // Called on consecutive blocks of rows, it continues
+                    // each element's sum: one call's bits.
+                    for cut in [1, rows / 2, rows - 1] {
+                        let mut parts = vec![0.0f32; len];
+                        (k.weighted_rows)(&mut parts, &s[..cut], &v, stride);
+                        let rest = &v[(cut * stride).min(v.len())..];
+                        (k.weighted_rows)(&mut parts, &s[cut..], rest, stride);
+                        assert_eq!(
+                            bits(&parts),
+                            bits(&want),
+                            "{} len {len} rows {rows} cut {cut}",
+                            k.name
+                        );
+                    }
                 }
             }
         }

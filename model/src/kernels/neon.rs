@@ -346,7 +346,8 @@ pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// [`super::scalar::weighted_rows`] with 4 lanes: 64 outputs at a time
-/// held in registers over every row, the same multiply then add per
+/// held in registers over every row (loaded from `o`, stored back), the
+/// same multiply then add per
 /// element (never fused), so the results are the reference's bits.
 /// Panics if a row is out of bounds.
 ///
@@ -366,6 +367,9 @@ pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
     unsafe {
         while i + 64 <= n {
             let mut acc = [vdupq_n_f32(0.0); 16];
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = vld1q_f32(op.add(i + 4 * k));
+            }
             for (t, &st) in s.iter().enumerate() {
                 let row = vp.add(t * stride + i);
                 for (k, a) in acc.iter_mut().enumerate() {
@@ -378,7 +382,7 @@ pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
             i += 64;
         }
         while i + 4 <= n {
-            let mut a = vdupq_n_f32(0.0);
+            let mut a = vld1q_f32(op.add(i));
             for (t, &st) in s.iter().enumerate() {
                 a = vaddq_f32(a, vmulq_n_f32(vld1q_f32(vp.add(t * stride + i)), st));
             }
@@ -386,7 +390,7 @@ pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
             i += 4;
         }
     }
-    if i < n {
+    if i < n && !s.is_empty() {
         super::scalar::weighted_rows(&mut o[i..], s, &v[i..], stride);
     }
 }

@@ -348,7 +348,8 @@ pub unsafe fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// [`super::scalar::weighted_rows`] with 8 lanes: 64 outputs at a time held
-/// in registers over every row, the same multiply then add per element.
+/// in registers over every row (loaded from `o`, stored back), the same
+/// multiply then add per element.
 ///
 /// # Safety
 /// Requires AVX; `v.len() >= (s.len() - 1) · stride + o.len()` when `s` is
@@ -363,7 +364,11 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
     // for o.
     unsafe {
         while i + 64 <= n {
+            let op = o.as_ptr().add(i);
             let mut acc = [_mm256_setzero_ps(); 8];
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(op.add(8 * k));
+            }
             for (t, &st) in s.iter().enumerate() {
                 let w = _mm256_set1_ps(st);
                 let row = vp.add(t * stride + i);
@@ -377,7 +382,7 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
             i += 64;
         }
         while i + 8 <= n {
-            let mut a = _mm256_setzero_ps();
+            let mut a = _mm256_loadu_ps(o.as_ptr().add(i));
             for (t, &st) in s.iter().enumerate() {
                 let row = vp.add(t * stride + i);
                 a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(st), _mm256_loadu_ps(row)));
@@ -386,7 +391,7 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
             i += 8;
         }
     }
-    if i < n {
+    if i < n && !s.is_empty() {
         super::scalar::weighted_rows(&mut o[i..], s, &v[i..], stride);
     }
 }
