@@ -31,8 +31,9 @@
 // matrices' block counts side by side in x). Every launch begins with
 // `pdl_entry()` (common.cuh), a one-token plain launch after loading its
 // first tile of weights. The tokens of a pass are staged in shared
-// memory a tile of MV_TILE_FOR(FMT, NT) columns at a time, padded by 4 floats
-// every 32 so the lanes' float4 reads hit distinct banks.
+// memory a tile of MV_TILE_FOR(FMT, NT) columns (2048 with GroupHalfReg)
+// at a time, padded by 4 floats every 32 so the lanes' float4 reads hit
+// distinct banks.
 //
 // Memory contract: a weight buffer must be readable up to the next 4-byte
 // boundary past its last row (colibri-cuda pads every allocation to 16
@@ -43,15 +44,14 @@
 #define MV_THREADS (MV_WARPS * 32)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
-// q4_0, fp8, and f16/bf16 through GroupHalfReg): its lanes then own two
-// groups of a tile and load both before using either (twice the loads in
-// flight, half the barriers). Either way lane l meets its groups in
-// increasing order. (f32 groups, and f16/bf16 ones for several tokens,
+// q4_0, fp8; f16/bf16 where matvec_core_f takes GroupHalfReg): its lanes
+// then own two groups of a tile and load both before using either (twice
+// the loads in flight, half the barriers). Either way lane l meets its
+// groups in increasing order. (f32 groups, and the other f16/bf16 ones,
 // load as they are used; two of them per lane made ptxas spill.)
 #define MV_TILE_FOR(FMT, NT) \
     (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
-                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3 || (FMT) == FMT_F16 ||   \
-                    (FMT) == FMT_BF16)) ? 2048 : 1024)
+                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -161,8 +161,10 @@ template <bool BF> struct GroupHalfReg {
     }
 };
 
-// The group type a launch uses: GroupHalfReg for one token of f16/bf16
-// (REG), Group<FMT> otherwise.
+// The group type a launch uses: GroupHalfReg for one token of f16/bf16 in a
+// plain or q/k/v launch (REG), Group<FMT> otherwise. (The table launches
+// keep GroupHalf: with their three table addresses live, GroupHalfReg made
+// ptxas spill on sm_80–sm_89.)
 template <int FMT, bool REG> struct GroupSel { typedef Group<FMT> T; };
 template <> struct GroupSel<FMT_F16, true> { typedef GroupHalfReg<false> T; };
 template <> struct GroupSel<FMT_BF16, true> { typedef GroupHalfReg<true> T; };
@@ -380,7 +382,9 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
                                               float* __restrict__ ym, u32 y_tstride, u32 rows,
                                               u32 cols, u32 nt) {
     constexpr int M = GLU ? 2 : 1;
-    constexpr u32 TILE = MV_TILE_FOR(FMT, NT);
+    // f16/bf16 groups in registers (GroupSel): a plain launch of one token.
+    constexpr bool REG = NT == 1 && EARLY && MV_HALF(FMT);
+    constexpr u32 TILE = REG ? 2048 : MV_TILE_FOR(FMT, NT);
     constexpr int J = TILE / 1024;
     constexpr u32 XS = TILE + TILE / 8;
     __shared__ __align__(16) float xs[NT][XS];
@@ -407,7 +411,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
 
     // Every group of a tile that this lane owns is loaded first, then used
     // in increasing order.
-    typename GroupSel<FMT, NT == 1>::T grp[M][J][R];
+    typename GroupSel<FMT, REG>::T grp[M][J][R];
     if (EARLY) {
         mv_load_tile<FMT, M, J, R>(grp, w, s, s_block, s_cols, rb, row0, rows, cols, 0);
         pdl_entry();
@@ -418,7 +422,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
     // overlaps the staging (what EARLY does for a plain launch's first
     // tile). f16/bf16 groups load as they are used; FP8's GLU launch
     // spilled (ptxas) with its groups live across the staging.
-    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || MV_HALF(FMT));
+    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || REG);
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
         if (LOAD_FIRST && (!EARLY || c0 != 0))
