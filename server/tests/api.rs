@@ -483,24 +483,51 @@ fn full_queue_answers_429_with_retry_after() {
         },
         0,
     );
+    // The long request's client reads its first event, then holds the
+    // connection without reading until the full-queue request has been
+    // answered: the long request cannot end early (its client hanging up
+    // would cancel it) while the second one is in flight.
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
     let addr = live.addr;
     let long = std::thread::spawn(move || {
-        let body = json!({"prompt": [97], "max_tokens": 3000, "ignore_eos": true, "temperature": 0, "stream": true});
-        stream_raw(addr, "/v1/completions", &body, Some(40)).len()
-    });
-    // Wait until the long request runs.
-    for _ in 0..1000 {
-        if metric(&live, "running") >= 1.0 {
-            break;
+        let body = json!({"prompt": [97], "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "stream": true});
+        let mut s = TcpStream::connect(addr).unwrap();
+        let b = body.to_string();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
+        let mut r = BufReader::new(s);
+        let mut events = 0;
+        let mut line = String::new();
+        while events < 40 {
+            line.clear();
+            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                break;
+            }
+            if line.starts_with("data: ") {
+                events += 1;
+                if events == 1 {
+                    started_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                }
+            }
         }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        events
+    });
+    started_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the long request never streamed");
+    assert_eq!(metric(&live, "running"), 1.0);
     let (s, b, retry) = post_raw(
         &live,
         "/v1/completions",
         br#"{"prompt":[97],"max_tokens":2}"#,
         None,
     );
+    // Had the long request ended before the second arrived, the second
+    // would have been served: say so rather than blame the queue.
+    let still_running = metric(&live, "running") == 1.0;
+    release_tx.send(()).unwrap();
+    assert!(still_running, "the long request ended before the check");
     assert_eq!(s, 429, "{b}");
     assert_eq!(retry.as_deref(), Some("1"));
     assert_eq!(
