@@ -123,6 +123,15 @@ fn check_tile_args(tile: &[u8], blocks: usize, x: &Q8Activation) {
     );
 }
 
+/// What the several-token tile kernels' safety contract asks of their
+/// arguments: [`check_tile_args`] for every activation, at most
+/// [`TILE_TOKENS`] of them, an output for each.
+#[cfg(target_arch = "x86_64")]
+fn check_tiles_args(tile: &[u8], blocks: usize, xs: &[&Q8Activation], out: &[[f32; 16]]) {
+    assert!(xs.len() <= TILE_TOKENS && out.len() >= xs.len(), "tokens");
+    xs.iter().for_each(|x| check_tile_args(tile, blocks, x));
+}
+
 /// What `dot_f32_rows_group`'s safety contract asks of its arguments.
 #[cfg(target_arch = "x86_64")]
 fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
@@ -250,6 +259,16 @@ mod avx2_wrappers {
         super::check_tile_args(tile, blocks, x);
         unsafe { super::q4_0_tiles::avx2::dot_tile(tile, blocks, x, out) }
     }
+    /// Also checks every activation's length and the output count.
+    pub fn dot_q4_0_tiles(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_tiles_args(tile, blocks, xs, out);
+        unsafe { super::q4_0_tiles::avx2::dot_tiles(tile, blocks, xs, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -274,7 +293,7 @@ pub const AVX2: KernelSet = KernelSet {
         run: avx2_wrappers::gemm_q4_0_q8,
     }),
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
-    dot_q4_0_tiles: None,
+    dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
     int_activations: true,
     vector_quantize: true,
 };
@@ -311,12 +330,7 @@ mod avx512_wrappers {
         xs: &[&super::Q8Activation],
         out: &mut [[f32; 16]],
     ) {
-        assert!(
-            xs.len() <= super::TILE_TOKENS && out.len() >= xs.len(),
-            "tokens"
-        );
-        xs.iter()
-            .for_each(|x| super::check_tile_args(tile, blocks, x));
+        super::check_tiles_args(tile, blocks, xs, out);
         unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out) }
     }
 }
