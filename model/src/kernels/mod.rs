@@ -42,6 +42,9 @@ pub type TileDot = fn(&[u8], usize, &Q8Activation, &mut [f32; q4_0_tiles::TILE_R
 /// [`TileDot`] kernel gives for `xs[t]`.
 pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::TILE_ROWS]]);
 
+/// `(w, x, out)`: consecutive rows of a 16-bit matrix against one vector.
+pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
+
 /// The most activations a [`TilesDot`] kernel takes.
 pub const TILE_TOKENS: usize = 4;
 
@@ -55,6 +58,10 @@ pub struct KernelSet {
     pub name: &'static str,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     pub dot_bf16: fn(&[u16], &[f32]) -> f32,
+    /// Consecutive rows of a bf16 matrix against one vector, `(w, x,
+    /// out)`, each result identical to `dot_bf16`'s for its row; `None`:
+    /// a row at a time.
+    pub dot_bf16_rows: Option<RowsDot16>,
     pub dot_f16: fn(&[u16], &[f32]) -> f32,
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
     pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
@@ -168,6 +175,7 @@ pub const SCALAR: KernelSet = KernelSet {
     name: "scalar",
     dot_f32: scalar::dot_f32,
     dot_bf16: scalar::dot_bf16,
+    dot_bf16_rows: None,
     dot_f16: scalar::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: scalar::dot_q8_0,
@@ -253,6 +261,12 @@ mod avx2_wrappers {
         super::check_gemm_args(w, t, out, super::q4_0::avx2::WIDTH);
         unsafe { super::q4_0::avx2::gemm_q4_0_q8(w, t, row, out) }
     }
+    /// Also checks the lengths, which the kernel's safety contract asks
+    /// for.
+    pub fn dot_bf16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+        assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
+        unsafe { super::x86::dot_bf16_rows(w, x, out) }
+    }
     /// Also checks the tile's and the activation's lengths, which the
     /// kernel's safety contract asks for.
     pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
@@ -276,6 +290,7 @@ pub const AVX2: KernelSet = KernelSet {
     name: "avx2+fma",
     dot_f32: avx2_wrappers::dot_f32,
     dot_bf16: avx2_wrappers::dot_bf16,
+    dot_bf16_rows: Some(avx2_wrappers::dot_bf16_rows),
     dot_f16: avx2_wrappers::dot_f16,
     dot_fp8: avx2_wrappers::dot_fp8,
     dot_q8_0: avx2_wrappers::dot_q8_0,
@@ -425,6 +440,7 @@ pub const NEON: KernelSet = KernelSet {
     name: "neon",
     dot_f32: neon_wrappers::dot_f32,
     dot_bf16: neon_wrappers::dot_bf16,
+    dot_bf16_rows: None,
     dot_f16: neon_wrappers::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: neon_wrappers::dot_q8_0,
@@ -845,6 +861,10 @@ fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
         return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
     }
+    if let (Some(rows), Input::F32(x), WeightFormat::Bf16) = (k.dot_bf16_rows, x, w.format) {
+        let all: &[u16] = bytemuck::cast_slice(w.data().as_slice());
+        return rows(&all[r0 * w.cols..(r0 + ys.len()) * w.cols], x, ys);
+    }
     for (i, o) in ys.iter_mut().enumerate() {
         *o = dot_input(k, w, r0 + i, x);
     }
@@ -1193,6 +1213,63 @@ mod tests {
         // tools/neon_check.sh names the set each emulated CPU must get.
         if let Some(expect) = std::env::var_os("COLIBRI_EXPECT_KERNELS") {
             assert_eq!(select_simd().name, expect, "COLIBRI_EXPECT_KERNELS");
+        }
+    }
+
+    /// bf16 rows in fours: every row's result has the bits of `dot_bf16`,
+    /// for row counts around four and lengths around the vector widths,
+    /// through the kernel and through `matvec` (which takes it).
+    #[test]
+    fn bf16_rows_equal_single_dots_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(35);
+        let mut checked = 0;
+        for k in simd_sets() {
+            let Some(f) = k.dot_bf16_rows else {
+                continue;
+            };
+            for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048] {
+                for rows in [0usize, 1, 3, 4, 5, 8, 11] {
+                    let w: Vec<u16> = rand_vec(&mut rng, rows * n)
+                        .iter()
+                        .map(|&v| half::bf16::from_f32(v * 3.0).to_bits())
+                        .collect();
+                    let x = rand_vec(&mut rng, n);
+                    let mut out = vec![f32::NAN; rows];
+                    f(&w, &x, &mut out);
+                    for (r, o) in out.iter().enumerate() {
+                        let want = (k.dot_bf16)(&w[r * n..(r + 1) * n], &x);
+                        assert_eq!(o.to_bits(), want.to_bits(), "{} n={n} row {r}", k.name);
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(checked > 0, "no bf16 rows kernel on an x86-64 SIMD set");
+        let _ = checked;
+        // matvec takes the kernel for a bf16 matrix: the same bits as
+        // a row at a time.
+        let (rows, cols) = (203, 2048 + 24);
+        let w: Vec<u16> = rand_vec(&mut rng, rows * cols)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let m = QMatrix::new(
+            "t",
+            rows,
+            cols,
+            WeightFormat::Bf16,
+            crate::tensor::Bytes::from_vec(bytemuck::cast_slice(&w).to_vec()),
+            None,
+        )
+        .unwrap();
+        let x = rand_vec(&mut rng, cols);
+        let mut y = vec![f32::NAN; rows];
+        matvec(&Pool::new(3).unwrap(), &m, &x, &mut y);
+        let k = kernels();
+        for (r, v) in y.iter().enumerate() {
+            let want = (k.dot_bf16)(&w[r * cols..(r + 1) * cols], &x);
+            assert_eq!(v.to_bits(), want.to_bits(), "matvec row {r}");
         }
     }
 

@@ -204,6 +204,62 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     }
 }
 
+/// Rows of a bf16 matrix against one vector: `out[r]` is exactly
+/// [`dot_bf16`] of row `r` (`w[r × n..(r + 1) × n]`, `n = x.len()`). Four
+/// rows at a time share each load of `x` and run 8 independent chains
+/// (each row keeps `dot_bf16`'s two, in its order): one row at a time
+/// streamed at 0.65 of the read bandwidth on Zen 3, its two chains of
+/// dependent FMAs leaving too few loads in flight.
+///
+/// # Safety
+/// Requires AVX2 and FMA; `w.len() == out.len() × x.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_bf16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    debug_assert_eq!(w.len(), out.len() * n);
+    let mut quads = out.chunks_exact_mut(4);
+    let mut r = 0;
+    for o in &mut quads {
+        // SAFETY: rows r..r + 4 lie inside w (the contract); loads stay
+        // below n in each as in dot_bf16.
+        unsafe {
+            let wp = w.as_ptr().add(r * n);
+            let xp = x.as_ptr();
+            let mut a = [[_mm256_setzero_ps(); 2]; 4];
+            let mut i = 0;
+            while i + 16 <= n {
+                let x0 = _mm256_loadu_ps(xp.add(i));
+                let x1 = _mm256_loadu_ps(xp.add(i + 8));
+                for (j, a) in a.iter_mut().enumerate() {
+                    let row = wp.add(j * n + i);
+                    a[0] = _mm256_fmadd_ps(load_bf16x8(row), x0, a[0]);
+                    a[1] = _mm256_fmadd_ps(load_bf16x8(row.add(8)), x1, a[1]);
+                }
+                i += 16;
+            }
+            if i + 8 <= n {
+                let x0 = _mm256_loadu_ps(xp.add(i));
+                for (j, a) in a.iter_mut().enumerate() {
+                    a[0] = _mm256_fmadd_ps(load_bf16x8(wp.add(j * n + i)), x0, a[0]);
+                }
+                i += 8;
+            }
+            for (j, (o, a)) in o.iter_mut().zip(&a).enumerate() {
+                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+                for k in i..n {
+                    s += crate::format::bf16_to_f32(*wp.add(j * n + k)) * *xp.add(k);
+                }
+                *o = s;
+            }
+        }
+        r += 4;
+    }
+    for (j, o) in quads.into_remainder().iter_mut().enumerate() {
+        // SAFETY: AVX2 and FMA as this function; row r + j lies in w.
+        *o = unsafe { dot_bf16(&w[(r + j) * n..(r + j + 1) * n], x) };
+    }
+}
+
 /// # Safety
 /// Requires AVX2, FMA and F16C; `w.len() == x.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
