@@ -62,6 +62,8 @@ pub struct KernelSet {
     /// out)`, each result identical to `dot_bf16`'s for its row; `None`:
     /// a row at a time.
     pub dot_bf16_rows: Option<RowsDot16>,
+    /// The same for f16 rows and `dot_f16`.
+    pub dot_f16_rows: Option<RowsDot16>,
     pub dot_f16: fn(&[u16], &[f32]) -> f32,
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
     pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
@@ -176,6 +178,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_f32: scalar::dot_f32,
     dot_bf16: scalar::dot_bf16,
     dot_bf16_rows: None,
+    dot_f16_rows: None,
     dot_f16: scalar::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: scalar::dot_q8_0,
@@ -267,6 +270,12 @@ mod avx2_wrappers {
         assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
         unsafe { super::x86::dot_bf16_rows(w, x, out) }
     }
+    /// Also checks the lengths, which the kernel's safety contract asks
+    /// for.
+    pub fn dot_f16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+        assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
+        unsafe { super::x86::dot_f16_rows(w, x, out) }
+    }
     /// Also checks the tile's and the activation's lengths, which the
     /// kernel's safety contract asks for.
     pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
@@ -291,6 +300,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_f32: avx2_wrappers::dot_f32,
     dot_bf16: avx2_wrappers::dot_bf16,
     dot_bf16_rows: Some(avx2_wrappers::dot_bf16_rows),
+    dot_f16_rows: Some(avx2_wrappers::dot_f16_rows),
     dot_f16: avx2_wrappers::dot_f16,
     dot_fp8: avx2_wrappers::dot_fp8,
     dot_q8_0: avx2_wrappers::dot_q8_0,
@@ -441,6 +451,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_f32: neon_wrappers::dot_f32,
     dot_bf16: neon_wrappers::dot_bf16,
     dot_bf16_rows: None,
+    dot_f16_rows: None,
     dot_f16: neon_wrappers::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: neon_wrappers::dot_q8_0,
@@ -861,7 +872,12 @@ fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
         return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
     }
-    if let (Some(rows), Input::F32(x), WeightFormat::Bf16) = (k.dot_bf16_rows, x, w.format) {
+    let rows16 = match w.format {
+        WeightFormat::Bf16 => k.dot_bf16_rows,
+        WeightFormat::F16 => k.dot_f16_rows,
+        _ => None,
+    };
+    if let (Some(rows), Input::F32(x)) = (rows16, x) {
         let all: &[u16] = bytemuck::cast_slice(w.data().as_slice());
         return rows(&all[r0 * w.cols..(r0 + ys.len()) * w.cols], x, ys);
     }
@@ -1216,60 +1232,73 @@ mod tests {
         }
     }
 
-    /// bf16 rows in fours: every row's result has the bits of `dot_bf16`,
-    /// for row counts around four and lengths around the vector widths,
-    /// through the kernel and through `matvec` (which takes it).
+    /// bf16 and f16 rows in fours: every row's result has the bits of the
+    /// one-row kernel, for row counts around four and lengths around the
+    /// vector widths, through the kernel and through `matvec` (which takes
+    /// it).
     #[test]
-    fn bf16_rows_equal_single_dots_bit_for_bit() {
+    fn half_rows_equal_single_dots_bit_for_bit() {
+        type One = fn(&[u16], &[f32]) -> f32;
+        type Encode<'a> = &'a dyn Fn(f32) -> u16;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(35);
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+        let f16 = |v: f32| half::f16::from_f32(v).to_bits();
         let mut checked = 0;
         for k in simd_sets() {
-            let Some(f) = k.dot_bf16_rows else {
-                continue;
-            };
-            for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048] {
-                for rows in [0usize, 1, 3, 4, 5, 8, 11] {
-                    let w: Vec<u16> = rand_vec(&mut rng, rows * n)
-                        .iter()
-                        .map(|&v| half::bf16::from_f32(v * 3.0).to_bits())
-                        .collect();
-                    let x = rand_vec(&mut rng, n);
-                    let mut out = vec![f32::NAN; rows];
-                    f(&w, &x, &mut out);
-                    for (r, o) in out.iter().enumerate() {
-                        let want = (k.dot_bf16)(&w[r * n..(r + 1) * n], &x);
-                        assert_eq!(o.to_bits(), want.to_bits(), "{} n={n} row {r}", k.name);
+            let formats: [(&str, Option<RowsDot16>, One, Encode); 2] = [
+                ("bf16", k.dot_bf16_rows, k.dot_bf16, &bf16),
+                ("f16", k.dot_f16_rows, k.dot_f16, &f16),
+            ];
+            for (name, rows_dot, one, enc) in formats {
+                let Some(f) = rows_dot else {
+                    continue;
+                };
+                for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048] {
+                    for rows in [0usize, 1, 3, 4, 5, 8, 11] {
+                        let w: Vec<u16> = rand_vec(&mut rng, rows * n)
+                            .iter()
+                            .map(|&v| enc(v * 3.0))
+                            .collect();
+                        let x = rand_vec(&mut rng, n);
+                        let mut out = vec![f32::NAN; rows];
+                        f(&w, &x, &mut out);
+                        for (r, o) in out.iter().enumerate() {
+                            let want = one(&w[r * n..(r + 1) * n], &x);
+                            assert_eq!(
+                                o.to_bits(),
+                                want.to_bits(),
+                                "{} {name} n={n} row {r}",
+                                k.name
+                            );
+                        }
+                        checked += 1;
                     }
-                    checked += 1;
                 }
             }
         }
         #[cfg(target_arch = "x86_64")]
-        assert!(checked > 0, "no bf16 rows kernel on an x86-64 SIMD set");
+        assert!(checked > 0, "no 16-bit rows kernel on an x86-64 SIMD set");
         let _ = checked;
-        // matvec takes the kernel for a bf16 matrix: the same bits as
-        // a row at a time.
-        let (rows, cols) = (203, 2048 + 24);
-        let w: Vec<u16> = rand_vec(&mut rng, rows * cols)
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let m = QMatrix::new(
-            "t",
-            rows,
-            cols,
-            WeightFormat::Bf16,
-            crate::tensor::Bytes::from_vec(bytemuck::cast_slice(&w).to_vec()),
-            None,
-        )
-        .unwrap();
-        let x = rand_vec(&mut rng, cols);
-        let mut y = vec![f32::NAN; rows];
-        matvec(&Pool::new(3).unwrap(), &m, &x, &mut y);
+        // matvec takes the kernels: the same bits as a row at a time.
         let k = kernels();
-        for (r, v) in y.iter().enumerate() {
-            let want = (k.dot_bf16)(&w[r * cols..(r + 1) * cols], &x);
-            assert_eq!(v.to_bits(), want.to_bits(), "matvec row {r}");
+        let (rows, cols) = (203, 2048 + 24);
+        for (format, one, enc) in [
+            (WeightFormat::Bf16, k.dot_bf16, &bf16 as Encode),
+            (WeightFormat::F16, k.dot_f16, &f16),
+        ] {
+            let w: Vec<u16> = rand_vec(&mut rng, rows * cols)
+                .iter()
+                .map(|&v| enc(v))
+                .collect();
+            let bytes = crate::tensor::Bytes::from_vec(bytemuck::cast_slice(&w).to_vec());
+            let m = QMatrix::new("t", rows, cols, format, bytes, None).unwrap();
+            let x = rand_vec(&mut rng, cols);
+            let mut y = vec![f32::NAN; rows];
+            matvec(&Pool::new(3).unwrap(), &m, &x, &mut y);
+            for (r, v) in y.iter().enumerate() {
+                let want = one(&w[r * cols..(r + 1) * cols], &x);
+                assert_eq!(v.to_bits(), want.to_bits(), "{format:?} matvec row {r}");
+            }
         }
     }
 

@@ -204,50 +204,95 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     }
 }
 
-/// Rows of a bf16 matrix against one vector: `out[r]` is exactly
-/// [`dot_bf16`] of row `r` (`w[r × n..(r + 1) × n]`, `n = x.len()`). Four
-/// rows at a time share each load of `x` and run 8 independent chains
-/// (each row keeps `dot_bf16`'s two, in its order): one row at a time
-/// streamed at 0.65 of the read bandwidth on Zen 3, its two chains of
-/// dependent FMAs leaving too few loads in flight.
+/// A 16-bit weight format as the one-row kernels widen it: 8 values into
+/// a register, one value for the scalar tail.
+trait Half16 {
+    /// # Safety
+    /// Reads 16 bytes at `p`; needs the CPU features of the caller.
+    unsafe fn load8(p: *const u16) -> __m256;
+    fn widen(v: u16) -> f32;
+}
+
+struct Bf16;
+impl Half16 for Bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: forwarded contract.
+        unsafe { load_bf16x8(p) }
+    }
+    fn widen(v: u16) -> f32 {
+        crate::format::bf16_to_f32(v)
+    }
+}
+
+struct F16;
+impl Half16 for F16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: forwarded contract (F16C with the caller's features).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    fn widen(v: u16) -> f32 {
+        crate::format::f16_to_f32(v)
+    }
+}
+
+/// Rows of a 16-bit matrix against one vector, `out[r]` exactly the
+/// one-row kernel's result for row `r` (`w[r × n..(r + 1) × n]`, `n =
+/// x.len()`): that kernel runs `CHAINS` accumulators over `8 × CHAINS`
+/// values per step, then (with two) one more step of 8 into the first,
+/// then the scalar tail; here four rows do so together, sharing each load
+/// of `x`. One row at a time streamed at 0.65-0.80 of the read bandwidth
+/// on Zen 3: its one or two chains of dependent FMAs leave too few loads
+/// in flight. Rows past the last four take `one`.
 ///
 /// # Safety
-/// Requires AVX2 and FMA; `w.len() == out.len() × x.len()`.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_bf16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+/// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`.
+#[inline(always)]
+unsafe fn rows4<H: Half16, const CHAINS: usize>(
+    w: &[u16],
+    x: &[f32],
+    out: &mut [f32],
+    one: unsafe fn(&[u16], &[f32]) -> f32,
+) {
     let n = x.len();
     debug_assert_eq!(w.len(), out.len() * n);
     let mut quads = out.chunks_exact_mut(4);
     let mut r = 0;
     for o in &mut quads {
         // SAFETY: rows r..r + 4 lie inside w (the contract); loads stay
-        // below n in each as in dot_bf16.
+        // below n in each, as in the one-row kernels.
         unsafe {
             let wp = w.as_ptr().add(r * n);
             let xp = x.as_ptr();
-            let mut a = [[_mm256_setzero_ps(); 2]; 4];
+            let mut a = [[_mm256_setzero_ps(); CHAINS]; 4];
             let mut i = 0;
-            while i + 16 <= n {
-                let x0 = _mm256_loadu_ps(xp.add(i));
-                let x1 = _mm256_loadu_ps(xp.add(i + 8));
+            while i + 8 * CHAINS <= n {
+                let xs: [__m256; CHAINS] =
+                    std::array::from_fn(|c| _mm256_loadu_ps(xp.add(i + 8 * c)));
                 for (j, a) in a.iter_mut().enumerate() {
-                    let row = wp.add(j * n + i);
-                    a[0] = _mm256_fmadd_ps(load_bf16x8(row), x0, a[0]);
-                    a[1] = _mm256_fmadd_ps(load_bf16x8(row.add(8)), x1, a[1]);
+                    for (c, (a, x)) in a.iter_mut().zip(&xs).enumerate() {
+                        *a = _mm256_fmadd_ps(H::load8(wp.add(j * n + i + 8 * c)), *x, *a);
+                    }
                 }
-                i += 16;
+                i += 8 * CHAINS;
             }
-            if i + 8 <= n {
+            if CHAINS == 2 && i + 8 <= n {
                 let x0 = _mm256_loadu_ps(xp.add(i));
                 for (j, a) in a.iter_mut().enumerate() {
-                    a[0] = _mm256_fmadd_ps(load_bf16x8(wp.add(j * n + i)), x0, a[0]);
+                    a[0] = _mm256_fmadd_ps(H::load8(wp.add(j * n + i)), x0, a[0]);
                 }
                 i += 8;
             }
             for (j, (o, a)) in o.iter_mut().zip(&a).enumerate() {
-                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+                let v = if CHAINS == 2 {
+                    _mm256_add_ps(a[0], a[1])
+                } else {
+                    a[0]
+                };
+                let mut s = hsum(v);
                 for k in i..n {
-                    s += crate::format::bf16_to_f32(*wp.add(j * n + k)) * *xp.add(k);
+                    s += H::widen(*wp.add(j * n + k)) * *xp.add(k);
                 }
                 *o = s;
             }
@@ -255,9 +300,31 @@ pub unsafe fn dot_bf16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
         r += 4;
     }
     for (j, o) in quads.into_remainder().iter_mut().enumerate() {
-        // SAFETY: AVX2 and FMA as this function; row r + j lies in w.
-        *o = unsafe { dot_bf16(&w[(r + j) * n..(r + j + 1) * n], x) };
+        // SAFETY: the caller's features; row r + j lies in w.
+        *o = unsafe { one(&w[(r + j) * n..(r + j + 1) * n], x) };
     }
+}
+
+/// Rows of a bf16 matrix against one vector, each result exactly
+/// [`dot_bf16`]'s for its row (see [`rows4`]).
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_bf16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { rows4::<Bf16, 2>(w, x, out, dot_bf16) }
+}
+
+/// Rows of an f16 matrix against one vector, each result exactly
+/// [`dot_f16`]'s for its row (see [`rows4`]).
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { rows4::<F16, 1>(w, x, out, dot_f16) }
 }
 
 /// # Safety
