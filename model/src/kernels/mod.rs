@@ -45,6 +45,9 @@ pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::T
 /// `(w, x, out)`: consecutive rows of a 16-bit matrix against one vector.
 pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
 
+/// `(w, xs, out)`: one row of a 16-bit matrix against several vectors.
+pub type MultiDot16 = fn(&[u16], &[&[f32]], &mut [f32]);
+
 /// The most activations a [`TilesDot`] kernel takes.
 pub const TILE_TOKENS: usize = 4;
 
@@ -64,6 +67,12 @@ pub struct KernelSet {
     pub dot_bf16_rows: Option<RowsDot16>,
     /// The same for f16 rows and `dot_f16`.
     pub dot_f16_rows: Option<RowsDot16>,
+    /// One bf16 row against several vectors, `(w, xs, out)`, each result
+    /// identical to `dot_bf16`'s (prefill, batched decode); `None`: a
+    /// vector at a time.
+    pub dot_bf16_multi: Option<MultiDot16>,
+    /// The same for f16 rows and `dot_f16`.
+    pub dot_f16_multi: Option<MultiDot16>,
     pub dot_f16: fn(&[u16], &[f32]) -> f32,
     pub dot_fp8: fn(&[u8], &[f32], &[f32], usize) -> f32,
     pub dot_q8_0: fn(&[u8], &[f32]) -> f32,
@@ -141,6 +150,17 @@ fn check_tiles_args(tile: &[u8], blocks: usize, xs: &[&Q8Activation], out: &[[f3
     xs.iter().for_each(|x| check_tile_args(tile, blocks, x));
 }
 
+/// What the one-row, several-vector 16-bit kernels' safety contract asks
+/// of their arguments: vectors of the row's length, an output for each.
+#[cfg(target_arch = "x86_64")]
+fn check_multi16_args(w: &[u16], xs: &[&[f32]], out: &[f32]) {
+    assert!(out.len() >= xs.len(), "an output per vector");
+    assert!(
+        xs.iter().all(|x| x.len() == w.len()),
+        "vectors of the row's length"
+    );
+}
+
 /// What `dot_f32_rows_group`'s safety contract asks of its arguments.
 #[cfg(target_arch = "x86_64")]
 fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
@@ -179,6 +199,8 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_bf16: scalar::dot_bf16,
     dot_bf16_rows: None,
     dot_f16_rows: None,
+    dot_bf16_multi: None,
+    dot_f16_multi: None,
     dot_f16: scalar::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: scalar::dot_q8_0,
@@ -270,6 +292,16 @@ mod avx2_wrappers {
         assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
         unsafe { super::x86::dot_bf16_rows(w, x, out) }
     }
+    /// Also checks the lengths, which the kernels' safety contract asks
+    /// for.
+    pub fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+        super::check_multi16_args(w, xs, out);
+        unsafe { super::x86::dot_bf16_multi(w, xs, out) }
+    }
+    pub fn dot_f16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+        super::check_multi16_args(w, xs, out);
+        unsafe { super::x86::dot_f16_multi(w, xs, out) }
+    }
     /// Also checks the lengths, which the kernel's safety contract asks
     /// for.
     pub fn dot_f16_rows(w: &[u16], x: &[f32], out: &mut [f32]) {
@@ -301,6 +333,8 @@ pub const AVX2: KernelSet = KernelSet {
     dot_bf16: avx2_wrappers::dot_bf16,
     dot_bf16_rows: Some(avx2_wrappers::dot_bf16_rows),
     dot_f16_rows: Some(avx2_wrappers::dot_f16_rows),
+    dot_bf16_multi: Some(avx2_wrappers::dot_bf16_multi),
+    dot_f16_multi: Some(avx2_wrappers::dot_f16_multi),
     dot_f16: avx2_wrappers::dot_f16,
     dot_fp8: avx2_wrappers::dot_fp8,
     dot_q8_0: avx2_wrappers::dot_q8_0,
@@ -452,6 +486,8 @@ pub const NEON: KernelSet = KernelSet {
     dot_bf16: neon_wrappers::dot_bf16,
     dot_bf16_rows: None,
     dot_f16_rows: None,
+    dot_bf16_multi: None,
+    dot_f16_multi: None,
     dot_f16: neon_wrappers::dot_f16,
     dot_fp8: scalar::dot_fp8,
     dot_q8_0: neon_wrappers::dot_q8_0,
@@ -1072,6 +1108,16 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
         .iter()
         .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })
         .collect();
+    let f32s: Vec<&[f32]> = inputs
+        .iter()
+        .filter_map(|i| {
+            if let Input::F32(x) = i {
+                Some(*x)
+            } else {
+                None
+            }
+        })
+        .collect();
     let bytes = w.data().as_slice();
     let rb = bytes.len() / rows;
     // Q4_0 with a matrix–matrix kernel: the tokens interleaved once (in
@@ -1123,6 +1169,23 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         for (j, v) in tmp[..group.len()].iter().enumerate() {
                             out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
                         }
+                    }
+                }
+            } else if let Some(multi) = match w.format {
+                WeightFormat::Bf16 => k.dot_bf16_multi,
+                WeightFormat::F16 => k.dot_f16_multi,
+                _ => None,
+            }
+            .filter(|_| f32s.len() == n)
+            {
+                // Each 16-bit row widened once for all the vectors (same
+                // results as one vector at a time).
+                let all: &[u16] = bytemuck::cast_slice(bytes);
+                let mut tmp = vec![0.0f32; n];
+                for r in r0..r1 {
+                    multi(&all[r * w.cols..(r + 1) * w.cols], &f32s, &mut tmp);
+                    for (t, v) in tmp.iter().enumerate() {
+                        out[t * len + (r - r0)] = *v;
                     }
                 }
             } else {
@@ -1278,8 +1341,49 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         assert!(checked > 0, "no 16-bit rows kernel on an x86-64 SIMD set");
+        // One row against several vectors: each the one-row kernel's bits,
+        // for vector counts around the kernels' four.
+        let mut checked = 0;
+        for k in simd_sets() {
+            let formats: [(&str, Option<MultiDot16>, One, Encode); 2] = [
+                ("bf16", k.dot_bf16_multi, k.dot_bf16, &bf16),
+                ("f16", k.dot_f16_multi, k.dot_f16, &f16),
+            ];
+            for (name, multi, one, enc) in formats {
+                let Some(f) = multi else {
+                    continue;
+                };
+                for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048] {
+                    let w: Vec<u16> = rand_vec(&mut rng, n)
+                        .iter()
+                        .map(|&v| enc(v * 3.0))
+                        .collect();
+                    let xs: Vec<Vec<f32>> = (0..9).map(|_| rand_vec(&mut rng, n)).collect();
+                    for t in 0..=xs.len() {
+                        let refs: Vec<&[f32]> = xs[..t].iter().map(Vec::as_slice).collect();
+                        let mut out = vec![f32::NAN; t];
+                        f(&w, &refs, &mut out);
+                        for (j, (o, x)) in out.iter().zip(&refs).enumerate() {
+                            assert_eq!(
+                                o.to_bits(),
+                                one(&w, x).to_bits(),
+                                "{} {name} n={n}, {t} vectors, vector {j}",
+                                k.name
+                            );
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            checked > 0,
+            "no 16-bit multi-vector kernel on an x86-64 SIMD set"
+        );
         let _ = checked;
-        // matvec takes the kernels: the same bits as a row at a time.
+        // matvec and matmul take the kernels: the same bits as a row and a
+        // vector at a time.
         let k = kernels();
         let (rows, cols) = (203, 2048 + 24);
         for (format, one, enc) in [
@@ -1292,12 +1396,19 @@ mod tests {
                 .collect();
             let bytes = crate::tensor::Bytes::from_vec(bytemuck::cast_slice(&w).to_vec());
             let m = QMatrix::new("t", rows, cols, format, bytes, None).unwrap();
-            let x = rand_vec(&mut rng, cols);
-            let mut y = vec![f32::NAN; rows];
-            matvec(&Pool::new(3).unwrap(), &m, &x, &mut y);
-            for (r, v) in y.iter().enumerate() {
-                let want = one(&w[r * cols..(r + 1) * cols], &x);
-                assert_eq!(v.to_bits(), want.to_bits(), "{format:?} matvec row {r}");
+            for n in [1, 7] {
+                let x = rand_vec(&mut rng, n * cols);
+                let mut y = vec![f32::NAN; n * rows];
+                matmul(&Pool::new(3).unwrap(), &m, &x, n, &mut y);
+                for (i, v) in y.iter().enumerate() {
+                    let (t, r) = (i / rows, i % rows);
+                    let want = one(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "{format:?}, {n} vectors, row {r}"
+                    );
+                }
             }
         }
     }

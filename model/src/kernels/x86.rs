@@ -305,6 +305,104 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
     }
 }
 
+/// One row of a 16-bit matrix against `T` vectors, `out[t]` exactly the
+/// one-row kernel's result for `xs[t]` (the same chains per vector, in the
+/// same order; see [`rows4`]): each load and widening of the row serves
+/// every vector, and the `T × CHAINS` independent FMA chains keep the FMA
+/// units busy where one vector's chains wait on each other.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`, `out.len()
+/// >= T`.
+#[inline(always)]
+unsafe fn tokens<H: Half16, const CHAINS: usize, const T: usize>(
+    w: &[u16],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
+    let n = w.len();
+    debug_assert!(xs.len() == T && out.len() >= T && xs.iter().all(|x| x.len() == n));
+    let wp = w.as_ptr();
+    let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+    // SAFETY: loads stay below n in the row and in every vector (the
+    // contract), as in the one-row kernels.
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); CHAINS]; T];
+        let mut i = 0;
+        while i + 8 * CHAINS <= n {
+            let ws: [__m256; CHAINS] = std::array::from_fn(|c| H::load8(wp.add(i + 8 * c)));
+            for (a, x) in a.iter_mut().zip(&xp) {
+                for (c, (a, w)) in a.iter_mut().zip(&ws).enumerate() {
+                    *a = _mm256_fmadd_ps(*w, _mm256_loadu_ps(x.add(i + 8 * c)), *a);
+                }
+            }
+            i += 8 * CHAINS;
+        }
+        if CHAINS == 2 && i + 8 <= n {
+            let w0 = H::load8(wp.add(i));
+            for (a, x) in a.iter_mut().zip(&xp) {
+                a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.add(i)), a[0]);
+            }
+            i += 8;
+        }
+        for ((o, a), x) in out.iter_mut().zip(&a).zip(&xp) {
+            let v = if CHAINS == 2 {
+                _mm256_add_ps(a[0], a[1])
+            } else {
+                a[0]
+            };
+            let mut s = hsum(v);
+            for k in i..n {
+                s += H::widen(*wp.add(k)) * *x.add(k);
+            }
+            *o = s;
+        }
+    }
+}
+
+/// [`tokens`] for any number of vectors, four at a time.
+///
+/// # Safety
+/// As [`tokens`]; `out.len() >= xs.len()`.
+#[inline(always)]
+unsafe fn tokens_any<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+        // SAFETY: forwarded contract, for each group of vectors.
+        unsafe {
+            match xs.len() {
+                4 => tokens::<H, CHAINS, 4>(w, xs, out),
+                3 => tokens::<H, CHAINS, 3>(w, xs, out),
+                2 => tokens::<H, CHAINS, 2>(w, xs, out),
+                _ => tokens::<H, CHAINS, 1>(w, xs, out),
+            }
+        }
+    }
+}
+
+/// One bf16 row against several vectors, each result exactly
+/// [`dot_bf16`]'s (see [`tokens`]).
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`,
+/// `out.len() >= xs.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { tokens_any::<Bf16, 2>(w, xs, out) }
+}
+
+/// One f16 row against several vectors, each result exactly
+/// [`dot_f16`]'s (see [`tokens`]).
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`,
+/// `out.len() >= xs.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { tokens_any::<F16, 1>(w, xs, out) }
+}
+
 /// Rows of a bf16 matrix against one vector, each result exactly
 /// [`dot_bf16`]'s for its row (see [`rows4`]).
 ///
