@@ -164,6 +164,19 @@ fn stream_raw(
     body: &Value,
     stop_after: Option<usize>,
 ) -> Vec<String> {
+    stream_with(addr, path, body, stop_after, || {})
+}
+
+/// [`stream_raw`], calling `on_first` when the first event has arrived
+/// (the request is running) before reading on.
+fn stream_with(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    stop_after: Option<usize>,
+    on_first: impl FnOnce(),
+) -> Vec<String> {
+    let mut on_first = Some(on_first);
     let mut s = TcpStream::connect(addr).unwrap();
     let b = body.to_string();
     write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
@@ -177,6 +190,9 @@ fn stream_raw(
         }
         if let Some(p) = line.trim_end().strip_prefix("data: ") {
             out.push(p.to_string());
+            if let Some(f) = on_first.take() {
+                f();
+            }
             if stop_after.is_some_and(|n| out.len() >= n) {
                 return out; // dropping the socket: the client goes away
             }
@@ -492,26 +508,11 @@ fn full_queue_answers_429_with_retry_after() {
     let addr = live.addr;
     let long = std::thread::spawn(move || {
         let body = json!({"prompt": [97], "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "stream": true});
-        let mut s = TcpStream::connect(addr).unwrap();
-        let b = body.to_string();
-        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
-        let mut r = BufReader::new(s);
-        let mut events = 0;
-        let mut line = String::new();
-        while events < 40 {
-            line.clear();
-            if r.read_line(&mut line).unwrap_or(0) == 0 {
-                break;
-            }
-            if line.starts_with("data: ") {
-                events += 1;
-                if events == 1 {
-                    started_tx.send(()).unwrap();
-                    release_rx.recv().unwrap();
-                }
-            }
-        }
-        events
+        stream_with(addr, "/v1/completions", &body, Some(40), move || {
+            started_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+        })
+        .len()
     });
     started_rx
         .recv_timeout(Duration::from_secs(120))
@@ -693,19 +694,26 @@ fn shutdown_finishes_or_cancels_in_flight_requests_and_returns_ok() {
     );
     let addr = live.addr;
     // A short request finishes within the grace period; a long one is cut.
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let short_started = started_tx.clone();
     let short = std::thread::spawn(move || {
         let body = json!({"prompt": [97], "max_tokens": 20, "ignore_eos": true, "temperature": 0, "stream": true});
-        stream_raw(addr, "/v1/completions", &body, None)
+        stream_with(addr, "/v1/completions", &body, None, move || {
+            short_started.send(()).unwrap()
+        })
     });
     let long = std::thread::spawn(move || {
         let body = json!({"prompt": [98], "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "stream": true});
-        stream_raw(addr, "/v1/completions", &body, None)
+        stream_with(addr, "/v1/completions", &body, None, move || {
+            started_tx.send(()).unwrap()
+        })
     });
-    for _ in 0..1000 {
-        if metric(&live, "running") >= 2.0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
+    // Both requests have streamed (the long one runs for seconds), however
+    // slowly the machine starts them.
+    for _ in 0..2 {
+        started_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a request never streamed");
     }
     assert_eq!(live.stop(), Ok(()));
     let short = short.join().unwrap();
