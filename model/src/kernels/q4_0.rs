@@ -199,6 +199,36 @@ macro_rules! blocks_into_lanes {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use blocks_into_lanes;
 
+/// [`blocks_into_lanes`] for a step macro that takes its lane as a
+/// constant, `$step!(b, lane)`: arrays of accumulators indexed by it stay
+/// in registers (a closure here was left out of line, its accumulators in
+/// memory).
+#[cfg(target_arch = "x86_64")]
+macro_rules! blocks_into_const_lanes {
+    ($blocks:expr, $step:ident) => {{
+        let blocks = $blocks;
+        let mut c = 0;
+        while c + LANES <= blocks {
+            $step!(c, 0);
+            $step!(c + 1, 1);
+            $step!(c + 2, 2);
+            $step!(c + 3, 3);
+            c += LANES;
+        }
+        if c < blocks {
+            $step!(c, 0);
+        }
+        if c + 1 < blocks {
+            $step!(c + 1, 1);
+        }
+        if c + 2 < blocks {
+            $step!(c + 2, 2);
+        }
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use blocks_into_const_lanes;
+
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl RowScratch {
     /// Unpacks `rows` (whole rows of `blocks` blocks each).

@@ -327,24 +327,7 @@ pub mod avx2 {
                     }
                 }};
             }
-            // Block b into lane b mod 4, in block order (as blocks_into_lanes).
-            let mut c = 0;
-            while c + LANES <= blocks {
-                step!(c, 0);
-                step!(c + 1, 1);
-                step!(c + 2, 2);
-                step!(c + 3, 3);
-                c += LANES;
-            }
-            if c < blocks {
-                step!(c, 0);
-            }
-            if c + 1 < blocks {
-                step!(c + 1, 1);
-            }
-            if c + 2 < blocks {
-                step!(c + 2, 2);
-            }
+            crate::kernels::q4_0::blocks_into_const_lanes!(blocks, step);
             for (t, o) in out.iter_mut().enumerate().take(T) {
                 for h in 0..2 {
                     let v = _mm256_add_ps(
@@ -474,9 +457,8 @@ pub mod avx512 {
         unsafe {
             let nibble = _mm512_set1_epi8(0x0f);
             let mut acc = [[_mm512_setzero_ps(); T]; LANES];
-            // One block into accumulator lane `$lane` (a constant, so the
-            // accumulators stay in registers: a closure here was left out
-            // of line, its accumulators in memory).
+            // One block into accumulator lane `$lane` (a constant: see
+            // blocks_into_const_lanes).
             macro_rules! step {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
@@ -516,24 +498,7 @@ pub mod avx512 {
                     }
                 }};
             }
-            // Block b into lane b mod 4, in block order (as blocks_into_lanes).
-            let mut c = 0;
-            while c + LANES <= blocks {
-                step!(c, 0);
-                step!(c + 1, 1);
-                step!(c + 2, 2);
-                step!(c + 3, 3);
-                c += LANES;
-            }
-            if c < blocks {
-                step!(c, 0);
-            }
-            if c + 1 < blocks {
-                step!(c + 1, 1);
-            }
-            if c + 2 < blocks {
-                step!(c + 2, 2);
-            }
+            crate::kernels::q4_0::blocks_into_const_lanes!(blocks, step);
             for (t, o) in out.iter_mut().enumerate().take(T) {
                 let v = _mm512_add_ps(
                     _mm512_add_ps(acc[0][t], acc[2][t]),

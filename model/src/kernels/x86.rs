@@ -237,6 +237,34 @@ impl Half16 for F16 {
     }
 }
 
+/// The end of a one-row 16-bit kernel: its chains summed as it sums them,
+/// then the scalar tail `from..n` of row `w` against `x`.
+///
+/// # Safety
+/// Requires AVX; `w` and `x` hold `n` values.
+#[inline(always)]
+unsafe fn finish<H: Half16, const CHAINS: usize>(
+    a: &[__m256; CHAINS],
+    w: *const u16,
+    x: *const f32,
+    from: usize,
+    n: usize,
+) -> f32 {
+    // SAFETY: reads below n in both (the contract).
+    unsafe {
+        let v = if CHAINS == 2 {
+            _mm256_add_ps(a[0], a[1])
+        } else {
+            a[0]
+        };
+        let mut s = hsum(v);
+        for k in from..n {
+            s += H::widen(*w.add(k)) * *x.add(k);
+        }
+        s
+    }
+}
+
 /// Rows of a 16-bit matrix against one vector, `out[r]` exactly the
 /// one-row kernel's result for row `r` (`w[r × n..(r + 1) × n]`, `n =
 /// x.len()`): that kernel runs `CHAINS` accumulators over `8 × CHAINS`
@@ -285,16 +313,7 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
                 i += 8;
             }
             for (j, (o, a)) in o.iter_mut().zip(&a).enumerate() {
-                let v = if CHAINS == 2 {
-                    _mm256_add_ps(a[0], a[1])
-                } else {
-                    a[0]
-                };
-                let mut s = hsum(v);
-                for k in i..n {
-                    s += H::widen(*wp.add(j * n + k)) * *xp.add(k);
-                }
-                *o = s;
+                *o = finish::<H, CHAINS>(a, wp.add(j * n), xp, i, n);
             }
         }
         r += 4;
@@ -346,16 +365,7 @@ unsafe fn tokens<H: Half16, const CHAINS: usize, const T: usize>(
             i += 8;
         }
         for ((o, a), x) in out.iter_mut().zip(&a).zip(&xp) {
-            let v = if CHAINS == 2 {
-                _mm256_add_ps(a[0], a[1])
-            } else {
-                a[0]
-            };
-            let mut s = hsum(v);
-            for k in i..n {
-                s += H::widen(*wp.add(k)) * *x.add(k);
-            }
-            *o = s;
+            *o = finish::<H, CHAINS>(a, wp, *x, i, n);
         }
     }
 }
