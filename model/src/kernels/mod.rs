@@ -45,7 +45,9 @@ pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::T
 /// `(w, x, out)`: consecutive rows of a 16-bit matrix against one vector.
 pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
 
-/// `(w, xs, out)`: one row of a 16-bit matrix against several vectors.
+/// `(w, xs, out)`: consecutive rows of a 16-bit matrix (`w.len() / n`
+/// rows of `n = xs[t].len()`) against several vectors, `out[r ×
+/// xs.len() + t]` for row `r` and vector `t`.
 pub type MultiDot16 = fn(&[u16], &[&[f32]], &mut [f32]);
 
 /// The most activations a [`TilesDot`] kernel takes.
@@ -67,9 +69,10 @@ pub struct KernelSet {
     pub dot_bf16_rows: Option<RowsDot16>,
     /// The same for f16 rows and `dot_f16`.
     pub dot_f16_rows: Option<RowsDot16>,
-    /// One bf16 row against several vectors, `(w, xs, out)`, each result
-    /// identical to `dot_bf16`'s (prefill, batched decode); `None`: a
-    /// vector at a time.
+    /// Consecutive bf16 rows against several vectors, `(w, xs, out)`
+    /// ([`MultiDot16`]), each result identical to `dot_bf16`'s for its row
+    /// and vector (prefill, batched decode); `None`: a row and a vector at
+    /// a time.
     pub dot_bf16_multi: Option<MultiDot16>,
     /// The same for f16 rows and `dot_f16`.
     pub dot_f16_multi: Option<MultiDot16>,
@@ -154,10 +157,17 @@ fn check_tiles_args(tile: &[u8], blocks: usize, xs: &[&Q8Activation], out: &[[f3
 /// of their arguments: vectors of the row's length, an output for each.
 #[cfg(target_arch = "x86_64")]
 fn check_multi16_args(w: &[u16], xs: &[&[f32]], out: &[f32]) {
-    assert!(out.len() >= xs.len(), "an output per vector");
+    let Some(n) = xs.first().map(|x| x.len()) else {
+        return;
+    };
     assert!(
-        xs.iter().all(|x| x.len() == w.len()),
-        "vectors of the row's length"
+        n > 0 && xs.iter().all(|x| x.len() == n),
+        "non-empty vectors of one length"
+    );
+    assert!(w.len().is_multiple_of(n), "whole rows");
+    assert!(
+        out.len() >= w.len() / n * xs.len(),
+        "an output per row and vector"
     );
 }
 
@@ -1178,14 +1188,14 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
             }
             .filter(|_| f32s.len() == n)
             {
-                // Each 16-bit row widened once for all the vectors (same
-                // results as one vector at a time).
+                // The block's 16-bit rows against all the vectors at once
+                // (same results as a row and a vector at a time).
                 let all: &[u16] = bytemuck::cast_slice(bytes);
-                let mut tmp = vec![0.0f32; n];
-                for r in r0..r1 {
-                    multi(&all[r * w.cols..(r + 1) * w.cols], &f32s, &mut tmp);
-                    for (t, v) in tmp.iter().enumerate() {
-                        out[t * len + (r - r0)] = *v;
+                let mut tmp = vec![0.0f32; len * n];
+                multi(&all[r0 * w.cols..r1 * w.cols], &f32s, &mut tmp);
+                for (i, row) in tmp.chunks_exact(n).enumerate() {
+                    for (t, v) in row.iter().enumerate() {
+                        out[t * len + i] = *v;
                     }
                 }
             } else {
@@ -1354,7 +1364,7 @@ mod tests {
                 let Some(f) = multi else {
                     continue;
                 };
-                for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048] {
+                for n in [1usize, 7, 8, 9, 15, 16, 17, 24, 31, 33, 2048, 2072] {
                     let w: Vec<u16> = rand_vec(&mut rng, n)
                         .iter()
                         .map(|&v| enc(v * 3.0))
@@ -1373,6 +1383,29 @@ mod tests {
                             );
                         }
                         checked += 1;
+                    }
+                    // Several rows at once: more vectors than take a row
+                    // whole (17, 21), more rows than a row group (37), rows
+                    // long enough for several column spans (n ≥ 2048).
+                    let rows = 37;
+                    let xs: Vec<Vec<f32>> = (0..21).map(|_| rand_vec(&mut rng, n)).collect();
+                    let wr: Vec<u16> = rand_vec(&mut rng, rows * n)
+                        .iter()
+                        .map(|&v| enc(v * 3.0))
+                        .collect();
+                    for t in [1usize, 4, 6, 9, 16, 17, 21] {
+                        let refs: Vec<&[f32]> = xs[..t].iter().map(Vec::as_slice).collect();
+                        let mut out = vec![f32::NAN; rows * t];
+                        f(&wr, &refs, &mut out);
+                        for (i, o) in out.iter().enumerate() {
+                            let (r, j) = (i / t, i % t);
+                            assert_eq!(
+                                o.to_bits(),
+                                one(&wr[r * n..(r + 1) * n], refs[j]).to_bits(),
+                                "{} {name} n={n}, {rows} rows, {t} vectors, row {r} vector {j}",
+                                k.name
+                            );
+                        }
                     }
                 }
             }

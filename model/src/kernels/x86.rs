@@ -324,93 +324,152 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
     }
 }
 
-/// One row of a 16-bit matrix against `T` vectors, `out[t]` exactly the
-/// one-row kernel's result for `xs[t]` (the same chains per vector, in the
-/// same order; see [`rows4`]): each load and widening of the row serves
-/// every vector, and the `T × CHAINS` independent FMA chains keep the FMA
-/// units busy where one vector's chains wait on each other.
+/// The full steps of columns `c0..c1` (multiples of `8 × CHAINS`) of one
+/// row against `T` vectors, continuing the chains in `a` (each vector's
+/// own `CHAINS` accumulators, as the one-row kernel runs them; see
+/// [`rows4`]): each load and widening of the row serves every vector, and
+/// the `T × CHAINS` independent FMA chains keep the FMA units busy.
 ///
 /// # Safety
-/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`, `out.len()
-/// >= T`.
+/// Requires AVX2, FMA and F16C; columns below `c1` lie in the row and in
+/// every vector.
 #[inline(always)]
-unsafe fn tokens<H: Half16, const CHAINS: usize, const T: usize>(
-    w: &[u16],
-    xs: &[&[f32]],
-    out: &mut [f32],
+unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize>(
+    wp: *const u16,
+    xp: &[*const f32],
+    a: &mut [[__m256; CHAINS]],
+    c0: usize,
+    c1: usize,
 ) {
-    let n = w.len();
-    debug_assert!(xs.len() == T && out.len() >= T && xs.iter().all(|x| x.len() == n));
-    let wp = w.as_ptr();
-    let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
-    // SAFETY: loads stay below n in the row and in every vector (the
-    // contract), as in the one-row kernels.
+    debug_assert!(xp.len() == T && a.len() == T);
+    let xp: [*const f32; T] = std::array::from_fn(|t| xp[t]);
+    // SAFETY: loads stay below c1 (the contract).
     unsafe {
-        let mut a = [[_mm256_setzero_ps(); CHAINS]; T];
-        let mut i = 0;
-        while i + 8 * CHAINS <= n {
+        let mut acc: [[__m256; CHAINS]; T] = std::array::from_fn(|t| a[t]);
+        let mut i = c0;
+        while i < c1 {
             let ws: [__m256; CHAINS] = std::array::from_fn(|c| H::load8(wp.add(i + 8 * c)));
-            for (a, x) in a.iter_mut().zip(&xp) {
+            for (a, x) in acc.iter_mut().zip(&xp) {
                 for (c, (a, w)) in a.iter_mut().zip(&ws).enumerate() {
                     *a = _mm256_fmadd_ps(*w, _mm256_loadu_ps(x.add(i + 8 * c)), *a);
                 }
             }
             i += 8 * CHAINS;
         }
-        if CHAINS == 2 && i + 8 <= n {
-            let w0 = H::load8(wp.add(i));
-            for (a, x) in a.iter_mut().zip(&xp) {
-                a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.add(i)), a[0]);
-            }
-            i += 8;
-        }
-        for ((o, a), x) in out.iter_mut().zip(&a).zip(&xp) {
-            *o = finish::<H, CHAINS>(a, wp, *x, i, n);
-        }
+        a.copy_from_slice(&acc);
     }
 }
 
-/// [`tokens`] for any number of vectors, four at a time.
+/// Columns per pass of [`rows_tokens`]: four vectors' share (16 KiB) stays
+/// in L1 while each row of a group runs over it.
+const SPAN: usize = 1024;
+/// Rows per group of [`rows_tokens`]: their span (64 KiB of weights) stays
+/// in L2 while each group of four vectors runs over it.
+const SPAN_ROWS: usize = 32;
+
+/// Rows of a 16-bit matrix (`w`: rows × n, `n = xs[t].len()`) against
+/// several vectors, `out[r × xs.len() + t]` exactly the one-row kernel's
+/// result for row `r` and vector `t`: each (row, vector) runs the one-row
+/// kernel's chains, in the same steps and order, but the columns are taken
+/// a span at a time (the chains wait in memory between spans, which
+/// changes no bit), for a group of rows and four vectors at a time. One
+/// row at a time against all the vectors read each vector from L2 once
+/// per row; here a span of four vectors is read from L1 by every row of
+/// the group, and the group's span of weights from L1/L2 by each group of
+/// vectors.
 ///
 /// # Safety
-/// As [`tokens`]; `out.len() >= xs.len()`.
+/// Requires AVX2, FMA and F16C; every `xs[t].len() == n > 0`, `w.len()`
+/// a multiple of n, `out.len() >= w.len() / n × xs.len()`.
 #[inline(always)]
-unsafe fn tokens_any<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
-    for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
-        // SAFETY: forwarded contract, for each group of vectors.
-        unsafe {
-            match xs.len() {
-                4 => tokens::<H, CHAINS, 4>(w, xs, out),
-                3 => tokens::<H, CHAINS, 3>(w, xs, out),
-                2 => tokens::<H, CHAINS, 2>(w, xs, out),
-                _ => tokens::<H, CHAINS, 1>(w, xs, out),
+unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    let nt = xs.len();
+    if nt == 0 {
+        return;
+    }
+    let n = xs[0].len();
+    let rows = w.len() / n;
+    let step = 8 * CHAINS;
+    let main = n / step * step;
+    let wp = w.as_ptr();
+    let xp: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
+    // SAFETY: a zero vector is a valid __m256.
+    let zero = unsafe { _mm256_setzero_ps() };
+    // Up to sixteen vectors: each row whole, on its own; spans and row
+    // groups did not pay there (`cargo bench --bench kernels`, Zen 3:
+    // batch 8 and 16 as fast or slower with them).
+    let (span, group) = if nt <= 16 {
+        (main.max(step), 1)
+    } else {
+        (SPAN, SPAN_ROWS)
+    };
+    // The chains of one row group, finished before the next group starts.
+    let mut acc = vec![[zero; CHAINS]; group * nt];
+    for g0 in (0..rows).step_by(group) {
+        let g1 = (g0 + group).min(rows);
+        acc.fill([zero; CHAINS]);
+        let mut c0 = 0;
+        while c0 < main {
+            let c1 = (c0 + span).min(main);
+            for t0 in (0..nt).step_by(4) {
+                let t1 = (t0 + 4).min(nt);
+                for r in g0..g1 {
+                    let k = (r - g0) * nt;
+                    let a = &mut acc[k + t0..k + t1];
+                    // SAFETY: row r lies in w, columns below c1 ≤ n in it and
+                    // in every vector (the contract).
+                    unsafe {
+                        let row = wp.add(r * n);
+                        match t1 - t0 {
+                            4 => tokens_span::<H, CHAINS, 4>(row, &xp[t0..t1], a, c0, c1),
+                            3 => tokens_span::<H, CHAINS, 3>(row, &xp[t0..t1], a, c0, c1),
+                            2 => tokens_span::<H, CHAINS, 2>(row, &xp[t0..t1], a, c0, c1),
+                            _ => tokens_span::<H, CHAINS, 1>(row, &xp[t0..t1], a, c0, c1),
+                        }
+                    }
+                }
+            }
+            c0 = c1;
+        }
+        for r in g0..g1 {
+            for t in 0..nt {
+                let mut a = acc[(r - g0) * nt + t];
+                // SAFETY: as above; the last step and the tail stay below n.
+                unsafe {
+                    let (row, x) = (wp.add(r * n), xp[t]);
+                    let mut i = main;
+                    if CHAINS == 2 && i + 8 <= n {
+                        a[0] =
+                            _mm256_fmadd_ps(H::load8(row.add(i)), _mm256_loadu_ps(x.add(i)), a[0]);
+                        i += 8;
+                    }
+                    out[r * nt + t] = finish::<H, CHAINS>(&a, row, x, i, n);
+                }
             }
         }
     }
 }
 
-/// One bf16 row against several vectors, each result exactly
-/// [`dot_bf16`]'s (see [`tokens`]).
+/// Rows of a bf16 matrix against several vectors, each result exactly
+/// [`dot_bf16`]'s (see [`rows_tokens`]).
 ///
 /// # Safety
-/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`,
-/// `out.len() >= xs.len()`.
+/// As [`rows_tokens`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { tokens_any::<Bf16, 2>(w, xs, out) }
+    unsafe { rows_tokens::<Bf16, 2>(w, xs, out) }
 }
 
-/// One f16 row against several vectors, each result exactly
-/// [`dot_f16`]'s (see [`tokens`]).
+/// Rows of an f16 matrix against several vectors, each result exactly
+/// [`dot_f16`]'s (see [`rows_tokens`]).
 ///
 /// # Safety
-/// Requires AVX2, FMA and F16C; every `xs[t].len() == w.len()`,
-/// `out.len() >= xs.len()`.
+/// As [`rows_tokens`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { tokens_any::<F16, 1>(w, xs, out) }
+    unsafe { rows_tokens::<F16, 1>(w, xs, out) }
 }
 
 /// Rows of a bf16 matrix against one vector, each result exactly
