@@ -254,7 +254,7 @@ fn main() {
             w = tile(w);
         }
         let name = if tiled { "q4_0 tiled" } else { format.name() };
-        for batch in [1usize, 4, 8, 16, 32] {
+        for batch in [1usize, 4, 8, 16, 32, 128] {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
