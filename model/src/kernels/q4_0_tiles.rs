@@ -294,25 +294,33 @@ pub mod avx2 {
             let ones = _mm256_set1_epi16(1);
             let mut acc = [[[_mm256_setzero_ps(); 2]; T]; LANES];
             // One block into accumulator lane `$lane`, as `dot_tile`'s
-            // `step` does for each token, in its order.
+            // `step` does for each token, in its order. Both halves of a
+            // group of codes are split before the tokens' quants are
+            // broadcast, so each broadcast serves 16 rows, not 8.
             macro_rules! step {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
                     let c = base.add(codes_at(blocks, b));
-                    for h in 0..2 {
-                        let mut s16 = [_mm256_setzero_si256(); T];
-                        for j in 0..4 {
-                            let w = _mm256_loadu_si256(c.add(64 * j + 32 * h) as *const __m256i);
-                            let wl = _mm256_and_si256(w, nibble);
-                            let wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-                            for t in 0..T {
-                                let qb = q[t].add(b * 8);
-                                let ql = _mm256_set1_epi32(qb.add(j).read_unaligned());
-                                let qh = _mm256_set1_epi32(qb.add(4 + j).read_unaligned());
-                                s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wl, ql));
-                                s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wh, qh));
-                            }
+                    let mut s16 = [[_mm256_setzero_si256(); 2]; T];
+                    for j in 0..4 {
+                        let w0 = _mm256_loadu_si256(c.add(64 * j) as *const __m256i);
+                        let w1 = _mm256_loadu_si256(c.add(64 * j + 32) as *const __m256i);
+                        let wl0 = _mm256_and_si256(w0, nibble);
+                        let wh0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nibble);
+                        let wl1 = _mm256_and_si256(w1, nibble);
+                        let wh1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nibble);
+                        for t in 0..T {
+                            let qb = q[t].add(b * 8);
+                            let ql = _mm256_set1_epi32(qb.add(j).read_unaligned());
+                            let qh = _mm256_set1_epi32(qb.add(4 + j).read_unaligned());
+                            let s = &mut s16[t];
+                            s[0] = _mm256_add_epi16(s[0], _mm256_maddubs_epi16(wl0, ql));
+                            s[0] = _mm256_add_epi16(s[0], _mm256_maddubs_epi16(wh0, qh));
+                            s[1] = _mm256_add_epi16(s[1], _mm256_maddubs_epi16(wl1, ql));
+                            s[1] = _mm256_add_epi16(s[1], _mm256_maddubs_epi16(wh1, qh));
                         }
+                    }
+                    for h in 0..2 {
                         let dw = _mm256_cvtph_ps(_mm_loadu_si128(
                             base.add(scales_at(blocks, b) + 16 * h) as *const __m128i,
                         ));
@@ -320,7 +328,7 @@ pub mod avx2 {
                             let x = xs.get_unchecked(t);
                             let zero = _mm256_set1_epi32(*x.bsums8.get_unchecked(b));
                             let xd = _mm256_set1_ps(*x.scales.get_unchecked(b));
-                            let s = _mm256_sub_epi32(_mm256_madd_epi16(s16[t], ones), zero);
+                            let s = _mm256_sub_epi32(_mm256_madd_epi16(s16[t][h], ones), zero);
                             let a = &mut acc[$lane][t][h];
                             *a = _mm256_fmadd_ps(_mm256_mul_ps(dw, xd), _mm256_cvtepi32_ps(s), *a);
                         }
