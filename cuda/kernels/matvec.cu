@@ -746,6 +746,11 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
         for (int jj = 0; jj < J; ++jj) {
             const u32 b = jj * 32 + lane;       // this lane's group in the tile
             const u32 g0 = c0 / 32 + jj * 32;   // the round's first group
+            // A round past the row's last group adds nothing (every FMA
+            // below is predicated off): skip its sums and barriers. Uniform
+            // over the block (a down projection's 24 groups fill one of a
+            // one-token tile's two rounds).
+            if (g0 >= ngroups) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
