@@ -18,6 +18,14 @@
 //! `-- --tiling` measures rearranging Q4_0 rows into tiles and back (what
 //! the RAM tier does on its installer thread to every expert it reads).
 //!
+//! `-- --experts N` streams decode-shaped products: per layer, 8 experts
+//! picked at random from a pool of `N` (Qwen3-30B-A3B's shapes, tiled
+//! Q4_0: gate and up 768 × 2048, down 2048 × 768, one token), as the CPU
+//! tier's decode runs them (one pool job for the gates and ups, one for
+//! the downs). Many short matrices, not one long one: what the hardware
+//! prefetchers see in a real decode. GB/s of expert weights against a
+//! read pass measured after each stretch.
+//!
 //! `-- --attention` times one decode step's attention over one layer's KV
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
 //! context lengths: a task per query head, each re-reading its KV head's
@@ -29,7 +37,7 @@ use std::time::Instant;
 use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
 use colibri_model::kernels::{
-    kernels, matmul, matvec, q4_0_tiles, q4_0_tiles_run_here, read_bandwidth,
+    kernels, matmul, matvec, matvecs, q4_0_tiles, q4_0_tiles_run_here, read_bandwidth,
 };
 use colibri_model::quant::{quantize_q4_0, quantize_q8_0};
 use colibri_model::tensor::{Bytes, QMatrix};
@@ -115,6 +123,105 @@ fn anon_huge_kib() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// A copy of `m` in its own allocation.
+fn copy(m: &QMatrix) -> QMatrix {
+    let c = QMatrix::new(
+        "bench",
+        m.rows,
+        m.cols,
+        m.format,
+        Bytes::from_vec(m.data().as_slice().to_vec()),
+        None,
+    )
+    .expect("matrix");
+    if m.is_tiled() {
+        c.tiled_q4_0().expect("tiled")
+    } else {
+        c
+    }
+}
+
+/// `--experts N`: see the module notes.
+fn experts(pool: &Pool, n: usize, threads: usize) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let (hidden, inter) = (2048usize, 768usize);
+    let mut gate = matrix(WeightFormat::Q4_0, inter, hidden, &mut rng);
+    let mut down = matrix(WeightFormat::Q4_0, hidden, inter, &mut rng);
+    if q4_0_tiles_run_here() {
+        gate = tile(gate);
+        down = tile(down);
+    }
+    // [gate, up, down] per expert, each in its own allocation.
+    let pool_m: Vec<[QMatrix; 3]> = (0..n.max(8))
+        .map(|_| [copy(&gate), copy(&gate), copy(&down)])
+        .collect();
+    let x: Vec<f32> = (0..hidden)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let xd: Vec<f32> = (0..inter).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut up_out = vec![vec![0.0f32; inter]; 16];
+    let mut down_out = vec![vec![0.0f32; hidden]; 8];
+    let layer_bytes = 8 * (2 * gate.stored_bytes() + down.stored_bytes());
+    println!(
+        "kernels: {}, threads: {threads}, {} experts of {:.2} MiB (tiled: {})",
+        kernels().name,
+        pool_m.len(),
+        (layer_bytes / 8) as f64 / (1 << 20) as f64,
+        gate.is_tiled()
+    );
+    // Prefetch distances of the tile kernels, compared in slices of a few
+    // layers taken in turn, so that drifting memory bandwidth (a shared
+    // VM's) hits every distance alike.
+    let dists: Vec<usize> =
+        args_list("--prefetch").unwrap_or_else(|| vec![q4_0_tiles::DEFAULT_PREFETCH_AHEAD, 0]);
+    let (slices, layers) = (40, 12);
+    let mut secs = vec![0.0f64; dists.len()];
+    for slice in 1..=slices {
+        for (d, &dist) in dists.iter().enumerate() {
+            q4_0_tiles::set_prefetch_ahead(dist);
+            let t = Instant::now();
+            for _ in 0..layers {
+                let pick: Vec<usize> = (0..8).map(|_| rng.random_range(0..pool_m.len())).collect();
+                let ws: Vec<&QMatrix> = pick
+                    .iter()
+                    .flat_map(|&e| [&pool_m[e][0], &pool_m[e][1]])
+                    .collect();
+                let mut ys: Vec<&mut [f32]> = up_out.iter_mut().map(|y| &mut y[..]).collect();
+                matvecs(pool, &ws, &[&x[..]; 16], &mut ys);
+                let ws: Vec<&QMatrix> = pick.iter().map(|&e| &pool_m[e][2]).collect();
+                let mut ys: Vec<&mut [f32]> = down_out.iter_mut().map(|y| &mut y[..]).collect();
+                matvecs(pool, &ws, &[&xd[..]; 8], &mut ys);
+            }
+            secs[d] += t.elapsed().as_secs_f64();
+            std::hint::black_box((&up_out, &down_out));
+        }
+        if slice % 10 == 0 {
+            let bw = read_bandwidth(pool, 256 << 20);
+            let rates: Vec<String> = dists
+                .iter()
+                .zip(&secs)
+                .map(|(d, s)| {
+                    let gbs = (layer_bytes * layers * slice) as f64 / s / 1e9;
+                    format!("prefetch {d}: {gbs:.2} GB/s ({:.0}%)", 100.0 * gbs / bw)
+                })
+                .collect();
+            println!(
+                "{} layers each: {}; read pass: {bw:.2} GB/s",
+                layers * slice,
+                rates.join(", ")
+            );
+        }
+    }
+    q4_0_tiles::set_prefetch_ahead(q4_0_tiles::DEFAULT_PREFETCH_AHEAD);
+}
+
+/// A comma-separated list of numbers after `name`.
+fn args_list(name: &str) -> Option<Vec<usize>> {
+    let args: Vec<String> = std::env::args().collect();
+    let v = args.get(args.iter().position(|a| a == name)? + 1)?;
+    v.split(',').map(|x| x.parse().ok()).collect()
 }
 
 /// `--pages`: batch-1 products from 4 KiB pages and from huge pages,
@@ -217,6 +324,10 @@ fn main() {
     }
     if args.iter().any(|a| a == "--attention") {
         attention(&pool, mib, threads);
+        return;
+    }
+    if args.iter().any(|a| a == "--experts") {
+        experts(&pool, arg("--experts", 640), threads);
         return;
     }
     if args.iter().any(|a| a == "--pages") {
