@@ -87,13 +87,28 @@ __device__ __forceinline__ void at_dots(const float* __restrict__ qs, const floa
 // its score max `mc`, Σ exp(s − mc) `lc`, and in the threads that own an
 // output dim of group 0, Σ e·v of that dim `oc`. Ends with a barrier (sc
 // and vpart free again).
-template <int DIMS, int VUNROLL>
+template <int DIMS, int VUNROLL, bool L2AHEAD>
 __device__ __forceinline__ void at_chunk(const AtArgs& a, const float* __restrict__ qs, u64 s0,
                                          u32 kvh, u32 cstart, u32 cend, float* sc,
                                          float* scratch, float* vpart, float& mc, float& lc,
                                          float& oc) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 len = cend - cstart;
+    if (L2AHEAD) {
+        // Ask L2 for the whole chunk's keys and values first (128-byte
+        // lines; a hint, read below exactly as without it): the key
+        // rounds and the value rounds that follow then wait on L2 rather
+        // than on device memory, one after the other.
+        const u32 lk = (a.dA + 31) / 32, lv = (a.dv + 31) / 32;
+        for (u32 i = threadIdx.x; i < len * (lk + lv); i += AT_THREADS) {
+            const u32 t = i / (lk + lv), l = i % (lk + lv);
+            const float* p =
+                l < lk ? a.kA + (s0 + cstart + t) * a.kA_tstride + (u64)kvh * a.kA_hstride + 32 * l
+                       : a.v + (s0 + cstart + t) * a.v_tstride + (u64)kvh * a.v_hstride +
+                             32 * (l - lk);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+        }
+    }
     // Each warp scores AT_KEYS keys at a time (their loads in flight
     // together); every key's dot product is formed exactly as alone.
     for (u32 t0 = cstart + warp * AT_KEYS; t0 < cend; t0 += AT_WARPS * AT_KEYS) {
@@ -215,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
     float o = 0.0f, m = -f32_inf(), l = 0.0f;
     for (u32 cb = first / AT_CHUNK * AT_CHUNK; cb <= p; cb += AT_CHUNK) {
         float mc, lc, oc;
-        at_chunk<1, 8>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
+        at_chunk<1, 8, false>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
                        vpart, mc, lc, oc);
         at_merge(mc, lc, oc, m, l, o);
     }
@@ -255,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     float* base = part + ((u64)row * nh + head) * chunk_cap * rec;
     if (chunks == 1) {
         float mc, lc, oc, o = 0.0f, m = -f32_inf(), l = 0.0f;
-        at_chunk<4, 16>(args, qs, s0, kvh, first, p + 1, sc, scratch, vpart, mc, lc, oc);
+        at_chunk<4, 16, true>(args, qs, s0, kvh, first, p + 1, sc, scratch, vpart, mc, lc, oc);
         at_merge(mc, lc, oc, m, l, o);
         if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
         return;
@@ -263,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     for (u32 c = z; c < chunks; c += splits) {
         const u32 cb = (c0 + c) * AT_CHUNK;
         float mc, lc, oc;
-        at_chunk<4, 16>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
+        at_chunk<4, 16, true>(args, qs, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK), sc, scratch,
                         vpart, mc, lc, oc);
         float* r = base + (u64)c * rec;
         if (threadIdx.x == 0) {
