@@ -6,7 +6,9 @@
 //! For each weight format: a matrix of about `M` MiB (so it does not sit in
 //! the caches) is multiplied by a vector repeatedly; we report the weight
 //! bytes streamed per second and their ratio to the bandwidth of a plain
-//! parallel read of a buffer of the same size. Batches of 4 and 32 vectors
+//! parallel read of a buffer of the same size. Q4_0 also runs in the CPU's
+//! tiles, bf16 and f16 in quads (the layouts the engine gives them where
+//! their kernels run). Batches of 4 and 32 vectors
 //! (batched decode, prefill) also report the weight bytes per second times
 //! the batch: what a token-at-a-time product would have to stream to keep
 //! up.
@@ -37,7 +39,8 @@ use std::time::Instant;
 use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
 use colibri_model::kernels::{
-    kernels, matmul, matvec, matvecs, q4_0_tiles, q4_0_tiles_run_here, read_bandwidth,
+    kernels, matmul, matvec, matvecs, q4_0_tiles, q4_0_tiles_run_here, quads16, quads16_run_here,
+    read_bandwidth,
 };
 use colibri_model::quant::{quantize_q4_0, quantize_q8_0};
 use colibri_model::tensor::{Bytes, QMatrix};
@@ -90,6 +93,27 @@ fn tile(w: QMatrix) -> QMatrix {
     )
     .and_then(QMatrix::tiled_q4_0)
     .expect("tiled matrix")
+}
+
+/// `w` (row-major bf16 or f16) with its rows in quads.
+fn quads(w: QMatrix) -> QMatrix {
+    let mut words: Vec<u16> = w
+        .data()
+        .as_slice()
+        .chunks_exact(2)
+        .map(|b| u16::from_ne_bytes([b[0], b[1]]))
+        .collect();
+    quads16::to_quads(&mut words, w.rows, w.cols, &mut Vec::new());
+    QMatrix::new(
+        "bench",
+        w.rows,
+        w.cols,
+        w.format,
+        Bytes::from_u16(words),
+        None,
+    )
+    .and_then(QMatrix::quads16)
+    .expect("matrix in quads")
 }
 
 /// A copy of `w`'s bytes in fresh anonymous memory, in huge pages or
@@ -345,26 +369,42 @@ fn main() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let cols = 2048;
     // Q4_0 twice: row-major (as GGUF files store it) and in the tiles the
-    // RAM tier gives experts where a tile kernel runs.
+    // RAM tier gives experts where a tile kernel runs; bf16 and f16 twice:
+    // row-major and in the quads the engine gives its dense matrices.
     let tiles = q4_0_tiles_run_here();
-    for (format, tiled) in [
+    let quads_here = quads16_run_here();
+    for (format, laid_out) in [
         (WeightFormat::F32, false),
         (WeightFormat::Bf16, false),
+        (WeightFormat::Bf16, true),
         (WeightFormat::F16, false),
+        (WeightFormat::F16, true),
         (WeightFormat::Q8_0, false),
         (WeightFormat::Q4_0, false),
         (WeightFormat::Q4_0, true),
     ] {
-        if only.as_deref().is_some_and(|f| f != format.name()) || (tiled && !tiles) {
+        let here = if format == WeightFormat::Q4_0 {
+            tiles
+        } else {
+            quads_here
+        };
+        if only.as_deref().is_some_and(|f| f != format.name()) || (laid_out && !here) {
             continue;
         }
         let row_bytes = format.row_bytes(cols).expect("row bytes");
         let rows = ((mib << 20) / row_bytes).max(64);
         let mut w = matrix(format, rows, cols, &mut rng);
-        if tiled {
-            w = tile(w);
-        }
-        let name = if tiled { "q4_0 tiled" } else { format.name() };
+        let name = match (laid_out, format) {
+            (false, f) => f.name().to_string(),
+            (true, WeightFormat::Q4_0) => {
+                w = tile(w);
+                "q4_0 tiled".into()
+            }
+            (true, f) => {
+                w = quads(w);
+                format!("{} quads", f.name())
+            }
+        };
         for batch in [1usize, 4, 8, 16, 32, 128] {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))

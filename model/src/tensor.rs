@@ -243,9 +243,21 @@ pub struct QMatrix {
     pub format: WeightFormat,
     data: Bytes,
     scales: Option<BlockScales>,
-    /// Q4_0 rows in tiles of 16 ([`crate::kernels::q4_0_tiles`]) rather
-    /// than row-major.
-    tiled: bool,
+    /// How the rows lie in `data`.
+    layout: Layout,
+}
+
+/// The arrangement of a matrix's rows in its bytes. Only whole-matrix
+/// products read the CPU layouts; code that reads the bytes directly (a
+/// copy to a GPU, a checksum) needs [`Layout::RowMajor`] and must check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row, as files store them.
+    RowMajor,
+    /// Q4_0 rows in tiles of 16 ([`crate::kernels::q4_0_tiles`]).
+    Q4_0Tiles,
+    /// 16-bit rows interleaved by fours ([`crate::kernels::quads16`]).
+    Quads16,
 }
 
 impl QMatrix {
@@ -303,7 +315,7 @@ impl QMatrix {
             format,
             data,
             scales,
-            tiled: false,
+            layout: Layout::RowMajor,
         })
     }
 
@@ -311,24 +323,57 @@ impl QMatrix {
     /// [`crate::kernels::q4_0_tiles::tile_in_place`] has rearranged (the
     /// RAM tier tiles experts in place once they are read and verified).
     pub fn tiled_q4_0(self) -> Result<QMatrix> {
-        if self.format != WeightFormat::Q4_0 || self.tiled {
+        if self.format != WeightFormat::Q4_0 || self.layout != Layout::RowMajor {
             return Err(ModelError::Invalid(format!(
-                "only a row-major Q4_0 matrix can be read as tiles, not {}{}",
+                "only a row-major Q4_0 matrix can be read as tiles, not {} as {:?}",
                 self.format.name(),
-                if self.tiled { " tiles" } else { "" }
+                self.layout
             )));
         }
         Ok(QMatrix {
-            tiled: true,
+            layout: Layout::Q4_0Tiles,
             ..self
         })
+    }
+
+    /// This matrix with its bytes read as quads of 16-bit rows: for bytes
+    /// that [`crate::kernels::quads16::to_quads`] has rearranged.
+    pub fn quads16(self) -> Result<QMatrix> {
+        let sixteen = matches!(self.format, WeightFormat::Bf16 | WeightFormat::F16);
+        if !sixteen
+            || self.layout != Layout::RowMajor
+            || !crate::kernels::quads16::fits(self.rows, self.cols)
+        {
+            return Err(ModelError::Invalid(format!(
+                "a {}x{} {} matrix as {:?} cannot be read as quads of 16-bit rows",
+                self.rows,
+                self.cols,
+                self.format.name(),
+                self.layout
+            )));
+        }
+        Ok(QMatrix {
+            layout: Layout::Quads16,
+            ..self
+        })
+    }
+
+    /// How the rows lie in the bytes.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// Whether the bytes are Q4_0 tiles rather than row-major rows: code
     /// that reads [`data`](Self::data) directly (a copy to a GPU, a
     /// checksum) needs row-major bytes and must check.
     pub fn is_tiled(&self) -> bool {
-        self.tiled
+        self.layout == Layout::Q4_0Tiles
+    }
+
+    /// Whether the bytes are quads of 16-bit rows
+    /// ([`crate::kernels::quads16`]).
+    pub fn is_quads(&self) -> bool {
+        self.layout == Layout::Quads16
     }
 
     /// An f32 matrix over owned values (tests, small derived weights).
@@ -359,10 +404,11 @@ impl QMatrix {
     /// A view of rows `[start, start + n)`; `start` must be a multiple of
     /// the scale block for FP8 matrices so that the tiles stay aligned.
     pub fn rows_view(&self, start: usize, n: usize) -> Result<QMatrix> {
-        if self.tiled {
-            return Err(ModelError::Invalid(
-                "a matrix of Q4_0 tiles has no row views".into(),
-            ));
+        if self.layout != Layout::RowMajor {
+            return Err(ModelError::Invalid(format!(
+                "a matrix laid out as {:?} has no row views",
+                self.layout
+            )));
         }
         if start + n > self.rows {
             return Err(ModelError::Invalid(format!(
@@ -396,7 +442,7 @@ impl QMatrix {
             format: self.format,
             data,
             scales,
-            tiled: false,
+            layout: Layout::RowMajor,
         })
     }
 

@@ -9,8 +9,9 @@
 use crate::config::{AttentionSpec, Family, FfnKind, ModelSpec, QkNorm, RouterKind};
 use crate::error::{ModelError, Result};
 use crate::format::WeightFormat;
+use crate::quant::QK;
 use crate::source::Checkpoint;
-use crate::tensor::QMatrix;
+use crate::tensor::{Layout, QMatrix};
 
 /// A linear layer `y = W x (+ b)`.
 #[derive(Clone, Debug)]
@@ -101,9 +102,9 @@ pub struct DenseWeights {
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
     pub lm_head: QMatrix,
-    /// Whether [`DenseWeights::set_q4_0_tiles`] has tiled the product
-    /// matrices.
-    q4_0_tiled: bool,
+    /// Whether [`DenseWeights::set_cpu_layouts`] has laid the product
+    /// matrices out for the CPU's kernels.
+    cpu_layouts: bool,
 }
 
 /// Hub tensor names of a family.
@@ -253,7 +254,7 @@ impl GlobalWeights {
             layers,
             norm: self.norm,
             lm_head: self.lm_head,
-            q4_0_tiled: false,
+            cpu_layouts: false,
         }
     }
 }
@@ -271,9 +272,9 @@ impl DenseWeights {
     /// projections and dense or shared-expert MLPs. Not the embedding and
     /// MLA's `kv_b` (read row by row), the output head (it may be the
     /// embedding) or the routers.
-    fn product_matrices(&mut self) -> Vec<&mut QMatrix> {
+    fn product_matrices(layers: &mut [LayerWeights]) -> Vec<&mut QMatrix> {
         let mut out = Vec::new();
-        for l in &mut self.layers {
+        for l in layers {
             match &mut l.attn {
                 AttnWeights::Gqa(a) => {
                     out.extend([&mut a.q.w, &mut a.k.w, &mut a.v.w, &mut a.o.w]);
@@ -297,58 +298,115 @@ impl DenseWeights {
         out
     }
 
-    /// Bytes of the Q4_0 matrices that [`set_q4_0_tiles`](Self::set_q4_0_tiles)
+    /// The matrices [`set_cpu_layouts`](Self::set_cpu_layouts) rewrites:
+    /// for `on`, the products' Q4_0 and 16-bit matrices (where this CPU
+    /// has the kernels) and a 16-bit output head that is not the
+    /// embedding (the embedding is read row by row; an owned copy of a
+    /// tied head would double its memory); for `!on`, every matrix not
+    /// row-major.
+    fn cpu_layout_matrices(&mut self, on: bool) -> Vec<&mut QMatrix> {
+        let tiles = crate::kernels::q4_0_tiles_run_here();
+        let quads = crate::kernels::quads16_run_here();
+        let wanted = |m: &QMatrix| match m.format {
+            _ if !on => m.layout() != Layout::RowMajor,
+            WeightFormat::Q4_0 => tiles,
+            WeightFormat::Bf16 | WeightFormat::F16 => {
+                quads && crate::kernels::quads16::fits(m.rows, m.cols)
+            }
+            _ => false,
+        };
+        let tied = {
+            let (a, b) = (self.embed.data().as_slice(), self.lm_head.data().as_slice());
+            a.as_ptr() == b.as_ptr()
+        };
+        let head = if on {
+            !tied && self.lm_head.format != WeightFormat::Q4_0
+        } else {
+            true
+        } && wanted(&self.lm_head);
+        let mut out: Vec<&mut QMatrix> = Self::product_matrices(&mut self.layers)
+            .into_iter()
+            .filter(|m| wanted(m))
+            .collect();
+        if head {
+            out.push(&mut self.lm_head);
+        }
+        out
+    }
+
+    /// Bytes of the matrices that [`set_cpu_layouts`](Self::set_cpu_layouts)
     /// rewrites.
-    pub fn q4_0_product_bytes(&mut self) -> u64 {
-        self.product_matrices()
+    pub fn cpu_layout_bytes(&mut self) -> u64 {
+        self.cpu_layout_matrices(true)
             .iter()
-            .filter(|m| m.format == WeightFormat::Q4_0)
             .map(|m| m.stored_bytes() as u64)
             .sum()
     }
 
-    /// Rewrites the Q4_0 product matrices (see `product_matrices`) into
-    /// the CPU's tiles ([`crate::kernels::q4_0_tiles`]; `on`) or back to
-    /// row-major rows, each into an owned copy (memory the page cache no
-    /// longer backs). Products give the same bits either way. Returns the
-    /// bytes rewritten.
-    pub fn set_q4_0_tiles(&mut self, on: bool) -> Result<u64> {
-        use crate::kernels::q4_0_tiles;
-        if self.q4_0_tiled == on {
+    /// Rewrites the matrices of `cpu_layout_matrices` into the CPU's
+    /// layouts (`on`): Q4_0 into tiles ([`crate::kernels::q4_0_tiles`]),
+    /// bf16 and f16 into quads ([`crate::kernels::quads16`]); or back to
+    /// row-major rows (`!on`, for a GPU that copies the bytes). Each
+    /// rewrite is an owned copy (memory the page cache no longer backs).
+    /// Products give the same bits either way. Returns the bytes rewritten.
+    pub fn set_cpu_layouts(&mut self, on: bool) -> Result<u64> {
+        use crate::kernels::{q4_0_tiles, quads16};
+        if self.cpu_layouts == on {
             return Ok(0);
         }
         let mut scratch = Vec::new();
+        let mut scratch16 = Vec::new();
         let mut done = 0u64;
-        for m in self.product_matrices() {
-            if m.format != WeightFormat::Q4_0 || m.is_tiled() == on {
+        for m in self.cpu_layout_matrices(on) {
+            if (m.layout() != Layout::RowMajor) == on {
                 continue;
             }
             let mut owned = crate::tensor::AnonStorage::copy_of(m.data().as_slice())?;
             let bytes = owned.bytes_mut();
-            let blocks = m.cols / crate::quant::QK;
-            if on {
-                q4_0_tiles::tile_in_place(bytes, m.rows, blocks, &mut scratch);
-            } else {
-                q4_0_tiles::untile_in_place(bytes, m.rows, blocks, &mut scratch);
+            let sixteen = m.format != WeightFormat::Q4_0;
+            match (sixteen, on) {
+                (false, true) => {
+                    q4_0_tiles::tile_in_place(bytes, m.rows, m.cols / QK, &mut scratch)
+                }
+                (false, false) => {
+                    q4_0_tiles::untile_in_place(bytes, m.rows, m.cols / QK, &mut scratch)
+                }
+                (true, true) => quads16::to_quads(
+                    bytemuck::cast_slice_mut(bytes),
+                    m.rows,
+                    m.cols,
+                    &mut scratch16,
+                ),
+                (true, false) => quads16::from_quads(
+                    bytemuck::cast_slice_mut(bytes),
+                    m.rows,
+                    m.cols,
+                    &mut scratch16,
+                ),
             }
             let fresh = QMatrix::new(
-                "q4_0",
+                "cpu layout",
                 m.rows,
                 m.cols,
                 m.format,
                 crate::tensor::Bytes::from_anon(owned),
                 None,
             )?;
-            *m = if on { fresh.tiled_q4_0()? } else { fresh };
+            *m = match (sixteen, on) {
+                (_, false) => fresh,
+                (false, true) => fresh.tiled_q4_0()?,
+                (true, true) => fresh.quads16()?,
+            };
             done += m.stored_bytes() as u64;
         }
-        self.q4_0_tiled = on;
+        self.cpu_layouts = on;
         Ok(done)
     }
 
-    /// Whether the product matrices are tiled ([`Self::set_q4_0_tiles`]).
-    pub fn q4_0_tiled(&self) -> bool {
-        self.q4_0_tiled
+    /// Whether the matrices are in the CPU's layouts
+    /// ([`Self::set_cpu_layouts`]).
+    pub fn cpu_layouts(&self) -> bool {
+        self.cpu_layouts
     }
 }
 

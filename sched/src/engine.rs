@@ -86,31 +86,29 @@ fn placed_pool(threads: usize, drive: Option<&Path>) -> Result<(Pool, Placement)
     Ok((Pool::with_setup(n, setup)?, placement))
 }
 
-/// Tiles the dense Q4_0 matrices for the CPU's tile kernel where one runs
-/// ([`colibri_model::weights::DenseWeights::set_q4_0_tiles`]). The tiled
-/// copies are anonymous memory, which a memory cap cannot reclaim the way
-/// it reclaims the page cache's pages of the file: with less than 4× their
-/// size usable, they stay in the page cache as stored.
-fn tile_dense_q4_0(model: &mut Model) -> Result<(), ModelError> {
-    if !colibri_model::kernels::q4_0_tiles_run_here() {
-        return Ok(());
-    }
-    let bytes = model.weights.q4_0_product_bytes();
+/// Lays the dense matrices out for the CPU's kernels where they run
+/// ([`colibri_model::weights::DenseWeights::set_cpu_layouts`]: Q4_0 tiles,
+/// quads of 16-bit rows). The copies are anonymous memory, which a memory
+/// cap cannot reclaim the way it reclaims the page cache's pages of the
+/// file: with less than 4× their size usable, they stay in the page cache
+/// as stored.
+fn dense_cpu_layouts(model: &mut Model) -> Result<(), ModelError> {
+    let bytes = model.weights.cpu_layout_bytes();
     if bytes == 0 {
         return Ok(());
     }
     let usable = crate::tier::MemoryLimits::probe().usable();
     if usable.is_some_and(|u| u < 4 * bytes) {
         tracing::info!(
-            "dense Q4_0 weights left untiled: {bytes} bytes against {} usable",
+            "dense weights left as stored: {bytes} bytes against {} usable",
             usable.unwrap_or(0)
         );
         return Ok(());
     }
     let t = std::time::Instant::now();
-    let done = model.weights.set_q4_0_tiles(true)?;
+    let done = model.weights.set_cpu_layouts(true)?;
     tracing::debug!(
-        "tiled {done} bytes of dense Q4_0 weights in {:.2}s",
+        "laid out {done} bytes of dense weights for the CPU in {:.2}s",
         t.elapsed().as_secs_f64()
     );
     Ok(())
@@ -122,7 +120,7 @@ impl Engine {
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine, ModelError> {
         let (mut model, src) = Model::load(dir)?;
         if opts.tier.tile_q4_0 {
-            tile_dense_q4_0(&mut model)?;
+            dense_cpu_layouts(&mut model)?;
         }
         let mut tier_options = opts.tier.clone();
         if opts.prefetch.enabled {

@@ -15,6 +15,7 @@ pub mod pool;
 pub mod q4_0;
 pub mod q4_0_tiles;
 pub mod q8act;
+pub mod quads16;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -69,6 +70,16 @@ pub struct KernelSet {
     pub dot_bf16_rows: Option<RowsDot16>,
     /// The same for f16 rows and `dot_f16`.
     pub dot_f16_rows: Option<RowsDot16>,
+    /// `dot_bf16_rows` over rows in quads ([`quads16`]; `w` from a quad
+    /// boundary, columns a multiple of 16), the same bits; `None`: this
+    /// CPU keeps 16-bit rows row-major (see [`quads16_run_here`]).
+    pub dot_bf16_quads: Option<RowsDot16>,
+    /// The same for f16 rows and `dot_f16`.
+    pub dot_f16_quads: Option<RowsDot16>,
+    /// `dot_bf16_multi` over rows in quads, the same bits.
+    pub dot_bf16_quads_multi: Option<MultiDot16>,
+    /// The same for f16 rows and `dot_f16`.
+    pub dot_f16_quads_multi: Option<MultiDot16>,
     /// Consecutive bf16 rows against several vectors, `(w, xs, out)`
     /// ([`MultiDot16`]), each result identical to `dot_bf16`'s for its row
     /// and vector (prefill, batched decode); `None`: a row and a vector at
@@ -171,6 +182,24 @@ fn check_multi16_args(w: &[u16], xs: &[&[f32]], out: &[f32]) {
     );
 }
 
+/// What the quads kernels' safety contract asks of their arguments: whole
+/// groups of columns, one output per row.
+#[cfg(target_arch = "x86_64")]
+fn check_quads16_args(w: &[u16], x: &[f32], out: &[f32]) {
+    check_quads16_cols(std::slice::from_ref(&x));
+    assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
+}
+
+/// Vectors of whole groups of a quad's columns.
+#[cfg(target_arch = "x86_64")]
+fn check_quads16_cols(xs: &[&[f32]]) {
+    assert!(
+        xs.iter()
+            .all(|x| x.len().is_multiple_of(quads16::GROUP_COLS)),
+        "whole groups of columns"
+    );
+}
+
 /// What `dot_f32_rows_group`'s safety contract asks of its arguments.
 #[cfg(target_arch = "x86_64")]
 fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
@@ -209,6 +238,10 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_bf16: scalar::dot_bf16,
     dot_bf16_rows: None,
     dot_f16_rows: None,
+    dot_bf16_quads: None,
+    dot_f16_quads: None,
+    dot_bf16_quads_multi: None,
+    dot_f16_quads_multi: None,
     dot_bf16_multi: None,
     dot_f16_multi: None,
     dot_f16: scalar::dot_f16,
@@ -318,6 +351,28 @@ mod avx2_wrappers {
         assert_eq!(w.len(), out.len() * x.len(), "whole rows, one output each");
         unsafe { super::x86::dot_f16_rows(w, x, out) }
     }
+    /// Also checks the lengths, which the kernel's safety contract asks
+    /// for.
+    pub fn dot_bf16_quads(w: &[u16], x: &[f32], out: &mut [f32]) {
+        super::check_quads16_args(w, x, out);
+        unsafe { super::x86::dot_bf16_quads(w, x, out) }
+    }
+    pub fn dot_f16_quads(w: &[u16], x: &[f32], out: &mut [f32]) {
+        super::check_quads16_args(w, x, out);
+        unsafe { super::x86::dot_f16_quads(w, x, out) }
+    }
+    /// Also checks the lengths, which the kernels' safety contract asks
+    /// for.
+    pub fn dot_bf16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+        super::check_multi16_args(w, xs, out);
+        super::check_quads16_cols(xs);
+        unsafe { super::x86::dot_bf16_quads_multi(w, xs, out) }
+    }
+    pub fn dot_f16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+        super::check_multi16_args(w, xs, out);
+        super::check_quads16_cols(xs);
+        unsafe { super::x86::dot_f16_quads_multi(w, xs, out) }
+    }
     /// Also checks the tile's and the activation's lengths, which the
     /// kernel's safety contract asks for.
     pub fn dot_q4_0_tile(tile: &[u8], blocks: usize, x: &super::Q8Activation, out: &mut [f32; 16]) {
@@ -343,6 +398,10 @@ pub const AVX2: KernelSet = KernelSet {
     dot_bf16: avx2_wrappers::dot_bf16,
     dot_bf16_rows: Some(avx2_wrappers::dot_bf16_rows),
     dot_f16_rows: Some(avx2_wrappers::dot_f16_rows),
+    dot_bf16_quads: Some(avx2_wrappers::dot_bf16_quads),
+    dot_f16_quads: Some(avx2_wrappers::dot_f16_quads),
+    dot_bf16_quads_multi: Some(avx2_wrappers::dot_bf16_quads_multi),
+    dot_f16_quads_multi: Some(avx2_wrappers::dot_f16_quads_multi),
     dot_bf16_multi: Some(avx2_wrappers::dot_bf16_multi),
     dot_f16_multi: Some(avx2_wrappers::dot_f16_multi),
     dot_f16: avx2_wrappers::dot_f16,
@@ -496,6 +555,10 @@ pub const NEON: KernelSet = KernelSet {
     dot_bf16: neon_wrappers::dot_bf16,
     dot_bf16_rows: None,
     dot_f16_rows: None,
+    dot_bf16_quads: None,
+    dot_f16_quads: None,
+    dot_bf16_quads_multi: None,
+    dot_f16_quads_multi: None,
     dot_bf16_multi: None,
     dot_f16_multi: None,
     dot_f16: neon_wrappers::dot_f16,
@@ -625,6 +688,29 @@ pub fn q4_0_tiles_run_here() -> bool {
     k.dot_q4_0_tile.is_some() && k.int_activations && !off
 }
 
+/// Whether 16-bit product matrices take quads here ([`quads16`]): there
+/// is a quads kernel and `COLIBRI_NO_QUADS` is unset. Either layout gives
+/// the same bits.
+pub fn quads16_run_here() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var_os("COLIBRI_NO_QUADS").is_some_and(|v| v != "0"));
+    kernels().dot_bf16_quads.is_some() && !off
+}
+
+/// `f(row)` with row `r` of a matrix in quads ([`quads16`]) in row-major
+/// form (copied into a per-thread buffer): the slow path of one-row reads.
+fn with_quads_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u16]) -> T) -> T {
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    ROW.with_borrow_mut(|row| {
+        row.resize(w.cols, 0);
+        let all: &[u16] = bytemuck::cast_slice(w.data().as_slice());
+        quads16::row_of(all, w.rows, w.cols, r, row);
+        f(row)
+    })
+}
+
 /// `f(row)` with row `r` of a tiled Q4_0 matrix in row-major form (copied
 /// into a per-thread buffer): the slow path of one-row reads.
 fn with_tiled_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
@@ -644,6 +730,14 @@ fn with_tiled_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
 pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
     if w.is_tiled() {
         return with_tiled_row(w, r, |row| (k.dot_q4_0)(row, x));
+    }
+    if w.is_quads() {
+        let dot = if w.format == WeightFormat::Bf16 {
+            k.dot_bf16
+        } else {
+            k.dot_f16
+        };
+        return with_quads_row(w, r, |row| dot(row, x));
     }
     let bytes = w.data().as_slice();
     let c = w.cols;
@@ -685,6 +779,18 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
 pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
     if w.is_tiled() {
         return with_tiled_row(w, r, |row| quant::dequantize_q4_0(row, out));
+    }
+    if w.is_quads() {
+        let widen = if w.format == WeightFormat::Bf16 {
+            bf16_to_f32
+        } else {
+            f16_to_f32
+        };
+        return with_quads_row(w, r, |row| {
+            for (o, &b) in out.iter_mut().zip(row) {
+                *o = widen(b);
+            }
+        });
     }
     let bytes = w.data().as_slice();
     let c = w.cols;
@@ -743,6 +849,8 @@ impl Pool {
         let chunk = self.rows_per_task(w.rows);
         if w.is_tiled() {
             chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
+        } else if w.is_quads() {
+            chunk.next_multiple_of(quads16::QUAD_ROWS)
         } else {
             chunk
         }
@@ -918,9 +1026,13 @@ fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
         return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
     }
-    let rows16 = match w.format {
-        WeightFormat::Bf16 => k.dot_bf16_rows,
-        WeightFormat::F16 => k.dot_f16_rows,
+    let rows16 = match (w.format, w.is_quads()) {
+        (WeightFormat::Bf16, false) => k.dot_bf16_rows,
+        (WeightFormat::F16, false) => k.dot_f16_rows,
+        // Quads exist only where their kernels do; `r0` is a multiple of
+        // 4 (`task_rows`).
+        (WeightFormat::Bf16, true) => k.dot_bf16_quads,
+        (WeightFormat::F16, true) => k.dot_f16_quads,
         _ => None,
     };
     if let (Some(rows), Input::F32(x)) = (rows16, x) {
@@ -1181,9 +1293,12 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         }
                     }
                 }
-            } else if let Some(multi) = match w.format {
-                WeightFormat::Bf16 => k.dot_bf16_multi,
-                WeightFormat::F16 => k.dot_f16_multi,
+            } else if let Some(multi) = match (w.format, w.is_quads()) {
+                (WeightFormat::Bf16, false) => k.dot_bf16_multi,
+                (WeightFormat::F16, false) => k.dot_f16_multi,
+                // The block starts at a quad boundary (`task_rows`).
+                (WeightFormat::Bf16, true) => k.dot_bf16_quads_multi,
+                (WeightFormat::F16, true) => k.dot_f16_quads_multi,
                 _ => None,
             }
             .filter(|_| f32s.len() == n)
@@ -1351,6 +1466,72 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         assert!(checked > 0, "no 16-bit rows kernel on an x86-64 SIMD set");
+        let _ = checked;
+        // Rows in quads: each the one-row kernel's bits on the row-major row,
+        // with and without rows past the last quad.
+        let mut checked = 0;
+        for k in simd_sets() {
+            let formats: [(&str, Option<RowsDot16>, One, Encode); 2] = [
+                ("bf16", k.dot_bf16_quads, k.dot_bf16, &bf16),
+                ("f16", k.dot_f16_quads, k.dot_f16, &f16),
+            ];
+            for (name, quads_dot, one, enc) in formats {
+                let Some(f) = quads_dot else {
+                    continue;
+                };
+                for n in [16usize, 32, 48, 144, 2048] {
+                    for rows in [0usize, 1, 3, 4, 5, 8, 11] {
+                        let w: Vec<u16> = rand_vec(&mut rng, rows * n)
+                            .iter()
+                            .map(|&v| enc(v * 3.0))
+                            .collect();
+                        let mut q = w.clone();
+                        quads16::to_quads(&mut q, rows, n, &mut Vec::new());
+                        let x = rand_vec(&mut rng, n);
+                        let mut out = vec![f32::NAN; rows];
+                        f(&q, &x, &mut out);
+                        for (r, o) in out.iter().enumerate() {
+                            let want = one(&w[r * n..(r + 1) * n], &x);
+                            assert_eq!(
+                                o.to_bits(),
+                                want.to_bits(),
+                                "{} {name} quads n={n} rows={rows} row {r}",
+                                k.name
+                            );
+                        }
+                        // Several vectors through the quads, each the
+                        // one-row kernel's bits.
+                        let multi = if name == "bf16" {
+                            k.dot_bf16_quads_multi
+                        } else {
+                            k.dot_f16_quads_multi
+                        };
+                        let multi = multi.expect("a quads kernel has a several-vector one");
+                        for nt in [1usize, 3, 4, 5, 17] {
+                            let xs: Vec<Vec<f32>> =
+                                (0..nt).map(|_| rand_vec(&mut rng, n)).collect();
+                            let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+                            let mut out = vec![f32::NAN; rows * nt];
+                            multi(&q, &xr, &mut out);
+                            for r in 0..rows {
+                                for (t, x) in xr.iter().enumerate() {
+                                    let want = one(&w[r * n..(r + 1) * n], x);
+                                    assert_eq!(
+                                        out[r * nt + t].to_bits(),
+                                        want.to_bits(),
+                                        "{} {name} quads × {nt} n={n} rows={rows} row {r}",
+                                        k.name
+                                    );
+                                }
+                            }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(checked > 0, "no 16-bit quads kernel on an x86-64 SIMD set");
         let _ = checked;
         // One row against several vectors: each the one-row kernel's bits,
         // for vector counts around the kernels' four.
@@ -1910,6 +2091,91 @@ mod tests {
         }
         let f = QMatrix::from_f32(2, 32, rand_vec(&mut rng, 64)).unwrap();
         assert!(f.tiled_q4_0().is_err(), "only Q4_0 is tiled");
+    }
+
+    /// A 16-bit matrix in quads gives exactly the row-major matrix's bits
+    /// in every product (one token; several, below and above the
+    /// several-vector kernel's row groups; shared inputs; one row at a
+    /// time; widening), whatever the thread count; row counts with and
+    /// without rows past the last quad. Where this CPU has no quads kernel
+    /// the products take the one-row path, which must agree too.
+    #[test]
+    fn quads16_products_equal_row_major_ones_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for format in [WeightFormat::Bf16, WeightFormat::F16] {
+            for (rows, cols) in [(4usize, 16usize), (7, 48), (37, 96), (130, 2048), (9, 32)] {
+                let vals = rand_vec(&mut rng, rows * cols);
+                let words: Vec<u16> = vals
+                    .iter()
+                    .map(|&v| match format {
+                        WeightFormat::Bf16 => half::bf16::from_f32(v * 2.0).to_bits(),
+                        _ => half::f16::from_f32(v * 2.0).to_bits(),
+                    })
+                    .collect();
+                let mut q = words.clone();
+                quads16::to_quads(&mut q, rows, cols, &mut Vec::new());
+                let bytes = |w: Vec<u16>| crate::tensor::Bytes::from_u16(w);
+                let m = QMatrix::new("m", rows, cols, format, bytes(words), None).unwrap();
+                let t = QMatrix::new("q", rows, cols, format, bytes(q), None)
+                    .and_then(QMatrix::quads16)
+                    .unwrap();
+                assert!(t.is_quads() && !m.is_quads());
+                if cols > quads16::GROUP_COLS {
+                    assert_ne!(t.data().as_slice(), m.data().as_slice());
+                }
+                let x = rand_vec(&mut rng, 20 * cols);
+                for threads in [1, 2, 3] {
+                    let pool = Pool::new(threads).unwrap();
+                    for batch in [1usize, 2, 4, 5, 17, 20] {
+                        let (mut a, mut b) =
+                            (vec![f32::NAN; batch * rows], vec![0.5; batch * rows]);
+                        matmul(&pool, &m, &x[..batch * cols], batch, &mut a);
+                        matmul(&pool, &t, &x[..batch * cols], batch, &mut b);
+                        assert_eq!(
+                            bits(&a),
+                            bits(&b),
+                            "{format:?} {rows}x{cols}, batch {batch}, {threads} threads"
+                        );
+                    }
+                    let f = QMatrix::from_f32(5, cols, rand_vec(&mut rng, 5 * cols)).unwrap();
+                    for n in [1usize, 3] {
+                        let mut want = [vec![f32::NAN; n * rows], vec![f32::NAN; n * 5]];
+                        let mut got = [vec![0.5; n * rows], vec![0.5; n * 5]];
+                        let [w0, w1] = &mut want;
+                        matmul_shared_input(&pool, &[&m, &f], &x[..n * cols], n, &mut [w0, w1]);
+                        let [g0, g1] = &mut got;
+                        matmul_shared_input(&pool, &[&t, &f], &x[..n * cols], n, &mut [g0, g1]);
+                        assert_eq!(bits(&want[0]), bits(&got[0]), "shared input, {n} tokens");
+                        assert_eq!(bits(&want[1]), bits(&got[1]), "shared input, {n} tokens");
+                    }
+                }
+                let k = kernels();
+                let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+                for r in 0..rows {
+                    assert_eq!(
+                        dot_row(k, &m, r, &x[..cols]).to_bits(),
+                        dot_row(k, &t, r, &x[..cols]).to_bits()
+                    );
+                    row_to_f32(&m, r, &mut a);
+                    row_to_f32(&t, r, &mut b);
+                    assert_eq!(bits(&a), bits(&b), "row {r} widened");
+                }
+                assert!(t.rows_view(0, 1).is_err(), "quads have no row views");
+            }
+        }
+        let f = QMatrix::from_f32(4, 32, rand_vec(&mut rng, 128)).unwrap();
+        assert!(f.quads16().is_err(), "only 16-bit rows take quads");
+        let odd = QMatrix::new(
+            "odd",
+            4,
+            24,
+            WeightFormat::Bf16,
+            crate::tensor::Bytes::from_u16(vec![0x3f80; 96]),
+            None,
+        )
+        .unwrap();
+        assert!(odd.quads16().is_err(), "whole groups of 16 columns");
     }
 
     #[test]

@@ -324,17 +324,163 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
     }
 }
 
+/// How far ahead of the group it multiplies [`quads4`] asks for a quad's
+/// bytes (`prefetcht0`). Zen 3 (AVX2, 2 threads, the 622 MB BF16 head of
+/// a Qwen3-30B-A3B-geometry model, docs/benchmarks.md "Quads of 16-bit
+/// rows"): quads alone gained 0–6% over row-major fours, quads with 1 KiB
+/// ahead 10–15%, with 2 KiB 6%.
+const QUADS_PREFETCH_AHEAD: usize = 1024;
+
+/// [`rows4`] over rows in quads ([`super::quads16`]; `w` starts at a quad
+/// boundary, `n` a multiple of 16): every row's result has the bits of
+/// the one-row kernel, whose chains and steps each row runs in the same
+/// order; the bytes are read in order, a prefetch
+/// [`QUADS_PREFETCH_AHEAD`] bytes ahead. The last `out.len() % 4` rows
+/// (row-major) take `one`.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`,
+/// `x.len()` a multiple of 16.
+#[inline(always)]
+unsafe fn quads4<H: Half16, const CHAINS: usize>(
+    w: &[u16],
+    x: &[f32],
+    out: &mut [f32],
+    one: unsafe fn(&[u16], &[f32]) -> f32,
+) {
+    let n = x.len();
+    debug_assert!(w.len() == out.len() * n && n.is_multiple_of(16));
+    let mut quads = out.chunks_exact_mut(4);
+    let mut r = 0;
+    for o in &mut quads {
+        // SAFETY: the quad's 4·n values lie inside w (the contract); group
+        // g's row j is the 16 values at 64g + 16j, loads of 8 at +0 and
+        // +8; x is read below n. The prefetch names bytes past the quad
+        // (the next quad's, or past the matrix): a prefetch is a hint that
+        // never faults, and `wrapping_add` keeps the address arithmetic
+        // defined.
+        unsafe {
+            let qp = w.as_ptr().add(r * n);
+            let xp = x.as_ptr();
+            let mut a = [[_mm256_setzero_ps(); CHAINS]; 4];
+            for g in 0..n / 16 {
+                let gp = qp.add(64 * g);
+                let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                let x0 = _mm256_loadu_ps(xp.add(16 * g));
+                let x1 = _mm256_loadu_ps(xp.add(16 * g + 8));
+                for (j, a) in a.iter_mut().enumerate() {
+                    let row = gp.add(16 * j);
+                    // The one-row kernel's steps: with two chains, columns
+                    // 16g.. into the first and 16g + 8.. into the second;
+                    // with one, both into it in column order.
+                    a[0] = _mm256_fmadd_ps(H::load8(row), x0, a[0]);
+                    a[CHAINS - 1] = _mm256_fmadd_ps(H::load8(row.add(8)), x1, a[CHAINS - 1]);
+                }
+            }
+            for (o, a) in o.iter_mut().zip(&a) {
+                // No scalar tail: n is a multiple of 16.
+                *o = finish::<H, CHAINS>(a, qp, xp, n, n);
+            }
+        }
+        r += 4;
+    }
+    for (j, o) in quads.into_remainder().iter_mut().enumerate() {
+        // SAFETY: the caller's features; the last rows are row-major.
+        *o = unsafe { one(&w[(r + j) * n..(r + j + 1) * n], x) };
+    }
+}
+
+/// Up to this many vectors, [`quads_tokens`] multiplies a quad into each
+/// vector in turn; beyond, [`rows_tokens`]' spans and row groups keep the
+/// vectors in cache. One Zen 3 thread, a 64 MiB bf16 matrix, GB/s of
+/// weights against row-major [`rows_tokens`] (best of 10): a quad per
+/// vector 10.9 / 8.4 (1 vector), 8.7 / 7.4 (2), 5.3 / 5.1 (4), 3.5 / 3.6
+/// (8), 2.1 / 2.0 (16), 1.07 / 1.26 (32); [`rows_tokens`] through the
+/// quads 1.24 / 1.27 (32), 0.66 / 0.68 (64), 0.32 / 0.35 (128).
+const QUADS_FEW_TOKENS: usize = 16;
+
+/// Rows in quads against a few vectors ([`rows_tokens`]' contract and
+/// bits, `quads`): each quad into one vector after another, as [`quads4`]
+/// runs it: the first pass streams the quad's bytes in order (with the
+/// prefetch), the others find them in L1. ([`rows_tokens`] reads a row at
+/// a time, four strided passes over each quad: 0.7–0.9 of the row-major
+/// speed for 2 to 8 vectors.)
+///
+/// # Safety
+/// As [`rows_tokens`] with `quads`.
+#[inline(always)]
+unsafe fn quads_tokens<H: Half16, const CHAINS: usize>(
+    w: &[u16],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    one: unsafe fn(&[u16], &[f32]) -> f32,
+) {
+    let nt = xs.len();
+    let Some(n) = xs.first().map(|x| x.len()) else {
+        return;
+    };
+    let rows = w.len() / n;
+    let whole = rows / 4 * 4;
+    for q in 0..whole / 4 {
+        // SAFETY: as in quads4, for quad q (its 4·n values lie in w) and
+        // each vector (n values).
+        unsafe {
+            let qp = w.as_ptr().add(q * 4 * n);
+            for (t, x) in xs.iter().enumerate() {
+                let xp = x.as_ptr();
+                let mut a = [[_mm256_setzero_ps(); CHAINS]; 4];
+                for g in 0..n / 16 {
+                    let gp = qp.add(64 * g);
+                    if t == 0 {
+                        let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                    }
+                    let x0 = _mm256_loadu_ps(xp.add(16 * g));
+                    let x1 = _mm256_loadu_ps(xp.add(16 * g + 8));
+                    for (j, a) in a.iter_mut().enumerate() {
+                        let row = gp.add(16 * j);
+                        a[0] = _mm256_fmadd_ps(H::load8(row), x0, a[0]);
+                        a[CHAINS - 1] = _mm256_fmadd_ps(H::load8(row.add(8)), x1, a[CHAINS - 1]);
+                    }
+                }
+                for (j, a) in a.iter().enumerate() {
+                    out[(4 * q + j) * nt + t] = finish::<H, CHAINS>(a, qp, xp, n, n);
+                }
+            }
+        }
+    }
+    for r in whole..rows {
+        for (t, x) in xs.iter().enumerate() {
+            // SAFETY: the caller's features; the last rows are row-major.
+            out[r * nt + t] = unsafe { one(&w[r * n..(r + 1) * n], x) };
+        }
+    }
+}
+
+/// Where column `i` of a row lies from the row's first value: `i`
+/// row-major; in a quad ([`super::quads16`], the row's first value being
+/// its first group's), group `i / 16` is 64 values on.
+#[inline(always)]
+fn column<const QUADS: bool>(i: usize) -> usize {
+    if QUADS { (i & !15) * 4 + (i & 15) } else { i }
+}
+
 /// The full steps of columns `c0..c1` (multiples of `8 × CHAINS`) of one
 /// row against `T` vectors, continuing the chains in `a` (each vector's
 /// own `CHAINS` accumulators, as the one-row kernel runs them; see
 /// [`rows4`]): each load and widening of the row serves every vector, and
-/// the `T × CHAINS` independent FMA chains keep the FMA units busy.
+/// the `T × CHAINS` independent FMA chains keep the FMA units busy. With
+/// `QUADS` the row lies in a quad (see [`column`]); its other rows, read
+/// next, find the quad's lines in L1.
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; columns below `c1` lie in the row and in
-/// every vector.
+/// every vector; with `QUADS`, `c0` and `c1` are multiples of 16.
 #[inline(always)]
-unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize>(
+unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize, const QUADS: bool>(
     wp: *const u16,
     xp: &[*const f32],
     a: &mut [[__m256; CHAINS]],
@@ -348,7 +494,8 @@ unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize>(
         let mut acc: [[__m256; CHAINS]; T] = std::array::from_fn(|t| a[t]);
         let mut i = c0;
         while i < c1 {
-            let ws: [__m256; CHAINS] = std::array::from_fn(|c| H::load8(wp.add(i + 8 * c)));
+            let ws: [__m256; CHAINS] =
+                std::array::from_fn(|c| H::load8(wp.add(column::<QUADS>(i + 8 * c))));
             for (a, x) in acc.iter_mut().zip(&xp) {
                 for (c, (a, w)) in a.iter_mut().zip(&ws).enumerate() {
                     *a = _mm256_fmadd_ps(*w, _mm256_loadu_ps(x.add(i + 8 * c)), *a);
@@ -378,17 +525,30 @@ const SPAN_ROWS: usize = 32;
 /// the group, and the group's span of weights from L1/L2 by each group of
 /// vectors.
 ///
+/// With `quads`, `w`'s rows lie in quads ([`super::quads16`], `w` from a
+/// quad boundary) and each row of a quad is read through them; the bits
+/// are the same.
+///
 /// # Safety
 /// Requires AVX2, FMA and F16C; every `xs[t].len() == n > 0`, `w.len()`
-/// a multiple of n, `out.len() >= w.len() / n × xs.len()`.
+/// a multiple of n, `out.len() >= w.len() / n × xs.len()`; with `quads`,
+/// `n` a multiple of 16.
 #[inline(always)]
-unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(
+    w: &[u16],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    quads: bool,
+) {
     let nt = xs.len();
     if nt == 0 {
         return;
     }
     let n = xs[0].len();
     let rows = w.len() / n;
+    debug_assert!(!quads || n.is_multiple_of(16));
+    // Rows in whole quads (the rest row-major).
+    let whole = if quads { rows / 4 * 4 } else { 0 };
     let step = 8 * CHAINS;
     let main = n / step * step;
     let wp = w.as_ptr();
@@ -417,14 +577,27 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], 
                     let k = (r - g0) * nt;
                     let a = &mut acc[k + t0..k + t1];
                     // SAFETY: row r lies in w, columns below c1 ≤ n in it and
-                    // in every vector (the contract).
+                    // in every vector (the contract); a row of a quad starts
+                    // 16 values per row into the quad, its columns at
+                    // `column` (c0 and c1 are multiples of 16: SPAN and n).
                     unsafe {
-                        let row = wp.add(r * n);
-                        match t1 - t0 {
-                            4 => tokens_span::<H, CHAINS, 4>(row, &xp[t0..t1], a, c0, c1),
-                            3 => tokens_span::<H, CHAINS, 3>(row, &xp[t0..t1], a, c0, c1),
-                            2 => tokens_span::<H, CHAINS, 2>(row, &xp[t0..t1], a, c0, c1),
-                            _ => tokens_span::<H, CHAINS, 1>(row, &xp[t0..t1], a, c0, c1),
+                        let xs = &xp[t0..t1];
+                        if r < whole {
+                            let row = wp.add(r / 4 * 4 * n + (r % 4) * 16);
+                            match t1 - t0 {
+                                4 => tokens_span::<H, CHAINS, 4, true>(row, xs, a, c0, c1),
+                                3 => tokens_span::<H, CHAINS, 3, true>(row, xs, a, c0, c1),
+                                2 => tokens_span::<H, CHAINS, 2, true>(row, xs, a, c0, c1),
+                                _ => tokens_span::<H, CHAINS, 1, true>(row, xs, a, c0, c1),
+                            }
+                        } else {
+                            let row = wp.add(r * n);
+                            match t1 - t0 {
+                                4 => tokens_span::<H, CHAINS, 4, false>(row, xs, a, c0, c1),
+                                3 => tokens_span::<H, CHAINS, 3, false>(row, xs, a, c0, c1),
+                                2 => tokens_span::<H, CHAINS, 2, false>(row, xs, a, c0, c1),
+                                _ => tokens_span::<H, CHAINS, 1, false>(row, xs, a, c0, c1),
+                            }
                         }
                     }
                 }
@@ -434,7 +607,8 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], 
         for r in g0..g1 {
             for t in 0..nt {
                 let mut a = acc[(r - g0) * nt + t];
-                // SAFETY: as above; the last step and the tail stay below n.
+                // SAFETY: as above; the last step and the tail stay below n
+                // (with quads there is neither: n is a multiple of 16).
                 unsafe {
                     let (row, x) = (wp.add(r * n), xp[t]);
                     let mut i = main;
@@ -458,7 +632,39 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { rows_tokens::<Bf16, 2>(w, xs, out) }
+    unsafe { rows_tokens::<Bf16, 2>(w, xs, out, false) }
+}
+
+/// [`dot_bf16_multi`] over rows in quads ([`super::quads16`]).
+///
+/// # Safety
+/// As [`rows_tokens`] with `quads`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_bf16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if xs.len() <= QUADS_FEW_TOKENS {
+            quads_tokens::<Bf16, 2>(w, xs, out, dot_bf16)
+        } else {
+            rows_tokens::<Bf16, 2>(w, xs, out, true)
+        }
+    }
+}
+
+/// [`dot_f16_multi`] over rows in quads ([`super::quads16`]).
+///
+/// # Safety
+/// As [`rows_tokens`] with `quads`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if xs.len() <= QUADS_FEW_TOKENS {
+            quads_tokens::<F16, 1>(w, xs, out, dot_f16)
+        } else {
+            rows_tokens::<F16, 1>(w, xs, out, true)
+        }
+    }
 }
 
 /// Rows of an f16 matrix against several vectors, each result exactly
@@ -469,7 +675,30 @@ pub unsafe fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { rows_tokens::<F16, 1>(w, xs, out) }
+    unsafe { rows_tokens::<F16, 1>(w, xs, out, false) }
+}
+
+/// Rows of a bf16 matrix in quads against one vector, each result
+/// exactly [`dot_bf16`]'s for its row (see [`quads4`]).
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`,
+/// `x.len()` a multiple of 16, `w` starting at a quad boundary.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_bf16_quads(w: &[u16], x: &[f32], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { quads4::<Bf16, 2>(w, x, out, dot_bf16) }
+}
+
+/// Rows of an f16 matrix in quads against one vector, each result exactly
+/// [`dot_f16`]'s for its row (see [`quads4`]).
+///
+/// # Safety
+/// As [`dot_bf16_quads`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_quads(w: &[u16], x: &[f32], out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { quads4::<F16, 1>(w, x, out, dot_f16) }
 }
 
 /// Rows of a bf16 matrix against one vector, each result exactly

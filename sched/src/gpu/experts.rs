@@ -1697,13 +1697,14 @@ unsafe fn run_chunk(
 }
 
 /// A matrix's bytes as stored, which is what the device kernels read; the
-/// RAM tier's CPU tiles never reach here (the GPU tier turns them off when
+/// RAM tier's CPU layouts never reach here (the GPU tier turns them off when
 /// it attaches), and this refuses them rather than compute garbage.
 fn stored_bytes(m: &colibri_model::tensor::QMatrix) -> Result<&[u8], GpuError> {
-    if m.is_tiled() {
-        return Err(GpuError::Internal(
-            "an expert in the CPU's tile layout reached the GPU tier".into(),
-        ));
+    if m.layout() != colibri_model::tensor::Layout::RowMajor {
+        return Err(GpuError::Internal(format!(
+            "an expert in a CPU layout ({:?}) reached the GPU tier",
+            m.layout()
+        )));
     }
     Ok(m.data().as_slice())
 }

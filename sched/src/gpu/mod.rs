@@ -586,19 +586,19 @@ pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuErr
     if opts.device == DeviceChoice::Cpu {
         return Ok(Attached::Cpu { reason: None });
     }
-    // The GPU copies weights as stored: no CPU tiles, dense or expert.
+    // The GPU copies weights as stored: no CPU layouts, dense or expert.
     let tiling = engine.tier.as_ref().map(|t| t.tiles_q4_0());
     if let Some(tier) = &engine.tier {
         tier.set_tile_q4_0(false).map_err(ModelError::from)?;
     }
-    let dense_tiled = set_dense_tiles(engine, false)?;
+    let dense_laid_out = set_dense_layouts(engine, false)?;
     let result = open(engine, opts);
     if result.is_err() {
         if let (Some(tier), Some(on)) = (&engine.tier, tiling) {
             tier.set_tile_q4_0(on).map_err(ModelError::from)?;
         }
-        if dense_tiled {
-            set_dense_tiles(engine, true)?;
+        if dense_laid_out {
+            set_dense_layouts(engine, true)?;
         }
     }
     match result {
@@ -614,10 +614,10 @@ pub fn attach(engine: &mut Engine, opts: &GpuOptions) -> Result<Attached, GpuErr
     }
 }
 
-/// Rewrites the engine's dense Q4_0 matrices into CPU tiles or back
+/// Rewrites the engine's dense matrices into the CPU's layouts or back
 /// (before any sequence shares the model); whether anything changed.
-fn set_dense_tiles(engine: &mut Engine, on: bool) -> Result<bool, GpuError> {
-    if engine.model.weights.q4_0_tiled() == on {
+fn set_dense_layouts(engine: &mut Engine, on: bool) -> Result<bool, GpuError> {
+    if engine.model.weights.cpu_layouts() == on {
         return Ok(false);
     }
     let Some(model) = Arc::get_mut(&mut engine.model) else {
@@ -625,7 +625,7 @@ fn set_dense_tiles(engine: &mut Engine, on: bool) -> Result<bool, GpuError> {
             "the model is shared: its weights cannot change layout now".into(),
         ));
     };
-    Ok(model.weights.set_q4_0_tiles(on)? > 0)
+    Ok(model.weights.set_cpu_layouts(on)? > 0)
 }
 
 /// Whether `opts` will probably give a GPU tier: `cuda`, or `auto` with a

@@ -163,6 +163,14 @@ impl<'a> Packer<'a> {
     }
 
     fn mat(&mut self, m: &'a QMatrix) -> Result<MatRef, GpuError> {
+        // The device kernels read rows as files store them; the engine
+        // puts its CPU layouts back before a GPU tier copies the weights.
+        if m.layout() != colibri_model::tensor::Layout::RowMajor {
+            return Err(GpuError::Internal(format!(
+                "a dense matrix in a CPU layout ({:?}) reached the GPU tier",
+                m.layout()
+            )));
+        }
         let format = cuda_format(m.format);
         let off = self.put(m.data().as_slice());
         let scales = match m.scales() {

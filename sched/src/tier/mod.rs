@@ -122,7 +122,9 @@ pub struct TierOptions {
     /// Tile the Q4_0 matrices of experts for the CPU's tile kernel as they
     /// arrive, where one runs ([`TierCache::set_tile_q4_0`]): for experts
     /// computed on this CPU. The GPU tier turns it off when it attaches;
-    /// leaving it off where a GPU will attach saves the work.
+    /// leaving it off where a GPU will attach saves the work. The engine
+    /// also lays its dense matrices out for the CPU only when it is on
+    /// (`DenseWeights::set_cpu_layouts`).
     pub tile_q4_0: bool,
 }
 

@@ -1,5 +1,6 @@
 //! Q4_0 experts tiled for the CPU's tile kernel as they arrive in RAM, and
-//! dense Q4_0 weights tiled at load: the same bits as the stored layout,
+//! dense weights laid out for the CPU at load (Q4_0 tiles, 16-bit quads):
+//! the same bits as the stored layout,
 //! checksums still checked on the bytes as stored, and the stored layout
 //! back when the tiles are turned off (as the GPU tier does).
 
@@ -10,10 +11,10 @@ use colibri_io::IoBackendChoice;
 use colibri_model::convert::cast::Quant;
 use colibri_model::convert::{ConvertOptions, Silent, convert};
 use colibri_model::format::WeightFormat;
-use colibri_model::kernels::q4_0_tiles_run_here;
+use colibri_model::kernels::{q4_0_tiles_run_here, quads16_run_here};
 use colibri_model::source::ExpertLocator;
 use colibri_model::source::packed::PackedStore;
-use colibri_model::{ExpertSource, Model, ResidentExperts};
+use colibri_model::{ExpertSource, KvCache, Logits, Model, ResidentExperts, SeqInput};
 use colibri_sched::tier::{Footprint, TierCache, TierOptions, TierSetup};
 use colibri_sched::{Engine, EngineOptions};
 
@@ -186,29 +187,87 @@ fn a_corrupt_q4_0_record_fails_its_checksum_before_it_is_tiled() {
     }
 }
 
-/// `Engine::load` tiles the dense Q4_0 weights where the tile kernel runs
-/// (and memory allows), and computes the same bits as the stored layout.
+/// Logits after each of `tokens` fed one at a time (decode steps: the
+/// one-token products).
+fn logits_stepwise(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = KvCache::new(&engine.model.spec, 4096);
+    let mut out = Vec::new();
+    for t in tokens {
+        out.extend(
+            engine
+                .model
+                .forward(
+                    &engine.pool,
+                    engine.experts.as_ref(),
+                    &mut [SeqInput {
+                        cache: &mut cache,
+                        tokens: std::slice::from_ref(t),
+                        logits: Logits::Last,
+                    }],
+                )
+                .unwrap()
+                .remove(0),
+        );
+    }
+    out
+}
+
+/// `Engine::load` lays the dense weights out for the CPU where the kernels
+/// run (and memory allows): Q4_0 in tiles, bf16 in quads, the bf16 output
+/// head too. Prefill and decode give the same bits as the stored layout.
 #[test]
-fn an_engine_with_tiled_dense_weights_computes_the_same_bits() {
-    let path = gguf("qwen3_moe.q4_0.gguf");
+fn an_engine_with_dense_cpu_layouts_computes_the_same_bits() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    let load = |tile: bool| {
-        Engine::load(
-            &path,
-            &EngineOptions {
-                threads: 2,
-                tier: tiles(tile, 1 << 30),
-                ..EngineOptions::default()
-            },
-        )
-        .unwrap()
-    };
-    let (tiled, plain) = (load(true), load(false));
-    assert_eq!(tiled.model.weights.q4_0_tiled(), q4_0_tiles_run_here());
-    assert!(!plain.model.weights.q4_0_tiled());
-    let tokens = [7, 7, 2, 9, 1, 1, 30];
-    assert_eq!(
-        bits(&logits_all(&tiled, &tokens)),
-        bits(&logits_all(&plain, &tokens))
-    );
+    let bf16_dir = fixture("qwen3_moe_bf16_sharded");
+    for (path, here) in [
+        (gguf("qwen3_moe.q4_0.gguf"), q4_0_tiles_run_here()),
+        (gguf("olmoe.bf16.gguf"), quads16_run_here()),
+        (bf16_dir, quads16_run_here()),
+    ] {
+        let load = |tile: bool| {
+            Engine::load(
+                &path,
+                &EngineOptions {
+                    threads: 2,
+                    tier: tiles(tile, 1 << 30),
+                    ..EngineOptions::default()
+                },
+            )
+            .unwrap()
+        };
+        let (laid_out, plain) = (load(true), load(false));
+        let w = &laid_out.model.weights;
+        assert_eq!(w.cpu_layouts(), here, "{}", path.display());
+        assert!(!plain.model.weights.cpu_layouts());
+        let q = match &w.layers[0].attn {
+            colibri_model::weights::AttnWeights::Gqa(a) => &a.q.w,
+            _ => panic!("a GQA fixture"),
+        };
+        match q.format {
+            WeightFormat::Q4_0 => assert_eq!(q.is_tiled(), here),
+            WeightFormat::Bf16 => {
+                assert_eq!(q.is_quads(), here, "{}: q in quads", path.display());
+                assert_eq!(
+                    w.lm_head.is_quads(),
+                    here,
+                    "{}: head in quads",
+                    path.display()
+                );
+            }
+            f => panic!("{}: a {f:?} fixture", path.display()),
+        }
+        let tokens = [7, 7, 2, 9, 1, 1, 30];
+        assert_eq!(
+            bits(&logits_all(&laid_out, &tokens)),
+            bits(&logits_all(&plain, &tokens)),
+            "{}: prefill",
+            path.display()
+        );
+        assert_eq!(
+            bits(&logits_stepwise(&laid_out, &tokens)),
+            bits(&logits_stepwise(&plain, &tokens)),
+            "{}: decode",
+            path.display()
+        );
+    }
 }
