@@ -17,6 +17,9 @@
 //! in transparent huge pages (as the engine holds owned weights), rounds
 //! interleaved so that drifting memory bandwidth hits both alike.
 //!
+//! `-- --quads` compares bf16 and f16 matrices row-major and in quads at
+//! several batch sizes, rounds interleaved (medians, the ratio per round).
+//!
 //! `-- --tiling` measures rearranging Q4_0 rows into tiles and back (what
 //! the RAM tier does on its installer thread to every expert it reads).
 //!
@@ -306,6 +309,61 @@ fn compare_pages(pool: &Pool, mib: usize, rng: &mut impl Rng) {
     }
 }
 
+/// `--quads`: see the module notes.
+fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
+    if !quads16_run_here() {
+        println!("no quads kernel on this CPU");
+        return;
+    }
+    let cols = 2048;
+    let rounds = arg("--rounds", 8);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for format in [WeightFormat::Bf16, WeightFormat::F16] {
+        let rows = (mib << 20) / format.row_bytes(cols).expect("row bytes") / 4 * 4;
+        let w = matrix(format, rows, cols, rng);
+        let q = quads(copy(&w));
+        println!(
+            "{} {rows}x{cols}: GB/s of weights × batch, medians of {rounds} rounds",
+            format.name()
+        );
+        for batch in [1usize, 2, 4, 8, 16, 32, 128] {
+            let x: Vec<f32> = (0..batch * cols)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let mut y = vec![0.0f32; batch * rows];
+            let mut rate = |m: &QMatrix| {
+                matmul(pool, m, &x, batch, &mut y);
+                let iters = (64 / batch).clamp(2, 8);
+                let t = Instant::now();
+                for _ in 0..iters {
+                    matmul(pool, m, &x, batch, &mut y);
+                }
+                (m.stored_bytes() * iters * batch) as f64 / t.elapsed().as_secs_f64() / 1e9
+            };
+            let (mut a, mut b, mut r) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                let (ra, rb) = (rate(&w), rate(&q));
+                a.push(ra);
+                b.push(rb);
+                r.push(rb / ra);
+            }
+            println!(
+                "  batch {batch:>3}: row-major {:7.2}, quads {:7.2}, quads / row-major per round: median {:.3} (min {:.3}, max {:.3})",
+                median(&mut a),
+                median(&mut b),
+                median(&mut r),
+                r[0],
+                r[r.len() - 1]
+            );
+        }
+    }
+    let bw = read_bandwidth(pool, mib << 20);
+    println!("read pass after: {bw:.2} GB/s");
+}
+
 fn main() {
     let threads = arg(
         "--threads",
@@ -352,6 +410,11 @@ fn main() {
     }
     if args.iter().any(|a| a == "--experts") {
         experts(&pool, arg("--experts", 640), threads);
+        return;
+    }
+    if args.iter().any(|a| a == "--quads") {
+        println!("kernels: {}, threads: {threads}", kernels().name);
+        compare_quads(&pool, mib, &mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
         return;
     }
     if args.iter().any(|a| a == "--pages") {

@@ -392,26 +392,26 @@ unsafe fn quads4<H: Half16, const CHAINS: usize>(
     }
 }
 
-/// Up to this many vectors, [`quads_tokens`] multiplies a quad into each
-/// vector in turn; beyond, [`rows_tokens`]' spans and row groups keep the
-/// vectors in cache. One Zen 3 thread, a 64 MiB bf16 matrix, GB/s of
-/// weights against row-major [`rows_tokens`] (best of 10): a quad per
-/// vector 10.9 / 8.4 (1 vector), 8.7 / 7.4 (2), 5.3 / 5.1 (4), 3.5 / 3.6
-/// (8), 2.1 / 2.0 (16), 1.07 / 1.26 (32); [`rows_tokens`] through the
-/// quads 1.24 / 1.27 (32), 0.66 / 0.68 (64), 0.32 / 0.35 (128).
-const QUADS_FEW_TOKENS: usize = 16;
-
-/// Rows in quads against a few vectors ([`rows_tokens`]' contract and
-/// bits, `quads`): each quad into one vector after another, as [`quads4`]
-/// runs it: the first pass streams the quad's bytes in order (with the
-/// prefetch), the others find them in L1. ([`rows_tokens`] reads a row at
-/// a time, four strided passes over each quad: 0.7–0.9 of the row-major
-/// speed for 2 to 8 vectors.)
+/// Rows in quads ([`super::quads16`]; `w` from a quad boundary) against
+/// several vectors, `out[r × xs.len() + t]` exactly the one-row kernel's
+/// result for row `r` and vector `t` (each runs its chains in the same
+/// order). Quad by quad: its two pairs of rows (each pair shares every
+/// group's 64-byte line) against `V` vectors at a time, each load and
+/// widening serving `V` vectors; the quad's first pass streams its bytes
+/// in order with the prefetch, the later ones find them in L1. The last
+/// `rows % 4` rows (row-major) take `one`. Zen 3, 2 threads, GB/s of
+/// weights × vectors against row-major [`rows_tokens`] (`cargo bench
+/// --bench kernels -- --quads`, docs/benchmarks.md "Quads of 16-bit
+/// rows"): ×1.10–1.24 at 2 to 16 vectors, ×0.99–1.24 at 32, ×1.23–1.31
+/// at 128. (Row by row through the quads, as [`rows_tokens`] reads, ran
+/// at ×0.75–0.90.)
 ///
 /// # Safety
-/// As [`rows_tokens`] with `quads`.
+/// Requires AVX2, FMA and F16C; every `xs[t].len() == n`, `n` a positive
+/// multiple of 16, `w.len()` a multiple of n, `out.len() >= w.len() / n ×
+/// xs.len()`.
 #[inline(always)]
-unsafe fn quads_tokens<H: Half16, const CHAINS: usize>(
+unsafe fn quads_tokens<H: Half16, const CHAINS: usize, const V: usize>(
     w: &[u16],
     xs: &[&[f32]],
     out: &mut [f32],
@@ -424,30 +424,25 @@ unsafe fn quads_tokens<H: Half16, const CHAINS: usize>(
     let rows = w.len() / n;
     let whole = rows / 4 * 4;
     for q in 0..whole / 4 {
-        // SAFETY: as in quads4, for quad q (its 4·n values lie in w) and
-        // each vector (n values).
-        unsafe {
-            let qp = w.as_ptr().add(q * 4 * n);
-            for (t, x) in xs.iter().enumerate() {
-                let xp = x.as_ptr();
-                let mut a = [[_mm256_setzero_ps(); CHAINS]; 4];
-                for g in 0..n / 16 {
-                    let gp = qp.add(64 * g);
-                    if t == 0 {
-                        let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+        for t0 in (0..nt).step_by(V) {
+            let xs = &xs[t0..(t0 + V).min(nt)];
+            // SAFETY: quad q's 4·n values lie in w; every vector holds n.
+            unsafe {
+                let qp = w.as_ptr().add(q * 4 * n);
+                for pair in 0..2 {
+                    let first = t0 == 0 && pair == 0;
+                    let a = match xs.len() {
+                        1 => quad_pair::<H, CHAINS, 1, V>(qp, pair, xs, n, first),
+                        2 => quad_pair::<H, CHAINS, 2, V>(qp, pair, xs, n, first),
+                        3 => quad_pair::<H, CHAINS, 3, V>(qp, pair, xs, n, first),
+                        _ => quad_pair::<H, CHAINS, 4, V>(qp, pair, xs, n, first),
+                    };
+                    for (r, a) in a.iter().enumerate() {
+                        for (v, (a, x)) in a.iter().zip(xs).enumerate() {
+                            out[(4 * q + 2 * pair + r) * nt + t0 + v] =
+                                finish::<H, CHAINS>(a, qp, x.as_ptr(), n, n);
+                        }
                     }
-                    let x0 = _mm256_loadu_ps(xp.add(16 * g));
-                    let x1 = _mm256_loadu_ps(xp.add(16 * g + 8));
-                    for (j, a) in a.iter_mut().enumerate() {
-                        let row = gp.add(16 * j);
-                        a[0] = _mm256_fmadd_ps(H::load8(row), x0, a[0]);
-                        a[CHAINS - 1] = _mm256_fmadd_ps(H::load8(row.add(8)), x1, a[CHAINS - 1]);
-                    }
-                }
-                for (j, a) in a.iter().enumerate() {
-                    out[(4 * q + j) * nt + t] = finish::<H, CHAINS>(a, qp, xp, n, n);
                 }
             }
         }
@@ -460,27 +455,64 @@ unsafe fn quads_tokens<H: Half16, const CHAINS: usize>(
     }
 }
 
-/// Where column `i` of a row lies from the row's first value: `i`
-/// row-major; in a quad ([`super::quads16`], the row's first value being
-/// its first group's), group `i / 16` is 64 values on.
+/// Rows `2·pair` and `2·pair + 1` of the quad at `qp` (they share each
+/// group's 64-byte line) against `T ≤ V` vectors: their chains, as the
+/// one-row kernel runs them. `first`: the quad's first pass, which asks
+/// for both lines of each group ahead.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C; the quad's 4·n values at `qp`, `xs.len()
+/// == T`, each of n values, n a multiple of 16.
 #[inline(always)]
-fn column<const QUADS: bool>(i: usize) -> usize {
-    if QUADS { (i & !15) * 4 + (i & 15) } else { i }
+unsafe fn quad_pair<H: Half16, const CHAINS: usize, const T: usize, const V: usize>(
+    qp: *const u16,
+    pair: usize,
+    xs: &[&[f32]],
+    n: usize,
+    first: bool,
+) -> [[[__m256; CHAINS]; V]; 2] {
+    debug_assert!(xs.len() == T && T <= V);
+    let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+    // SAFETY: group g's rows 2·pair.. are 32 values at 64g + 32·pair; the
+    // loads of 8 stay inside them and below n in each vector; the prefetch
+    // is a hint (see quads4).
+    unsafe {
+        let mut a = [[[_mm256_setzero_ps(); CHAINS]; V]; 2];
+        for g in 0..n / 16 {
+            let gp = qp.add(64 * g);
+            if first {
+                let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            }
+            let rp = gp.add(32 * pair);
+            let ws: [[__m256; 2]; 2] =
+                std::array::from_fn(|r| [H::load8(rp.add(16 * r)), H::load8(rp.add(16 * r + 8))]);
+            for (v, x) in xp.iter().enumerate() {
+                let x0 = _mm256_loadu_ps(x.add(16 * g));
+                let x1 = _mm256_loadu_ps(x.add(16 * g + 8));
+                for (a, w) in a.iter_mut().zip(&ws) {
+                    let a = &mut a[v];
+                    a[0] = _mm256_fmadd_ps(w[0], x0, a[0]);
+                    a[CHAINS - 1] = _mm256_fmadd_ps(w[1], x1, a[CHAINS - 1]);
+                }
+            }
+        }
+        a
+    }
 }
 
 /// The full steps of columns `c0..c1` (multiples of `8 × CHAINS`) of one
 /// row against `T` vectors, continuing the chains in `a` (each vector's
 /// own `CHAINS` accumulators, as the one-row kernel runs them; see
 /// [`rows4`]): each load and widening of the row serves every vector, and
-/// the `T × CHAINS` independent FMA chains keep the FMA units busy. With
-/// `QUADS` the row lies in a quad (see [`column`]); its other rows, read
-/// next, find the quad's lines in L1.
+/// the `T × CHAINS` independent FMA chains keep the FMA units busy.
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; columns below `c1` lie in the row and in
-/// every vector; with `QUADS`, `c0` and `c1` are multiples of 16.
+/// every vector.
 #[inline(always)]
-unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize, const QUADS: bool>(
+unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize>(
     wp: *const u16,
     xp: &[*const f32],
     a: &mut [[__m256; CHAINS]],
@@ -494,8 +526,7 @@ unsafe fn tokens_span<H: Half16, const CHAINS: usize, const T: usize, const QUAD
         let mut acc: [[__m256; CHAINS]; T] = std::array::from_fn(|t| a[t]);
         let mut i = c0;
         while i < c1 {
-            let ws: [__m256; CHAINS] =
-                std::array::from_fn(|c| H::load8(wp.add(column::<QUADS>(i + 8 * c))));
+            let ws: [__m256; CHAINS] = std::array::from_fn(|c| H::load8(wp.add(i + 8 * c)));
             for (a, x) in acc.iter_mut().zip(&xp) {
                 for (c, (a, w)) in a.iter_mut().zip(&ws).enumerate() {
                     *a = _mm256_fmadd_ps(*w, _mm256_loadu_ps(x.add(i + 8 * c)), *a);
@@ -525,30 +556,17 @@ const SPAN_ROWS: usize = 32;
 /// the group, and the group's span of weights from L1/L2 by each group of
 /// vectors.
 ///
-/// With `quads`, `w`'s rows lie in quads ([`super::quads16`], `w` from a
-/// quad boundary) and each row of a quad is read through them; the bits
-/// are the same.
-///
 /// # Safety
 /// Requires AVX2, FMA and F16C; every `xs[t].len() == n > 0`, `w.len()`
-/// a multiple of n, `out.len() >= w.len() / n × xs.len()`; with `quads`,
-/// `n` a multiple of 16.
+/// a multiple of n, `out.len() >= w.len() / n × xs.len()`.
 #[inline(always)]
-unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(
-    w: &[u16],
-    xs: &[&[f32]],
-    out: &mut [f32],
-    quads: bool,
-) {
+unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     let nt = xs.len();
     if nt == 0 {
         return;
     }
     let n = xs[0].len();
     let rows = w.len() / n;
-    debug_assert!(!quads || n.is_multiple_of(16));
-    // Rows in whole quads (the rest row-major).
-    let whole = if quads { rows / 4 * 4 } else { 0 };
     let step = 8 * CHAINS;
     let main = n / step * step;
     let wp = w.as_ptr();
@@ -577,27 +595,14 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(
                     let k = (r - g0) * nt;
                     let a = &mut acc[k + t0..k + t1];
                     // SAFETY: row r lies in w, columns below c1 ≤ n in it and
-                    // in every vector (the contract); a row of a quad starts
-                    // 16 values per row into the quad, its columns at
-                    // `column` (c0 and c1 are multiples of 16: SPAN and n).
+                    // in every vector (the contract).
                     unsafe {
-                        let xs = &xp[t0..t1];
-                        if r < whole {
-                            let row = wp.add(r / 4 * 4 * n + (r % 4) * 16);
-                            match t1 - t0 {
-                                4 => tokens_span::<H, CHAINS, 4, true>(row, xs, a, c0, c1),
-                                3 => tokens_span::<H, CHAINS, 3, true>(row, xs, a, c0, c1),
-                                2 => tokens_span::<H, CHAINS, 2, true>(row, xs, a, c0, c1),
-                                _ => tokens_span::<H, CHAINS, 1, true>(row, xs, a, c0, c1),
-                            }
-                        } else {
-                            let row = wp.add(r * n);
-                            match t1 - t0 {
-                                4 => tokens_span::<H, CHAINS, 4, false>(row, xs, a, c0, c1),
-                                3 => tokens_span::<H, CHAINS, 3, false>(row, xs, a, c0, c1),
-                                2 => tokens_span::<H, CHAINS, 2, false>(row, xs, a, c0, c1),
-                                _ => tokens_span::<H, CHAINS, 1, false>(row, xs, a, c0, c1),
-                            }
+                        let row = wp.add(r * n);
+                        match t1 - t0 {
+                            4 => tokens_span::<H, CHAINS, 4>(row, &xp[t0..t1], a, c0, c1),
+                            3 => tokens_span::<H, CHAINS, 3>(row, &xp[t0..t1], a, c0, c1),
+                            2 => tokens_span::<H, CHAINS, 2>(row, &xp[t0..t1], a, c0, c1),
+                            _ => tokens_span::<H, CHAINS, 1>(row, &xp[t0..t1], a, c0, c1),
                         }
                     }
                 }
@@ -607,8 +612,7 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(
         for r in g0..g1 {
             for t in 0..nt {
                 let mut a = acc[(r - g0) * nt + t];
-                // SAFETY: as above; the last step and the tail stay below n
-                // (with quads there is neither: n is a multiple of 16).
+                // SAFETY: as above; the last step and the tail stay below n.
                 unsafe {
                     let (row, x) = (wp.add(r * n), xp[t]);
                     let mut i = main;
@@ -632,39 +636,27 @@ unsafe fn rows_tokens<H: Half16, const CHAINS: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_bf16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { rows_tokens::<Bf16, 2>(w, xs, out, false) }
+    unsafe { rows_tokens::<Bf16, 2>(w, xs, out) }
 }
 
 /// [`dot_bf16_multi`] over rows in quads ([`super::quads16`]).
 ///
 /// # Safety
-/// As [`rows_tokens`] with `quads`.
+/// As [`quads_tokens`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_bf16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe {
-        if xs.len() <= QUADS_FEW_TOKENS {
-            quads_tokens::<Bf16, 2>(w, xs, out, dot_bf16)
-        } else {
-            rows_tokens::<Bf16, 2>(w, xs, out, true)
-        }
-    }
+    unsafe { quads_tokens::<Bf16, 2, 2>(w, xs, out, dot_bf16) }
 }
 
 /// [`dot_f16_multi`] over rows in quads ([`super::quads16`]).
 ///
 /// # Safety
-/// As [`rows_tokens`] with `quads`.
+/// As [`quads_tokens`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe {
-        if xs.len() <= QUADS_FEW_TOKENS {
-            quads_tokens::<F16, 1>(w, xs, out, dot_f16)
-        } else {
-            rows_tokens::<F16, 1>(w, xs, out, true)
-        }
-    }
+    unsafe { quads_tokens::<F16, 1, 4>(w, xs, out, dot_f16) }
 }
 
 /// Rows of an f16 matrix against several vectors, each result exactly
@@ -675,7 +667,7 @@ pub unsafe fn dot_f16_quads_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_multi(w: &[u16], xs: &[&[f32]], out: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { rows_tokens::<F16, 1>(w, xs, out, false) }
+    unsafe { rows_tokens::<F16, 1>(w, xs, out) }
 }
 
 /// Rows of a bf16 matrix in quads against one vector, each result
