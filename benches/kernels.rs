@@ -18,7 +18,9 @@
 //! interleaved so that drifting memory bandwidth hits both alike.
 //!
 //! `-- --quads` compares bf16 and f16 matrices row-major and in quads at
-//! several batch sizes, rounds interleaved (medians, the ratio per round).
+//! several batch sizes, rounds interleaved (medians, the ratio per round);
+//! with `--prefetch D,...` instead one token at several prefetch
+//! distances of the quads kernel.
 //!
 //! `-- --tiling` measures rearranging Q4_0 rows into tiles and back (what
 //! the RAM tier does on its installer thread to every expert it reads).
@@ -329,7 +331,14 @@ fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
             "{} {rows}x{cols}: GB/s of weights × batch, medians of {rounds} rounds",
             format.name()
         );
-        for batch in [1usize, 2, 4, 8, 16, 32, 128] {
+        let cases: Vec<(usize, usize)> = match args_list("--prefetch") {
+            Some(d) => d.iter().map(|&d| (1, d)).collect(),
+            None => [1usize, 2, 4, 8, 16, 32, 128]
+                .iter()
+                .map(|&b| (b, quads16::DEFAULT_PREFETCH_AHEAD))
+                .collect(),
+        };
+        for (batch, distance) in cases {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
@@ -344,6 +353,7 @@ fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
                 (m.stored_bytes() * iters * batch) as f64 / t.elapsed().as_secs_f64() / 1e9
             };
             let (mut a, mut b, mut r) = (Vec::new(), Vec::new(), Vec::new());
+            quads16::set_prefetch_ahead(distance);
             for _ in 0..rounds {
                 let (ra, rb) = (rate(&w), rate(&q));
                 a.push(ra);
@@ -351,7 +361,7 @@ fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
                 r.push(rb / ra);
             }
             println!(
-                "  batch {batch:>3}: row-major {:7.2}, quads {:7.2}, quads / row-major per round: median {:.3} (min {:.3}, max {:.3})",
+                "  batch {batch:>3}, prefetch {distance:>5}: row-major {:7.2}, quads {:7.2}, quads / row-major per round: median {:.3} (min {:.3}, max {:.3})",
                 median(&mut a),
                 median(&mut b),
                 median(&mut r),
@@ -360,6 +370,7 @@ fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
             );
         }
     }
+    quads16::set_prefetch_ahead(quads16::DEFAULT_PREFETCH_AHEAD);
     let bw = read_bandwidth(pool, mib << 20);
     println!("read pass after: {bw:.2} GB/s");
 }

@@ -19,6 +19,33 @@
 //! Products give the same bits either way: each row's sums run in the
 //! one-row kernel's order.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// How far ahead of the group it multiplies a quads kernel asks for the
+/// quad's bytes by default (`prefetcht0`, x86). One token, quads against
+/// row-major fours, per-round ratios' medians (`cargo bench --bench
+/// kernels -- --quads --prefetch D,...`, docs/benchmarks.md "Quads of
+/// 16-bit rows"): Zen 3 (AVX2, 2 threads) ×1.08–1.11 at 1 KiB, ×1.03–1.06
+/// at 4 KiB, ×1.06–1.10 at 8 KiB; Xeon (AVX-512, 2 and 8 threads)
+/// ×0.72–0.81 with none, ×0.92–0.97 at 1 KiB, ×1.05–1.09 at 4 KiB,
+/// ×1.06–1.08 at 8 KiB.
+pub const DEFAULT_PREFETCH_AHEAD: usize = 8192;
+
+static PREFETCH_AHEAD: AtomicUsize = AtomicUsize::new(DEFAULT_PREFETCH_AHEAD);
+
+/// Sets how many bytes ahead the quads kernels prefetch (0: not at all),
+/// for every thread; the products' bits do not depend on it. `cargo
+/// bench --bench kernels -- --quads --prefetch D,...` compares distances.
+pub fn set_prefetch_ahead(bytes: usize) {
+    PREFETCH_AHEAD.store(bytes, Ordering::Relaxed);
+}
+
+/// The distance [`set_prefetch_ahead`] set ([`DEFAULT_PREFETCH_AHEAD`]
+/// unless changed).
+pub fn prefetch_ahead() -> usize {
+    PREFETCH_AHEAD.load(Ordering::Relaxed)
+}
+
 /// Rows per quad.
 pub const QUAD_ROWS: usize = 4;
 /// Columns of one row in each group of a quad.

@@ -324,18 +324,11 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
     }
 }
 
-/// How far ahead of the group it multiplies [`quads4`] asks for a quad's
-/// bytes (`prefetcht0`). Zen 3 (AVX2, 2 threads, the 622 MB BF16 head of
-/// a Qwen3-30B-A3B-geometry model, docs/benchmarks.md "Quads of 16-bit
-/// rows"): quads alone gained 0–6% over row-major fours, quads with 1 KiB
-/// ahead 10–15%, with 2 KiB 6%.
-const QUADS_PREFETCH_AHEAD: usize = 1024;
-
 /// [`rows4`] over rows in quads ([`super::quads16`]; `w` starts at a quad
 /// boundary, `n` a multiple of 16): every row's result has the bits of
 /// the one-row kernel, whose chains and steps each row runs in the same
 /// order; the bytes are read in order, a prefetch
-/// [`QUADS_PREFETCH_AHEAD`] bytes ahead. The last `out.len() % 4` rows
+/// [`super::quads16::prefetch_ahead`] bytes ahead. The last `out.len() % 4` rows
 /// (row-major) take `one`.
 ///
 /// # Safety
@@ -350,6 +343,7 @@ unsafe fn quads4<H: Half16, const CHAINS: usize>(
 ) {
     let n = x.len();
     debug_assert!(w.len() == out.len() * n && n.is_multiple_of(16));
+    let pf = super::quads16::prefetch_ahead();
     let mut quads = out.chunks_exact_mut(4);
     let mut r = 0;
     for o in &mut quads {
@@ -365,9 +359,11 @@ unsafe fn quads4<H: Half16, const CHAINS: usize>(
             let mut a = [[_mm256_setzero_ps(); CHAINS]; 4];
             for g in 0..n / 16 {
                 let gp = qp.add(64 * g);
-                let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
-                _mm_prefetch::<_MM_HINT_T0>(ahead);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                if pf != 0 {
+                    let ahead = (gp as *const i8).wrapping_add(pf);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                }
                 let x0 = _mm256_loadu_ps(xp.add(16 * g));
                 let x1 = _mm256_loadu_ps(xp.add(16 * g + 8));
                 for (j, a) in a.iter_mut().enumerate() {
@@ -423,6 +419,7 @@ unsafe fn quads_tokens<H: Half16, const CHAINS: usize, const V: usize>(
     };
     let rows = w.len() / n;
     let whole = rows / 4 * 4;
+    let pf = super::quads16::prefetch_ahead();
     for q in 0..whole / 4 {
         for t0 in (0..nt).step_by(V) {
             let xs = &xs[t0..(t0 + V).min(nt)];
@@ -432,10 +429,10 @@ unsafe fn quads_tokens<H: Half16, const CHAINS: usize, const V: usize>(
                 for pair in 0..2 {
                     let first = t0 == 0 && pair == 0;
                     let a = match xs.len() {
-                        1 => quad_pair::<H, CHAINS, 1, V>(qp, pair, xs, n, first),
-                        2 => quad_pair::<H, CHAINS, 2, V>(qp, pair, xs, n, first),
-                        3 => quad_pair::<H, CHAINS, 3, V>(qp, pair, xs, n, first),
-                        _ => quad_pair::<H, CHAINS, 4, V>(qp, pair, xs, n, first),
+                        1 => quad_pair::<H, CHAINS, 1, V>(qp, pair, xs, n, first, pf),
+                        2 => quad_pair::<H, CHAINS, 2, V>(qp, pair, xs, n, first, pf),
+                        3 => quad_pair::<H, CHAINS, 3, V>(qp, pair, xs, n, first, pf),
+                        _ => quad_pair::<H, CHAINS, 4, V>(qp, pair, xs, n, first, pf),
                     };
                     for (r, a) in a.iter().enumerate() {
                         for (v, (a, x)) in a.iter().zip(xs).enumerate() {
@@ -458,7 +455,7 @@ unsafe fn quads_tokens<H: Half16, const CHAINS: usize, const V: usize>(
 /// Rows `2·pair` and `2·pair + 1` of the quad at `qp` (they share each
 /// group's 64-byte line) against `T ≤ V` vectors: their chains, as the
 /// one-row kernel runs them. `first`: the quad's first pass, which asks
-/// for both lines of each group ahead.
+/// for both lines of each group `pf` bytes ahead (0: none).
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; the quad's 4·n values at `qp`, `xs.len()
@@ -470,6 +467,7 @@ unsafe fn quad_pair<H: Half16, const CHAINS: usize, const T: usize, const V: usi
     xs: &[&[f32]],
     n: usize,
     first: bool,
+    pf: usize,
 ) -> [[[__m256; CHAINS]; V]; 2] {
     debug_assert!(xs.len() == T && T <= V);
     let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
@@ -480,8 +478,8 @@ unsafe fn quad_pair<H: Half16, const CHAINS: usize, const T: usize, const V: usi
         let mut a = [[[_mm256_setzero_ps(); CHAINS]; V]; 2];
         for g in 0..n / 16 {
             let gp = qp.add(64 * g);
-            if first {
-                let ahead = (gp as *const i8).wrapping_add(QUADS_PREFETCH_AHEAD);
+            if first && pf != 0 {
+                let ahead = (gp as *const i8).wrapping_add(pf);
                 _mm_prefetch::<_MM_HINT_T0>(ahead);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
             }
