@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// kernels -- --quads --prefetch D,...`, docs/benchmarks.md "Quads of
 /// 16-bit rows"): Zen 3 (AVX2, 2 threads) ×1.08–1.11 at 1 KiB, ×1.03–1.06
 /// at 4 KiB, ×1.06–1.10 at 8 KiB; Xeon (AVX-512, 2 and 8 threads)
-/// ×0.72–0.81 with none, ×0.92–0.97 at 1 KiB, ×1.05–1.09 at 4 KiB,
+/// ×0.72–0.81 with none, ×0.89–0.97 at 1 KiB, ×1.05–1.12 at 4 KiB,
 /// ×1.06–1.08 at 8 KiB.
 pub const DEFAULT_PREFETCH_AHEAD: usize = 8192;
 

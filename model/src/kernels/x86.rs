@@ -395,12 +395,12 @@ unsafe fn quads4<H: Half16, const CHAINS: usize>(
 /// group's 64-byte line) against `V` vectors at a time, each load and
 /// widening serving `V` vectors; the quad's first pass streams its bytes
 /// in order with the prefetch, the later ones find them in L1. The last
-/// `rows % 4` rows (row-major) take `one`. Zen 3, 2 threads, GB/s of
-/// weights × vectors against row-major [`rows_tokens`] (`cargo bench
-/// --bench kernels -- --quads`, docs/benchmarks.md "Quads of 16-bit
-/// rows"): ×1.10–1.24 at 2 to 16 vectors, ×0.99–1.24 at 32, ×1.23–1.31
-/// at 128. (Row by row through the quads, as [`rows_tokens`] reads, ran
-/// at ×0.75–0.90.)
+/// `rows % 4` rows (row-major) take `one`. GB/s of weights × vectors
+/// against row-major [`rows_tokens`] (`cargo bench --bench kernels --
+/// --quads`, docs/benchmarks.md "Quads of 16-bit rows"), 2 to 128
+/// vectors: ×1.05–1.41 on Zen 3 (2 threads), ×1.00–1.56 on a Xeon (2 and
+/// 8 threads). (Row by row through the quads, as [`rows_tokens`] reads,
+/// ran at ×0.75–0.90.)
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; every `xs[t].len() == n`, `n` a positive
