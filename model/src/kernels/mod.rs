@@ -2021,6 +2021,61 @@ mod tests {
     }
 
     /// `m` (row-major Q4_0) rearranged into tiles.
+    /// `t` (`m`'s values in another layout) gives exactly `m`'s bits in
+    /// every product: `batches` vectors at a time, shared inputs beside an
+    /// f32 matrix, one row at a time, widening; for 1, 2 and 3 threads.
+    fn assert_same_products(m: &QMatrix, t: &QMatrix, batches: &[usize], rng: &mut impl Rng) {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let (rows, cols) = (m.rows, m.cols);
+        let most = batches.iter().copied().max().unwrap_or(1);
+        let x = rand_vec(rng, most * cols);
+        let name = format!("{:?} {rows}x{cols} as {:?}", m.format, t.layout());
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            for &batch in batches {
+                let (mut a, mut b) = (vec![f32::NAN; batch * rows], vec![0.5; batch * rows]);
+                matmul(&pool, m, &x[..batch * cols], batch, &mut a);
+                matmul(&pool, t, &x[..batch * cols], batch, &mut b);
+                assert_eq!(
+                    bits(&a),
+                    bits(&b),
+                    "{name}, batch {batch}, {threads} threads"
+                );
+            }
+            let f = QMatrix::from_f32(5, cols, rand_vec(rng, 5 * cols)).unwrap();
+            for n in [1usize, 3, 7].into_iter().filter(|&n| n <= most) {
+                let mut want = [vec![f32::NAN; n * rows], vec![f32::NAN; n * 5]];
+                let mut got = [vec![0.5; n * rows], vec![0.5; n * 5]];
+                let [w0, w1] = &mut want;
+                matmul_shared_input(&pool, &[m, &f], &x[..n * cols], n, &mut [w0, w1]);
+                let [g0, g1] = &mut got;
+                matmul_shared_input(&pool, &[t, &f], &x[..n * cols], n, &mut [g0, g1]);
+                assert_eq!(
+                    bits(&want[0]),
+                    bits(&got[0]),
+                    "{name}: shared input, {n} tokens"
+                );
+                assert_eq!(
+                    bits(&want[1]),
+                    bits(&got[1]),
+                    "{name}: shared input, {n} tokens"
+                );
+            }
+        }
+        let k = kernels();
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        for r in 0..rows {
+            assert_eq!(
+                dot_row(k, m, r, &x[..cols]).to_bits(),
+                dot_row(k, t, r, &x[..cols]).to_bits(),
+                "{name}: row {r}"
+            );
+            row_to_f32(m, r, &mut a);
+            row_to_f32(t, r, &mut b);
+            assert_eq!(bits(&a), bits(&b), "{name}: row {r} widened");
+        }
+    }
+
     fn tiled(m: &QMatrix) -> QMatrix {
         let mut bytes = m.data().as_slice().to_vec();
         q4_0_tiles::tile_in_place(&mut bytes, m.rows, m.cols / QK, &mut Vec::new());
@@ -2037,7 +2092,6 @@ mod tests {
     #[test]
     fn tiled_q4_0_products_equal_row_major_ones_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for (rows, cols) in [
             (16usize, 64usize),
             (37, 96),
@@ -2051,42 +2105,7 @@ mod tests {
             if rows >= q4_0_tiles::TILE_ROWS {
                 assert_ne!(t.data().as_slice(), m.data().as_slice());
             }
-            let x = rand_vec(&mut rng, 17 * cols);
-            for threads in [1, 2, 3] {
-                let pool = Pool::new(threads).unwrap();
-                for batch in [1usize, 2, 4, 5, 6, 17] {
-                    let (mut a, mut b) = (vec![f32::NAN; batch * rows], vec![0.5; batch * rows]);
-                    matmul(&pool, &m, &x[..batch * cols], batch, &mut a);
-                    matmul(&pool, &t, &x[..batch * cols], batch, &mut b);
-                    assert_eq!(
-                        bits(&a),
-                        bits(&b),
-                        "{rows}x{cols}, batch {batch}, {threads} threads"
-                    );
-                }
-                let f = QMatrix::from_f32(5, cols, rand_vec(&mut rng, 5 * cols)).unwrap();
-                for n in [1usize, 3, 7] {
-                    let mut want = [vec![f32::NAN; n * rows], vec![f32::NAN; n * 5]];
-                    let mut got = [vec![0.5; n * rows], vec![0.5; n * 5]];
-                    let [w0, w1] = &mut want;
-                    matmul_shared_input(&pool, &[&m, &f], &x[..n * cols], n, &mut [w0, w1]);
-                    let [g0, g1] = &mut got;
-                    matmul_shared_input(&pool, &[&t, &f], &x[..n * cols], n, &mut [g0, g1]);
-                    assert_eq!(bits(&want[0]), bits(&got[0]), "shared input, {n} tokens");
-                    assert_eq!(bits(&want[1]), bits(&got[1]), "shared input, {n} tokens");
-                }
-            }
-            let k = kernels();
-            let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
-            for r in 0..rows {
-                assert_eq!(
-                    dot_row(k, &m, r, &x[..cols]).to_bits(),
-                    dot_row(k, &t, r, &x[..cols]).to_bits()
-                );
-                row_to_f32(&m, r, &mut a);
-                row_to_f32(&t, r, &mut b);
-                assert_eq!(bits(&a), bits(&b), "row {r} dequantized");
-            }
+            assert_same_products(&m, &t, &[1, 2, 4, 5, 6, 17], &mut rng);
             assert!(t.rows_view(0, 1).is_err(), "tiles have no row views");
         }
         let f = QMatrix::from_f32(2, 32, rand_vec(&mut rng, 64)).unwrap();
@@ -2102,7 +2121,6 @@ mod tests {
     #[test]
     fn quads16_products_equal_row_major_ones_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for format in [WeightFormat::Bf16, WeightFormat::F16] {
             for (rows, cols) in [(4usize, 16usize), (7, 48), (37, 96), (130, 2048), (9, 32)] {
                 let vals = rand_vec(&mut rng, rows * cols);
@@ -2124,43 +2142,7 @@ mod tests {
                 if cols > quads16::GROUP_COLS {
                     assert_ne!(t.data().as_slice(), m.data().as_slice());
                 }
-                let x = rand_vec(&mut rng, 20 * cols);
-                for threads in [1, 2, 3] {
-                    let pool = Pool::new(threads).unwrap();
-                    for batch in [1usize, 2, 4, 5, 17, 20] {
-                        let (mut a, mut b) =
-                            (vec![f32::NAN; batch * rows], vec![0.5; batch * rows]);
-                        matmul(&pool, &m, &x[..batch * cols], batch, &mut a);
-                        matmul(&pool, &t, &x[..batch * cols], batch, &mut b);
-                        assert_eq!(
-                            bits(&a),
-                            bits(&b),
-                            "{format:?} {rows}x{cols}, batch {batch}, {threads} threads"
-                        );
-                    }
-                    let f = QMatrix::from_f32(5, cols, rand_vec(&mut rng, 5 * cols)).unwrap();
-                    for n in [1usize, 3] {
-                        let mut want = [vec![f32::NAN; n * rows], vec![f32::NAN; n * 5]];
-                        let mut got = [vec![0.5; n * rows], vec![0.5; n * 5]];
-                        let [w0, w1] = &mut want;
-                        matmul_shared_input(&pool, &[&m, &f], &x[..n * cols], n, &mut [w0, w1]);
-                        let [g0, g1] = &mut got;
-                        matmul_shared_input(&pool, &[&t, &f], &x[..n * cols], n, &mut [g0, g1]);
-                        assert_eq!(bits(&want[0]), bits(&got[0]), "shared input, {n} tokens");
-                        assert_eq!(bits(&want[1]), bits(&got[1]), "shared input, {n} tokens");
-                    }
-                }
-                let k = kernels();
-                let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
-                for r in 0..rows {
-                    assert_eq!(
-                        dot_row(k, &m, r, &x[..cols]).to_bits(),
-                        dot_row(k, &t, r, &x[..cols]).to_bits()
-                    );
-                    row_to_f32(&m, r, &mut a);
-                    row_to_f32(&t, r, &mut b);
-                    assert_eq!(bits(&a), bits(&b), "row {r} widened");
-                }
+                assert_same_products(&m, &t, &[1, 2, 4, 5, 17, 20], &mut rng);
                 assert!(t.rows_view(0, 1).is_err(), "quads have no row views");
             }
         }

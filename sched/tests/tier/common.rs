@@ -183,3 +183,28 @@ pub fn slot_bytes(dir: &Path) -> u64 {
     assert_eq!(classes.len(), 1, "fixture with one size class expected");
     classes[0].slot_bytes
 }
+
+/// Logits after each of `tokens` fed one at a time (decode steps: the
+/// one-token products).
+pub fn logits_stepwise(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = KvCache::new(&engine.model.spec, 4096);
+    let mut out = Vec::new();
+    for t in tokens {
+        out.extend(
+            engine
+                .model
+                .forward(
+                    &engine.pool,
+                    engine.experts.as_ref(),
+                    &mut [SeqInput {
+                        cache: &mut cache,
+                        tokens: std::slice::from_ref(t),
+                        logits: Logits::Last,
+                    }],
+                )
+                .unwrap()
+                .remove(0),
+        );
+    }
+    out
+}

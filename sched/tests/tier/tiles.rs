@@ -14,7 +14,7 @@ use colibri_model::format::WeightFormat;
 use colibri_model::kernels::{q4_0_tiles_run_here, quads16_run_here};
 use colibri_model::source::ExpertLocator;
 use colibri_model::source::packed::PackedStore;
-use colibri_model::{ExpertSource, KvCache, Logits, Model, ResidentExperts, SeqInput};
+use colibri_model::{ExpertSource, Model, ResidentExperts};
 use colibri_sched::tier::{Footprint, TierCache, TierOptions, TierSetup};
 use colibri_sched::{Engine, EngineOptions};
 
@@ -185,31 +185,6 @@ fn a_corrupt_q4_0_record_fails_its_checksum_before_it_is_tiled() {
             "{msg}"
         );
     }
-}
-
-/// Logits after each of `tokens` fed one at a time (decode steps: the
-/// one-token products).
-fn logits_stepwise(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::new(&engine.model.spec, 4096);
-    let mut out = Vec::new();
-    for t in tokens {
-        out.extend(
-            engine
-                .model
-                .forward(
-                    &engine.pool,
-                    engine.experts.as_ref(),
-                    &mut [SeqInput {
-                        cache: &mut cache,
-                        tokens: std::slice::from_ref(t),
-                        logits: Logits::Last,
-                    }],
-                )
-                .unwrap()
-                .remove(0),
-        );
-    }
-    out
 }
 
 /// `Engine::load` lays the dense weights out for the CPU where the kernels
