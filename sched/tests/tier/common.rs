@@ -111,22 +111,27 @@ pub fn resident_experts(dir: &Path) -> ResidentExperts {
     ResidentExperts::load(&model.spec, &ck).unwrap()
 }
 
-/// Logits after every token of `tokens` in one forward pass.
-pub fn logits_all(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::new(&engine.model.spec, 4096);
+/// One sequence's forward pass over `tokens` with `cache`.
+fn forward(engine: &Engine, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Vec<f32> {
     engine
         .model
         .forward(
             &engine.pool,
             engine.experts.as_ref(),
             &mut [SeqInput {
-                cache: &mut cache,
+                cache,
                 tokens,
-                logits: Logits::All,
+                logits,
             }],
         )
         .unwrap()
         .remove(0)
+}
+
+/// Logits after every token of `tokens` in one forward pass.
+pub fn logits_all(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = KvCache::new(&engine.model.spec, 4096);
+    forward(engine, &mut cache, tokens, Logits::All)
 }
 
 /// Fetches `ids` and returns the order they were delivered in.
@@ -188,23 +193,8 @@ pub fn slot_bytes(dir: &Path) -> u64 {
 /// one-token products).
 pub fn logits_stepwise(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
     let mut cache = KvCache::new(&engine.model.spec, 4096);
-    let mut out = Vec::new();
-    for t in tokens {
-        out.extend(
-            engine
-                .model
-                .forward(
-                    &engine.pool,
-                    engine.experts.as_ref(),
-                    &mut [SeqInput {
-                        cache: &mut cache,
-                        tokens: std::slice::from_ref(t),
-                        logits: Logits::Last,
-                    }],
-                )
-                .unwrap()
-                .remove(0),
-        );
-    }
-    out
+    tokens
+        .iter()
+        .flat_map(|t| forward(engine, &mut cache, std::slice::from_ref(t), Logits::Last))
+        .collect()
 }
