@@ -12,7 +12,8 @@ use crate::error::{ModelError, Result};
 use crate::experts::ExpertGroup;
 use crate::experts::ExpertSource;
 use crate::kernels::{
-    Pool, Q8Activation, matmul, matmul_shared_input, matvecs, tiled_matmuls, tiled_products,
+    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, tiled_matmuls,
+    tiled_products,
 };
 use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
 use crate::tensor::QMatrix;
@@ -20,22 +21,26 @@ use crate::weights::{MlpWeights, MoeWeights};
 
 /// `down(silu(gate x) * up x)` for `n` rows.
 pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<f32> {
+    if n == 1 {
+        let mut ys = gated_products(pool, &[gated(w)], x, swiglu);
+        return ys.pop().unwrap_or_default();
+    }
     let inter = w.gate.rows;
     let mut g = vec![0.0f32; n * inter];
     let mut u = vec![0.0f32; n * inter];
     matmul_shared_input(pool, &[&w.gate, &w.up], x, n, &mut [&mut g, &mut u]);
     // Elementwise, so the split across threads (for batches worth
     // splitting) changes no result.
-    let swiglu = |c: usize, gs: &mut [f32], chunk: usize| {
+    let gate_rows = |c: usize, gs: &mut [f32], chunk: usize| {
         for (gv, uv) in gs.iter_mut().zip(&u[c * chunk..]) {
-            *gv = silu(*gv) * uv;
+            *gv = swiglu(*gv, *uv);
         }
     };
     if n >= 8 {
         let chunk = inter.max(1) * n.div_ceil(pool.threads() * 4);
-        pool.for_each_chunk_mut(&mut g, chunk, |c, gs| swiglu(c, gs, chunk));
+        pool.for_each_chunk_mut(&mut g, chunk, |c, gs| gate_rows(c, gs, chunk));
     } else {
-        swiglu(0, &mut g, 0);
+        gate_rows(0, &mut g, 0);
     }
     let mut y = vec![0.0f32; n * w.down.rows];
     matmul(pool, &w.down, &g, n, &mut y);
@@ -58,30 +63,24 @@ fn expert_rows(
 }
 
 /// [`mlp_rows`] of one token `x` through each expert of `group`, as two
-/// pool jobs: every gate and up product, then every down product.
+/// pool jobs: every gate and up product with its SwiGLU, then every down
+/// product.
 fn mlp_group(pool: &Pool, group: &ExpertGroup, x: &[f32]) -> Vec<Vec<f32>> {
-    let mut gu: Vec<Vec<f32>> = group
-        .iter()
-        .flat_map(|(_, w)| [vec![0.0f32; w.gate.rows], vec![0.0f32; w.up.rows]])
-        .collect();
-    {
-        let ws: Vec<&QMatrix> = group.iter().flat_map(|(_, w)| [&w.gate, &w.up]).collect();
-        let mut outs: Vec<&mut [f32]> = gu.iter_mut().map(|v| v.as_mut_slice()).collect();
-        matvecs(pool, &ws, &vec![x; ws.len()], &mut outs);
+    let mlps: Vec<Gated<'_>> = group.iter().map(|(_, w)| gated(w)).collect();
+    gated_products(pool, &mlps, x, swiglu)
+}
+
+/// SwiGLU's elementwise step: `silu(gate) · up`.
+fn swiglu(g: f32, u: f32) -> f32 {
+    silu(g) * u
+}
+
+fn gated(w: &MlpWeights) -> Gated<'_> {
+    Gated {
+        gate: &w.gate,
+        up: &w.up,
+        down: &w.down,
     }
-    let acts: Vec<Vec<f32>> = gu
-        .chunks_exact(2)
-        .map(|p| p[0].iter().zip(&p[1]).map(|(g, u)| silu(*g) * u).collect())
-        .collect();
-    let mut ys: Vec<Vec<f32>> = group
-        .iter()
-        .map(|(_, w)| vec![0.0f32; w.down.rows])
-        .collect();
-    let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
-    let xs: Vec<&[f32]> = acts.iter().map(|a| a.as_slice()).collect();
-    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
-    matvecs(pool, &ws, &xs, &mut outs);
-    ys
 }
 
 /// [`expert_rows`] for every expert of `group`, each on its rows of `h`
@@ -125,7 +124,7 @@ fn tiled_group_rows(
         g.chunks_exact(inter)
             .zip(u.chunks_exact(inter))
             .map(|(g, u)| {
-                let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect();
+                let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)).collect();
                 Q8Activation::quantize(&a)
             })
             .collect()

@@ -9,6 +9,7 @@
 //! SIMD is chosen once at run time; `scalar` holds the reference of every
 //! kernel.
 
+pub mod gated;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 pub mod pool;
@@ -20,6 +21,7 @@ pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
+pub use gated::{Gated, gated_products};
 pub use pool::Pool;
 pub use q4_0::{Q8Tiles, RowScratch};
 pub use q8act::Q8Activation;
@@ -838,9 +840,13 @@ pub fn row_axpy(w: &QMatrix, r: usize, alpha: f32, out: &mut [f32], scratch: &mu
     }
 }
 
+/// The most rows one task of a product takes (a multiple of the tile and
+/// quad heights, so rounding to them keeps a task within it).
+const MAX_TASK_ROWS: usize = 1024;
+
 impl Pool {
     fn rows_per_task(&self, rows: usize) -> usize {
-        (rows / (self.threads() * 4)).clamp(8, 1024)
+        (rows / (self.threads() * 4)).clamp(8, MAX_TASK_ROWS)
     }
 
     /// [`rows_per_task`](Self::rows_per_task) for `w`: whole tiles when
@@ -935,12 +941,16 @@ enum Input<'a> {
 
 impl<'a> Input<'a> {
     fn prepare(k: &KernelSet, w: &QMatrix, x: &'a [f32]) -> Input<'a> {
-        match w.format {
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 if k.int_activations => {
-                Input::Q8(Q8Activation::quantize(x))
-            }
-            _ => Input::F32(x),
+        if Input::quantizes(k, w) {
+            Input::Q8(Q8Activation::quantize(x))
+        } else {
+            Input::F32(x)
         }
+    }
+
+    /// Whether `w`'s products take the input quantized to 8-bit blocks.
+    fn quantizes(k: &KernelSet, w: &QMatrix) -> bool {
+        matches!(w.format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k.int_activations
     }
 }
 
@@ -1111,6 +1121,18 @@ pub fn matvecs(pool: &Pool, ws: &[&QMatrix], xs: &[&[f32]], ys: &mut [&mut [f32]
         };
         input_of.push(i);
     }
+    let xs: Vec<&Input<'_>> = input_of.iter().map(|&i| &inputs[i].1).collect();
+    prepared_matvecs(pool, k, ws, &xs, ys);
+}
+
+/// [`matvecs`] with each matrix's input already prepared for its format.
+fn prepared_matvecs(
+    pool: &Pool,
+    k: &KernelSet,
+    ws: &[&QMatrix],
+    xs: &[&Input<'_>],
+    ys: &mut [&mut [f32]],
+) {
     // Tasks: (matrix, chunk of its rows), matrix after matrix.
     let mut tasks = Vec::new();
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
@@ -1122,7 +1144,7 @@ pub fn matvecs(pool: &Pool, ws: &[&QMatrix], xs: &[&[f32]], ys: &mut [&mut [f32]
     }
     pool.for_each_chunk_mut(&mut tasks, 1, |_, task| {
         let (i, r0, part) = &mut task[0];
-        rows_into(k, ws[*i], &inputs[input_of[*i]].1, *r0, part)
+        rows_into(k, ws[*i], xs[*i], *r0, part)
     });
 }
 
@@ -2158,6 +2180,116 @@ mod tests {
         )
         .unwrap();
         assert!(odd.quads16().is_err(), "whole groups of 16 columns");
+    }
+
+    /// A 16-bit matrix of random weights, row-major or in quads.
+    fn half_matrix(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) -> QMatrix {
+        let words: Vec<u16> = rand_vec(rng, rows * cols)
+            .iter()
+            .map(|&v| match format {
+                WeightFormat::Bf16 => half::bf16::from_f32(v).to_bits(),
+                _ => half::f16::from_f32(v).to_bits(),
+            })
+            .collect();
+        let data = crate::tensor::Bytes::from_u16(words);
+        QMatrix::new("h", rows, cols, format, data, None).unwrap()
+    }
+
+    fn quads(m: &QMatrix) -> QMatrix {
+        let mut q: Vec<u16> = bytemuck::cast_slice(m.data().as_slice()).to_vec();
+        quads16::to_quads(&mut q, m.rows, m.cols, &mut Vec::new());
+        let data = crate::tensor::Bytes::from_u16(q);
+        QMatrix::new("q", m.rows, m.cols, m.format, data, None)
+            .and_then(QMatrix::quads16)
+            .unwrap()
+    }
+
+    /// Gated MLPs for one token give the bits of separate products: gate
+    /// and up, the activation on the calling thread, then down (its input
+    /// prepared by `matvec`), for every format and layout an MLP's three
+    /// matrices come in (mixed within a call, as experts of different
+    /// files could be), row counts with and without remainders past the
+    /// last tile or quad, and 1–3 threads.
+    #[test]
+    fn gated_products_equal_separate_products_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        let (hidden, inter) = (96usize, 100usize);
+        let f32m = |rng: &mut rand_chacha::ChaCha8Rng, r: usize, c: usize| {
+            QMatrix::from_f32(r, c, rand_vec(rng, r * c)).unwrap()
+        };
+        let q8m = |rng: &mut rand_chacha::ChaCha8Rng, r: usize, c: usize| {
+            let bytes: Vec<u8> = rand_vec(rng, r * c)
+                .chunks(c)
+                .flat_map(|row| quant::quantize_q8_0(row).unwrap())
+                .collect();
+            let data = crate::tensor::Bytes::from_vec(bytes);
+            QMatrix::new("q8", r, c, WeightFormat::Q8_0, data, None).unwrap()
+        };
+        // (gate, up, down) per MLP. Q4_0 and Q8_0 inputs are whole
+        // 32-blocks and quads whole groups of 16 columns, so those MLPs'
+        // remainders are in the down rows (70).
+        let r = &mut rng;
+        let mlps: Vec<[QMatrix; 3]> = vec![
+            [
+                f32m(r, inter, hidden),
+                f32m(r, inter, hidden),
+                f32m(r, 70, inter),
+            ],
+            [
+                q4_matrix(r, 128, hidden),
+                q4_matrix(r, 128, hidden),
+                q8m(r, 70, 128),
+            ],
+            [
+                half_matrix(r, WeightFormat::Bf16, inter, hidden),
+                half_matrix(r, WeightFormat::Bf16, inter, hidden),
+                half_matrix(r, WeightFormat::F16, 70, inter),
+            ],
+            [
+                tiled(&q4_matrix(r, 160, hidden)),
+                tiled(&q4_matrix(r, 160, hidden)),
+                tiled(&q4_matrix(r, 70, 160)),
+            ],
+            [
+                quads(&half_matrix(r, WeightFormat::Bf16, 112, hidden)),
+                quads(&half_matrix(r, WeightFormat::F16, 112, hidden)),
+                quads(&half_matrix(r, WeightFormat::Bf16, 70, 112)),
+            ],
+        ];
+        let x = rand_vec(&mut rng, hidden);
+        let act = |g: f32, u: f32| g / (1.0 + (-g).exp()) * u;
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let want: Vec<Vec<f32>> = mlps
+                .iter()
+                .map(|[g, u, d]| {
+                    let (mut gy, mut uy) = (vec![0.0; g.rows], vec![0.0; u.rows]);
+                    matvec(&pool, g, &x, &mut gy);
+                    matvec(&pool, u, &x, &mut uy);
+                    let a: Vec<f32> = gy.iter().zip(&uy).map(|(&g, &u)| act(g, u)).collect();
+                    let mut y = vec![0.0; d.rows];
+                    matvec(&pool, d, &a, &mut y);
+                    y
+                })
+                .collect();
+            let gated: Vec<Gated<'_>> = mlps
+                .iter()
+                .map(|[gate, up, down]| Gated { gate, up, down })
+                .collect();
+            let got = gated_products(&pool, &gated, &x, act);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    w.iter().any(|&v| v != 0.0),
+                    "MLP {i}: a product of random data"
+                );
+                assert_eq!(bits(w), bits(g), "MLP {i}, {threads} threads");
+            }
+            // One MLP alone, and none.
+            let one = gated_products(&pool, &gated[3..4], &x, act);
+            assert_eq!(bits(&one[0]), bits(&want[3]), "one MLP, {threads} threads");
+            assert!(gated_products(&pool, &[], &x, act).is_empty());
+        }
     }
 
     #[test]

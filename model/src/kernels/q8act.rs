@@ -61,7 +61,7 @@ impl Q8Activation {
     /// The reference quantizer.
     pub fn quantize_scalar(&mut self, x: &[f32]) {
         debug_assert!(x.len().is_multiple_of(QK));
-        self.clear();
+        self.clear(x.len());
         for block in x.chunks_exact(QK) {
             let (d, id) = block_scale(block);
             let start = self.quants.len();
@@ -74,11 +74,18 @@ impl Q8Activation {
         }
     }
 
-    fn clear(&mut self) {
+    /// Empties the buffers and gives them room for `len` quants, so that
+    /// quantizing allocates each at most once.
+    fn clear(&mut self, len: usize) {
+        let blocks = len / QK;
         self.scales.clear();
+        self.scales.reserve(blocks);
         self.quants.clear();
+        self.quants.reserve(len);
         self.bsums8.clear();
+        self.bsums8.reserve(blocks);
         self.split.clear();
+        self.split.reserve(blocks.div_ceil(4) * 2 * 64);
     }
 
     /// Records block scale `d` and the sum of the block's quants, which
@@ -167,8 +174,7 @@ pub mod avx2 {
     /// Requires AVX2 (checked by the caller).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn quantize(a: &mut Q8Activation, x: &[f32]) {
-        a.clear();
-        a.quants.reserve(x.len());
+        a.clear(x.len());
         let sign = _mm256_set1_ps(-0.0);
         let half = _mm256_set1_ps(0.5);
         let one = _mm256_set1_ps(1.0);
