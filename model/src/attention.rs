@@ -14,6 +14,7 @@ use crate::forward::{Model, RowInfo};
 use crate::kernels::{self, Pool, dot_row, matmul, matmul_shared_input};
 use crate::kv::{KvCache, LayerCache};
 use crate::ops::{rms_norm_inplace, softmax_inplace};
+use crate::rope::Angles;
 use crate::weights::{AttnWeights, Linear, MlaQuery};
 
 /// The eps DeepSeek's q_a/kv_a layernorms use (their constructor default,
@@ -134,6 +135,7 @@ pub(crate) fn attention(
     pool: &Pool,
     h: &[f32],
     rows: &[RowInfo],
+    angles: &[Angles],
     caches: &mut [&mut KvCache],
 ) -> Result<Vec<f32>> {
     let n = rows.len();
@@ -152,39 +154,49 @@ pub(crate) fn attention(
             let (nh, nkv, hd) = (*num_heads, *num_kv_heads, *head_dim);
             let eps = model.spec.rms_norm_eps;
             let [mut q, mut k, mut v] = qkv_rows(pool, [&w.q, &w.k, &w.v], h, n);
-            let (mut cos, mut sin, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
-            for (i, ri) in rows.iter().enumerate() {
+            let (qn, kn) = (
+                w.q_norm.as_deref().unwrap_or(&[]),
+                w.k_norm.as_deref().unwrap_or(&[]),
+            );
+            // Keys and values here, each row's before it is cached; each
+            // query head in the task that attends with it (below), by the
+            // same operations in the same order: norm, clip, rotation.
+            let mut tmp = Vec::new();
+            for (i, a) in angles.iter().enumerate() {
                 let qr = &mut q[i * nh * hd..(i + 1) * nh * hd];
                 let kr = &mut k[i * nkv * hd..(i + 1) * nkv * hd];
                 let vr = &mut v[i * nkv * hd..(i + 1) * nkv * hd];
                 match qk_norm {
                     QkNorm::None => {}
-                    QkNorm::PerHead => {
-                        let (qn, kn) = (
-                            w.q_norm.as_deref().unwrap_or(&[]),
-                            w.k_norm.as_deref().unwrap_or(&[]),
-                        );
-                        qr.chunks_exact_mut(hd)
-                            .for_each(|x| rms_norm_inplace(x, qn, eps));
-                        kr.chunks_exact_mut(hd)
-                            .for_each(|x| rms_norm_inplace(x, kn, eps));
-                    }
+                    QkNorm::PerHead => kr
+                        .chunks_exact_mut(hd)
+                        .for_each(|x| rms_norm_inplace(x, kn, eps)),
                     QkNorm::Full => {
-                        rms_norm_inplace(qr, w.q_norm.as_deref().unwrap_or(&[]), eps);
-                        rms_norm_inplace(kr, w.k_norm.as_deref().unwrap_or(&[]), eps);
+                        // Over every head of the row at once.
+                        rms_norm_inplace(qr, qn, eps);
+                        rms_norm_inplace(kr, kn, eps);
                     }
                 }
                 if let Some(c) = clip_qkv {
-                    for x in qr.iter_mut().chain(kr.iter_mut()).chain(vr.iter_mut()) {
+                    for x in kr.iter_mut().chain(vr.iter_mut()) {
                         *x = x.clamp(-c, *c);
                     }
                 }
-                model.rope.cos_sin(ri.pos, &mut cos, &mut sin);
-                qr.chunks_exact_mut(hd)
-                    .for_each(|x| model.rope.apply(x, &cos, &sin, &mut tmp));
                 kr.chunks_exact_mut(hd)
-                    .for_each(|x| model.rope.apply(x, &cos, &sin, &mut tmp));
+                    .for_each(|x| model.rope.apply(x, &a.cos, &a.sin, &mut tmp));
             }
+            let query_heads = |qs: &mut [f32], a: &Angles| {
+                let mut tmp = Vec::new();
+                for x in qs.chunks_exact_mut(hd) {
+                    if *qk_norm == QkNorm::PerHead {
+                        rms_norm_inplace(x, qn, eps);
+                    }
+                    if let Some(c) = clip_qkv {
+                        x.iter_mut().for_each(|v| *v = v.clamp(-c, *c));
+                    }
+                    model.rope.apply(x, &a.cos, &a.sin, &mut tmp);
+                }
+            };
             for (i, ri) in rows.iter().enumerate() {
                 if let LayerCache::Gqa { k: kc, v: vc } = &mut caches[ri.seq].layers[layer] {
                     kc.extend_from_slice(&k[i * nkv * hd..(i + 1) * nkv * hd]);
@@ -205,8 +217,10 @@ pub(crate) fn attention(
                 };
                 let kvh = h0 / group;
                 let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
+                let mut qs = q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd].to_vec();
+                query_heads(&mut qs, &angles[i]);
                 attend_heads(
-                    &q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd],
+                    &qs,
                     hd,
                     &kc[(first * nkv + kvh) * hd..],
                     &vc[(first * nkv + kvh) * hd..],
@@ -247,16 +261,15 @@ pub(crate) fn attention(
                 }
             };
             let mut ckv = linear_rows(pool, &w.kv_a, h, n);
-            let (mut cos, mut sin, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
-            for (i, ri) in rows.iter().enumerate() {
+            let mut tmp = Vec::new();
+            for (i, (ri, a)) in rows.iter().zip(angles).enumerate() {
                 let row = &mut ckv[i * (r + dr)..(i + 1) * (r + dr)];
                 let (lat, pe) = row.split_at_mut(r);
                 rms_norm_inplace(lat, &w.kv_a_norm, MLA_LORA_NORM_EPS);
-                model.rope.cos_sin(ri.pos, &mut cos, &mut sin);
-                model.rope.apply(pe, &cos, &sin, &mut tmp);
+                model.rope.apply(pe, &a.cos, &a.sin, &mut tmp);
                 for head in 0..nh {
                     let qh = &mut q[i * nh * qk + head * qk..i * nh * qk + (head + 1) * qk];
-                    model.rope.apply(&mut qh[dn..], &cos, &sin, &mut tmp);
+                    model.rope.apply(&mut qh[dn..], &a.cos, &a.sin, &mut tmp);
                 }
                 if let LayerCache::Mla { latent, k_pe } = &mut caches[ri.seq].layers[layer] {
                     latent.extend_from_slice(&row[..r]);

@@ -13,7 +13,7 @@ use crate::experts::ExpertSource;
 use crate::kernels::{Pool, matmul};
 use crate::kv::KvCache;
 use crate::ops::rms_norm;
-use crate::rope::{Rope, mla_softmax_scale_factor};
+use crate::rope::{Angles, Rope, mla_softmax_scale_factor};
 use crate::source::WeightSource;
 use crate::weights::{DenseWeights, FfnWeights};
 
@@ -131,6 +131,8 @@ impl Model {
             }
         }
 
+        // Every layer rotates a row by the same angles.
+        let angles: Vec<Angles> = rows.iter().map(|r| self.rope.angles(r.pos)).collect();
         let mut h = vec![0.0f32; n * hidden];
         for (l, lw) in self.weights.layers.iter().enumerate() {
             for i in 0..n {
@@ -142,7 +144,7 @@ impl Model {
                 );
             }
             let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
-            let a = crate::attention::attention(self, l, pool, &h, &rows, &mut caches)?;
+            let a = crate::attention::attention(self, l, pool, &h, &rows, &angles, &mut caches)?;
             for (xv, av) in x.iter_mut().zip(&a) {
                 *xv += av;
             }

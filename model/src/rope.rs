@@ -5,6 +5,12 @@
 
 use crate::config::{RopeScaling, RopeSpec};
 
+/// The rotation of one position: cos and sin per rotary pair.
+pub struct Angles {
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
 #[derive(Clone, Debug)]
 pub struct Rope {
     inv_freq: Vec<f32>,
@@ -131,6 +137,14 @@ impl Rope {
 
     pub fn dim(&self) -> usize {
         self.inv_freq.len() * 2
+    }
+
+    /// [`Rope::cos_sin`] for `pos`, owned: a forward pass forms each
+    /// row's once for all its layers.
+    pub fn angles(&self, pos: usize) -> Angles {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        self.cos_sin(pos, &mut cos, &mut sin);
+        Angles { cos, sin }
     }
 
     /// cos and sin for position `pos`, one per rotary pair.
