@@ -264,7 +264,16 @@ pub(crate) fn moe_rows(
     }
     let ids: Vec<usize> = users.keys().copied().collect();
     let k = moe.top_k;
-    let mut slot_out = vec![0.0f32; n * k * hidden];
+    // Each expert's outputs as computed, one row per user; `at[row · k +
+    // slot]` says where that pair's row is: (output, row in it).
+    let mut outputs: Vec<Vec<f32>> = Vec::new();
+    let mut at: Vec<Option<(usize, usize)>> = vec![None; n * k];
+    let mut keep = |us: &[(usize, usize)], y: Vec<f32>| {
+        for (j, &(row, slot)) in us.iter().enumerate() {
+            at[row * k + slot] = Some((outputs.len(), j));
+        }
+        outputs.push(y);
+    };
     // Rows of `h` quantized for tiled experts, once for every group.
     let mut hq: Vec<Q8Activation> = Vec::new();
     let mut done = vec![false; moe.num_experts];
@@ -297,9 +306,7 @@ pub(crate) fn moe_rows(
                 .collect::<Result<Vec<_>>>()?;
             let ys = mlp_group(pool, &group, h);
             for (us, y) in users.iter().zip(ys) {
-                for &(_, slot) in us {
-                    slot_out[slot * hidden..(slot + 1) * hidden].copy_from_slice(&y);
-                }
+                keep(us, y);
             }
             return Ok(());
         }
@@ -310,30 +317,18 @@ pub(crate) fn moe_rows(
                 .collect::<Result<Vec<_>>>()?;
             if let Some(ys) = tiled_group_rows(pool, &group, &users, h, hidden, &mut hq) {
                 for (us, y) in users.iter().zip(ys) {
-                    for (j, &(row, slot)) in us.iter().enumerate() {
-                        let dst = (row * k + slot) * hidden;
-                        slot_out[dst..dst + hidden]
-                            .copy_from_slice(&y[j * hidden..(j + 1) * hidden]);
-                    }
+                    keep(us, y);
                 }
                 return Ok(());
             }
             for ((_, ew), us) in group.iter().zip(&users) {
-                let ys = expert_rows(pool, ew, h, hidden, us);
-                for (j, &(row, slot)) in us.iter().enumerate() {
-                    let dst = (row * k + slot) * hidden;
-                    slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
-                }
+                keep(us, expert_rows(pool, ew, h, hidden, us));
             }
             return Ok(());
         }
         for (e, ew) in group {
             let us = accept(e)?;
-            let ys = expert_rows(pool, &ew, h, hidden, us);
-            for (j, &(row, slot)) in us.iter().enumerate() {
-                let dst = (row * k + slot) * hidden;
-                slot_out[dst..dst + hidden].copy_from_slice(&ys[j * hidden..(j + 1) * hidden]);
-            }
+            keep(us, expert_rows(pool, &ew, h, hidden, us));
         }
         Ok(())
     };
@@ -352,11 +347,17 @@ pub(crate) fn moe_rows(
     let mut out = vec![0.0f32; n * hidden];
     for (row, r) in routing.iter().enumerate() {
         let y = &mut out[row * hidden..(row + 1) * hidden];
-        let mut order: Vec<usize> = (0..k).collect();
+        let mut order: Vec<usize> = (0..r.experts.len()).collect();
         order.sort_by_key(|&s| r.experts[s]);
         for s in order {
             let wgt = r.weights[s];
-            let src = &slot_out[(row * k + s) * hidden..(row * k + s + 1) * hidden];
+            // Every chosen expert was delivered (checked above).
+            let (b, j) = at[row * k + s].ok_or_else(|| ModelError::Expert {
+                layer,
+                expert: r.experts[s],
+                reason: "no output for a routed row".into(),
+            })?;
+            let src = &outputs[b][j * hidden..(j + 1) * hidden];
             for (yv, sv) in y.iter_mut().zip(src) {
                 *yv += sv * wgt;
             }
