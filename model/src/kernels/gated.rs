@@ -10,8 +10,9 @@
 //! down matrices.
 //!
 //! Done on the calling thread between the two jobs, the activation and
-//! the down inputs' quantization were about 3.5% of a warm decode's time
-//! on 2 cores, with the other core waiting (docs/benchmarks.md).
+//! the down inputs' quantization took 4.3–4.4% of that thread's samples
+//! in a warm decode on 2 cores, with the other core waiting
+//! (docs/benchmarks.md).
 //!
 //! The bits are those of separate products: every row is one call of the
 //! same kernel ([`super::rows_into`]) on the same prepared input, `act`
