@@ -208,5 +208,39 @@ fn main() -> colibri_cuda::Result<()> {
             }
         }
     }
+
+    // An LM head (Qwen3-30B-A3B's: 151,936 × 2048 bf16) for one token: the
+    // persistent stream kernel, unless COLIBRI_MV_STREAM=0 (the plain
+    // launch, a block per 8 rows).
+    let (rows, cols) = (151_936usize, 2048usize);
+    let fmt = WeightFormat::Bf16;
+    let wb = dev.upload(&expert(fmt, rows, cols, 99))?;
+    let xs: Vec<f32> = bytes(cols * 4, 5)
+        .chunks_exact(4)
+        .map(|c| (c[0] as f32 - 127.5) / 128.0)
+        .collect();
+    let xb = dev.upload(&xs)?;
+    let mut yb = dev.alloc::<f32>(rows)?;
+    let view = WeightView {
+        format: fmt,
+        rows,
+        cols,
+        data: wb.as_view(),
+        fp8: None,
+    };
+    let ms = time_ms(&dev, || {
+        kernels.matvec(&dev, &view, xb.as_view(), 1, yb.as_mut())
+    })?;
+    let gbs = wb.len() as f64 / (ms * 1e-3) / 1e9;
+    println!(
+        "\nLM head {rows}x{cols} bf16, one token, {} kernel: {:.1} us, {gbs:.0} GB/s, {:.0}% of copy",
+        if kernels.matvec_streams(&dev, &view, 1) {
+            "stream"
+        } else {
+            "plain"
+        },
+        ms * 1e3,
+        100.0 * gbs / copy_gbs
+    );
     Ok(())
 }

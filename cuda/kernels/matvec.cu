@@ -123,6 +123,15 @@ template <bool BF> struct GroupHalf {
 template <> struct Group<FMT_F16> : GroupHalf<false> {};
 template <> struct Group<FMT_BF16> : GroupHalf<true> {};
 
+// Element 4·sub .. 4·sub + 3 of a whole group held as four uint4.
+template <bool BF>
+__device__ __forceinline__ float4 half_group4(const uint4 (&q)[4], int sub) {
+    const uint4 v = q[sub >> 1];
+    const u32 lo = (sub & 1) ? v.z : v.x, hi = (sub & 1) ? v.w : v.y;
+    return make_float4(GroupHalf<BF>::widen(lo), GroupHalf<BF>::widen(lo >> 16),
+                       GroupHalf<BF>::widen(hi), GroupHalf<BF>::widen(hi >> 16));
+}
+
 // f16 and bf16 for one token: a whole, 16-byte-aligned group's 64 bytes are
 // loaded into registers at `load` (four 16-byte loads in flight per group,
 // where GroupHalf requests 8 bytes as each is used); other groups go
@@ -153,11 +162,7 @@ template <bool BF> struct GroupHalfReg {
         for (int i = 0; i < 4; ++i) q[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ float4 get4(int sub) const {
-        if (!whole) return slow.get4(sub);
-        const uint4 v = q[sub >> 1];
-        const u32 lo = (sub & 1) ? v.z : v.x, hi = (sub & 1) ? v.w : v.y;
-        return make_float4(GroupHalf<BF>::widen(lo), GroupHalf<BF>::widen(lo >> 16),
-                           GroupHalf<BF>::widen(hi), GroupHalf<BF>::widen(hi >> 16));
+        return whole ? half_group4<BF>(q, sub) : slow.get4(sub);
     }
 };
 
@@ -983,6 +988,132 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
                                         x_tstride, x_rows, x_row0, tok_off, tok_cnt, y,          \
                                         y_tstride, rows, cols);                                  \
     }
+
+// One token through a tall f16/bf16 matrix (an LM head: 10^5 rows of a
+// few thousand columns): a persistent grid of MV_STREAM_BLOCKS_PER_SM
+// blocks per multiprocessor. A block stages x once; each warp then walks
+// rows w, w + W, w + 2W, ... (W: the grid's warps), a row in units of 2048
+// columns (two groups per lane), and loads the next unit's 64-byte groups
+// into registers before it computes the current one, so every warp keeps
+// loads in flight while it computes. The plain launch gives such a matrix
+// a block per 8 rows (~19,000 blocks for a 151,936-row head), each
+// staging x again and holding no loads while it computes and retires.
+//
+// The arithmetic is the plain launch's, bit for bit: lane l takes the row's
+// groups l, l + 32, ... in increasing order, each group's elements in
+// increasing order, one fmaf each; then warp_sum. Only whole, 16-byte
+// aligned groups (cols a multiple of 32, the matrix and x 16-byte aligned,
+// cols ≤ MV_STREAM_MAX_COLS): the host checks that and otherwise launches
+// the plain kernel.
+#define MV_STREAM_MAX_COLS 8192
+#define MV_STREAM_BLOCKS_PER_SM 2
+
+template <bool BF>
+struct StreamUnit {
+    uint4 q[2][4];  // this lane's two groups of the unit (jj = 0, 1)
+    // Loads unit `t` (columns 2048·t ..) of `row`; groups past the row are
+    // not loaded (and not used).
+    __device__ __forceinline__ void load(const u8* __restrict__ w, u64 rb, u32 row, u32 t,
+                                         u32 ngroups, u32 lane) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const u32 g = t * 64 + jj * 32 + lane;
+            if (g < ngroups) {
+                const uint4* p = (const uint4*)(w + (u64)row * rb + (u64)g * 64);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) q[jj][i] = __ldg(p + i);
+            }
+        }
+    }
+    // Adds the unit's products to `acc` in the plain launch's order.
+    __device__ __forceinline__ void fma_into(float& acc, const float* __restrict__ xs, u32 t,
+                                             u32 ngroups, u32 lane) const {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const u32 g = t * 64 + jj * 32 + lane;
+            if (g < ngroups) {
+                const float* xl = xs + g * 36;
+#pragma unroll
+                for (int sub = 0; sub < 8; ++sub) {
+                    const float4 xv = *(const float4*)(xl + sub * 4);
+                    const float4 wv = half_group4<BF>(q[jj], sub);
+                    acc = fmaf(wv.x, xv.x, acc);
+                    acc = fmaf(wv.y, xv.y, acc);
+                    acc = fmaf(wv.z, xv.z, acc);
+                    acc = fmaf(wv.w, xv.w, acc);
+                }
+            }
+        }
+    }
+};
+
+// A warp's walk over its units: (row, t) → the next one.
+__device__ __forceinline__ void stream_next(u32& row, u32& t, u32 units, u32 stride) {
+    if (++t == units) {
+        t = 0;
+        row += stride;
+    }
+}
+
+// One step of the walk: loads the unit after (row, t) into `nxt`, adds
+// `cur` (unit (row, t)) to acc, stores a finished row; advances (row, t).
+template <bool BF>
+__device__ __forceinline__ void stream_step(const StreamUnit<BF>& cur, StreamUnit<BF>& nxt,
+                                            const u8* __restrict__ w, u64 rb,
+                                            const float* __restrict__ xs, float* __restrict__ y,
+                                            u32 rows, u32 ngroups, u32 units, u32 stride,
+                                            u32 lane, u32& row, u32& t, float& acc) {
+    u32 nrow = row, nt = t;
+    stream_next(nrow, nt, units, stride);
+    if (nrow < rows) nxt.load(w, rb, nrow, nt, ngroups, lane);
+    cur.fma_into(acc, xs, t, ngroups, lane);
+    if (t + 1 == units) {
+        const float v = warp_sum(acc);
+        if (lane == 0) y[row] = v;
+        acc = 0.0f;
+    }
+    row = nrow;
+    t = nt;
+}
+
+template <bool BF>
+__device__ __forceinline__ void matvec_stream_body(const u8* __restrict__ w,
+                                                   const float* __restrict__ x,
+                                                   float* __restrict__ y, u32 rows, u32 cols) {
+    __shared__ __align__(16) float xs[MV_STREAM_MAX_COLS + MV_STREAM_MAX_COLS / 8];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 stride = gridDim.x * MV_WARPS;
+    const u64 rb = (u64)cols * 2;
+    const u32 ngroups = cols / 32, units = (ngroups + 63) / 64;
+    u32 row = blockIdx.x * MV_WARPS + warp, t = 0;
+    StreamUnit<BF> a, b;
+    // The weights are device constants: the first unit loads before the wait.
+    if (row < rows) a.load(w, rb, row, 0, ngroups, lane);
+    pdl_entry();
+    for (u32 i = threadIdx.x; i < cols / 4; i += MV_THREADS) {
+        const u32 j = 4 * i;
+        *(float4*)&xs[j + (j >> 5) * 4] = *(const float4*)(x + j);
+    }
+    __syncthreads();
+    float acc = 0.0f;
+    // Two steps per iteration, so the units trade places without copies.
+    while (row < rows) {
+        stream_step<BF>(a, b, w, rb, xs, y, rows, ngroups, units, stride, lane, row, t, acc);
+        if (row >= rows) break;
+        stream_step<BF>(b, a, w, rb, xs, y, rows, ngroups, units, stride, lane, row, t, acc);
+    }
+}
+
+#define MATVEC_STREAM_KERNEL(NAME, BF)                                                           \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, MV_STREAM_BLOCKS_PER_SM)           \
+        NAME(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,      \
+             u32 rows, u32 cols) {                                                              \
+        /* pdl_entry(): in matvec_stream_body, after the first unit's weights */               \
+        matvec_stream_body<BF>(w, x, y, rows, cols);                                           \
+    }
+
+MATVEC_STREAM_KERNEL(matvec_f16_stream_t1, false)
+MATVEC_STREAM_KERNEL(matvec_bf16_stream_t1, true)
 
 #define MATVEC_FORMAT(NAME, FMT)                          \
     MATVEC_KERNEL(NAME##_t1, FMT, 1)                      \

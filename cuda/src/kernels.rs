@@ -97,6 +97,8 @@ pub const MODULES: &[ModuleSource] = &[
             "matvec_q4_0_t2",
             "matvec_q4_0_t4",
             "matvec_q4_0_t8",
+            "matvec_f16_stream_t1",
+            "matvec_bf16_stream_t1",
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
             "matvec_f32_table_t4",
@@ -309,6 +311,10 @@ pub struct KernelSet {
     /// Launch with programmatic stream serialization (sm_90 and later,
     /// unless `COLIBRI_PDL=0`): see `pdl_entry()` in kernels/common.cuh.
     pub(crate) pdl: bool,
+    /// Tall one-token f16/bf16 products take the persistent stream kernel
+    /// (unless `COLIBRI_MV_STREAM=0`, for comparing the two; the bits are
+    /// the same): see `matvec_stream_body` in kernels/matvec.cu.
+    pub(crate) stream: bool,
 }
 
 impl KernelSet {
@@ -346,6 +352,7 @@ impl KernelSet {
             _modules: modules,
             functions,
             pdl: arch.major >= 9 && std::env::var("COLIBRI_PDL").map_or(true, |v| v != "0"),
+            stream: std::env::var("COLIBRI_MV_STREAM").map_or(true, |v| v != "0"),
         })
     }
 
@@ -449,6 +456,7 @@ mod tests {
             "void matvec_body",
             "void matvec_seg_body",
             "void matvec_table_body",
+            "void matvec_stream_body",
         ] {
             let at = mv
                 .find(helper)

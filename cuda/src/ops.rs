@@ -144,6 +144,16 @@ impl WeightFormat {
 }
 
 impl WeightFormat {
+    /// The persistent one-token kernel for tall matrices of this format
+    /// (`matvec_stream_body` in kernels/matvec.cu), if it has one.
+    fn matvec_stream_kernel(self) -> Option<&'static str> {
+        match self {
+            WeightFormat::F16 => Some("matvec_f16_stream_t1"),
+            WeightFormat::Bf16 => Some("matvec_bf16_stream_t1"),
+            _ => None,
+        }
+    }
+
     /// The one-token kernel of [`KernelSet::matvec_seg`].
     fn matvec_seg_kernel(self) -> &'static str {
         match self {
@@ -289,6 +299,14 @@ fn mv_rows_per_block(format: WeightFormat, nt: usize) -> usize {
     }
 }
 const MV_THREADS: u32 = 256;
+/// The stream kernels' limits (MV_STREAM_MAX_COLS, MV_STREAM_BLOCKS_PER_SM
+/// in kernels/matvec.cu).
+const MV_STREAM_MAX_COLS: usize = 8192;
+const MV_STREAM_BLOCKS_PER_SM: usize = 2;
+/// A matrix streams when every warp of the persistent grid gets at least
+/// this many rows; shorter ones (a router, a layer's projections) are
+/// latency-bound and keep a block per 8 rows.
+const MV_STREAM_MIN_ROWS_PER_WARP: usize = 4;
 const RN_THREADS: u32 = 256;
 const RP_THREADS: u32 = 64;
 const RP_MAX_DIM: usize = 1024;
@@ -743,6 +761,20 @@ impl KernelSet {
         }
     }
 
+    /// Whether a one-token product through `w` takes the persistent
+    /// stream kernel (a tall f16/bf16 matrix such as an LM head) rather
+    /// than the plain launch: the same bits either way.
+    pub fn matvec_streams(&self, dev: &CudaDevice, w: &WeightView<'_>, ntok: usize) -> bool {
+        let warps = dev.info().multiprocessors as usize * MV_STREAM_BLOCKS_PER_SM * 8;
+        self.stream
+            && w.format.matvec_stream_kernel().is_some()
+            && ntok == 1
+            && w.cols.is_multiple_of(32)
+            && w.cols <= MV_STREAM_MAX_COLS
+            && w.data.device_ptr().is_multiple_of(16)
+            && w.rows >= warps.max(1) * MV_STREAM_MIN_ROWS_PER_WARP
+    }
+
     /// The grouped matrix-vector product of [`MatvecGroup`].
     pub fn matvec_group(
         &self,
@@ -753,6 +785,26 @@ impl KernelSet {
         const K: &str = "matvec";
         let w = &g.w;
         let (scales_ptr, s_block, s_cols) = check_group(g, &y)?;
+        let streams = g.matrices == 1
+            && g.x.device_ptr().is_multiple_of(16)
+            && self.matvec_streams(dev, w, g.ntok);
+        if let Some(name) = w.format.matvec_stream_kernel().filter(|_| streams) {
+            let blocks = (dev.info().multiprocessors as usize * MV_STREAM_BLOCKS_PER_SM)
+                .min(w.rows.div_ceil(8));
+            let mut a = Args::new();
+            a.ptr(w.data.device_ptr())
+                .ptr(g.x.device_ptr())
+                .ptr(y.device_ptr())
+                .u32(u32_arg(K, "rows", w.rows)?)
+                .u32(u32_arg(K, "cols", w.cols)?);
+            // SAFETY: 5 arguments in the order and sizes of
+            // MATVEC_STREAM_KERNEL in kernels/matvec.cu (ptr, ptr, ptr,
+            // u32, u32); the weights, x and y were checked above as a
+            // one-token product of one matrix; the kernel reads whole
+            // 16-byte-aligned groups (cols % 32 == 0, the matrix and x
+            // 16-byte aligned, checked here).
+            return unsafe { self.launch(dev, name, grid(K, blocks, 1, 1)?, MV_THREADS, &mut a) };
+        }
         let (nt, name) = match g.ntok {
             1 => (1, w.format.matvec_kernels()[0]),
             2 => (2, w.format.matvec_kernels()[1]),

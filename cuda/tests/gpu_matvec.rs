@@ -289,6 +289,80 @@ fn matvec_grouped_equals_single() {
     }
 }
 
+/// Tall f16/bf16 matrices (an LM head's shape: many more rows than the
+/// device has warps) take the persistent stream kernel for one token; it
+/// gives the bits of the plain launches (two tokens at once, or the matrix
+/// placed off 16 bytes) and the f64 reference's value, for rows of one,
+/// two and three 2048-column units (the last one partial).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_tall_half_matrices_stream() {
+    let g = gpu();
+    // Every warp of the persistent grid gets at least 4 rows, and some 5.
+    let rows = g.dev.info().multiprocessors as usize * 2 * 8 * 4 + 37;
+    for (fi, fmt) in [WeightFormat::F16, WeightFormat::Bf16]
+        .into_iter()
+        .enumerate()
+    {
+        for (ci, cols) in [96, 2080, 4128].into_iter().enumerate() {
+            let mut rng = rng(90 + 10 * fi as u64 + ci as u64);
+            let w = random_weights(&mut rng, fmt, rows, cols);
+            let x = nonzero(&mut rng, 2 * cols, 0.01, 1.0);
+            let name = format!("{fmt:?} {rows}x{cols}");
+            let wb = upload(&w.bytes);
+            let view = WeightView {
+                format: fmt,
+                rows,
+                cols,
+                data: wb.as_view(),
+                fp8: None,
+            };
+            assert!(
+                g.k.matvec_streams(&g.dev, &view, 1),
+                "{name} does not stream"
+            );
+            assert!(
+                !g.k.matvec_streams(&g.dev, &view, 2),
+                "{name}: two tokens stream"
+            );
+            let one = run(fmt, &w, rows, cols, &x, 1, 0);
+            let two = run(fmt, &w, rows, cols, &x, 2, 0);
+            assert_bits(
+                &format!("{name}: streamed vs two tokens"),
+                &one,
+                &two[..rows],
+            );
+            let moved = run(fmt, &w, rows, cols, &x, 1, 2);
+            assert_bits(
+                &format!("{name}: streamed vs placed 2 bytes further"),
+                &one,
+                &moved,
+            );
+            let (want, scale): (Vec<f64>, Vec<f64>) = (0..rows)
+                .map(|r| {
+                    let terms = w.f32[r * cols..(r + 1) * cols]
+                        .iter()
+                        .zip(&x[..cols])
+                        .map(|(&a, &b)| a as f64 * b as f64);
+                    (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>())
+                })
+                .unzip();
+            assert_close(&format!("{name} vs f64"), &one, &want, |i| BOUND * scale[i]);
+        }
+    }
+    // Wider than the stream kernel stages: the plain launch.
+    let w = random_weights(&mut rng(99), WeightFormat::Bf16, rows, 8224);
+    let wb = upload(&w.bytes);
+    let view = WeightView {
+        format: WeightFormat::Bf16,
+        rows,
+        cols: 8224,
+        data: wb.as_view(),
+        fp8: None,
+    };
+    assert!(!g.k.matvec_streams(&g.dev, &view, 1));
+}
+
 /// Three matrices of different heights (a layer's q, k and v) through one
 /// `matvec_seg` launch, for every format: each output equals its own
 /// one-token matvec, bit for bit; two matrices work too.
