@@ -915,6 +915,19 @@ __device__ __forceinline__ void matvec_seg_body(
     ((NT) == 1 && (FMT) != FMT_F32 && (FMT) != FMT_Q4_0_Q8 && (FMT) != FMT_Q8_0_Q8 ? 1 : 2)
 #define MV_GLU_ROWS_PER_WARP(FMT) ((FMT) == FMT_Q4_0_Q8 ? 2 : 1)
 
+// One entry of a launch table written by an earlier launch, read-only for
+// this one (volatile: kept in the order written).
+__device__ __forceinline__ u32 ld_table(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u64 ld_table(const u64* p) {
+    u64 v;
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
 // Pointer table: matrix z is wherever w_ptrs[z] says (the experts of one
 // layer, scattered over VRAM cache and staging slots) and is applied to
 // its own tok_cnt[z] token rows starting at row tok_off[z] of x and y (the
@@ -936,17 +949,25 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
                                                   float* __restrict__ y, u32 y_tstride, u32 rows,
                                                   u32 cols) {
     // The tables are written by an earlier launch (the device routing plan).
+    // The count and the matrix addresses are requested at once and tested
+    // together: tested one by one, ptxas moved each load past the test
+    // before it, and the weights waited for three round trips to L2 (count,
+    // offset, address) instead of one. (A matrix with tokens never has a
+    // null address; the test leaves such a block idle rather than faulting.)
     pdl_entry();
     const u32 z = blockIdx.z;
-    const u32 cnt = tok_cnt[z];
+    const u32 cnt = ld_table(tok_cnt + z);
+    const u32 off = ld_table(tok_off + z);
+    const u64 wp = ld_table(w_ptrs + z);
+    const u64 sp = s_ptrs == nullptr ? 0 : ld_table(s_ptrs + z);
+    const u64 w2p = GLU ? ld_table(w2_ptrs + z) : 0;
+    const u64 s2p = (GLU && s2_ptrs != nullptr) ? ld_table(s2_ptrs + z) : 0;
     const u32 t0 = blockIdx.y * NT;
-    if (t0 >= cnt) return;
-    const u64 first = (u64)tok_off[z] + t0;
+    if (t0 >= cnt || wp == 0 || (GLU && w2p == 0)) return;
+    const u64 first = (u64)off + t0;
     constexpr int R = GLU ? MV_GLU_ROWS_PER_WARP(FMT) : MV_TABLE_ROWS_PER_WARP(FMT, NT);
     matvec_core<FMT, NT, R, false, GLU>(
-        blockIdx.x, (const u8*)w_ptrs[z], s_ptrs == nullptr ? nullptr : (const float*)s_ptrs[z],
-        GLU ? (const u8*)w2_ptrs[z] : nullptr,
-        (GLU && s2_ptrs != nullptr) ? (const float*)s2_ptrs[z] : nullptr, s_block, s_cols,
+        blockIdx.x, (const u8*)wp, (const float*)sp, (const u8*)w2p, (const float*)s2p, s_block, s_cols,
         x_rows != nullptr ? x : x + first * x_tstride, x_tstride,
         x_rows != nullptr ? x_rows + (first - x_row0) : nullptr, y + first * y_tstride, y_tstride,
         rows, cols, min((u32)NT, cnt - t0));
