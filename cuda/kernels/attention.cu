@@ -83,6 +83,24 @@ __device__ __forceinline__ void at_dots(const float* __restrict__ qs, const floa
     }
 }
 
+// Asks L2 for the keys and values of positions [cstart, cend) (128-byte
+// lines; a hint, read later exactly as without it): the key rounds and the
+// value rounds of at_chunk then wait on L2 rather than on device memory,
+// one after the other.
+__device__ __forceinline__ void at_l2_ahead(const AtArgs& a, u64 s0, u32 kvh, u32 cstart,
+                                            u32 cend) {
+    const u32 len = cend - cstart;
+    const u32 lk = (a.dA + 31) / 32, lv = (a.dv + 31) / 32;
+    for (u32 i = threadIdx.x; i < len * (lk + lv); i += AT_THREADS) {
+        const u32 t = i / (lk + lv), l = i % (lk + lv);
+        const float* p =
+            l < lk ? a.kA + (s0 + cstart + t) * a.kA_tstride + (u64)kvh * a.kA_hstride + 32 * l
+                   : a.v + (s0 + cstart + t) * a.v_tstride + (u64)kvh * a.v_hstride +
+                         32 * (l - lk);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+}
+
 // One chunk [cstart, cend) of one (row, head), slots from s0, KV head kvh:
 // its score max `mc`, Σ exp(s − mc) `lc`, and in the threads that own an
 // output dim of group 0, Σ e·v of that dim `oc`. Ends with a barrier (sc
@@ -94,21 +112,7 @@ __device__ __forceinline__ void at_chunk(const AtArgs& a, const float* __restric
                                          float& oc) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 len = cend - cstart;
-    if (L2AHEAD) {
-        // Ask L2 for the whole chunk's keys and values first (128-byte
-        // lines; a hint, read below exactly as without it): the key
-        // rounds and the value rounds that follow then wait on L2 rather
-        // than on device memory, one after the other.
-        const u32 lk = (a.dA + 31) / 32, lv = (a.dv + 31) / 32;
-        for (u32 i = threadIdx.x; i < len * (lk + lv); i += AT_THREADS) {
-            const u32 t = i / (lk + lv), l = i % (lk + lv);
-            const float* p =
-                l < lk ? a.kA + (s0 + cstart + t) * a.kA_tstride + (u64)kvh * a.kA_hstride + 32 * l
-                       : a.v + (s0 + cstart + t) * a.v_tstride + (u64)kvh * a.v_hstride +
-                             32 * (l - lk);
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-        }
-    }
+    if (L2AHEAD) at_l2_ahead(a, s0, kvh, cstart, cend);
     // Each warp scores AT_KEYS keys at a time (their loads in flight
     // together); every key's dot product is formed exactly as alone.
     for (u32 t0 = cstart + warp * AT_KEYS; t0 < cend; t0 += AT_WARPS * AT_KEYS) {
@@ -243,16 +247,26 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
 extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     attention_split(AT_PARAMS, u32 splits, u32 chunk_cap, float* __restrict__ part,
                     u32* __restrict__ counters) {
-    pdl_entry();
     __shared__ float qs[AT_MAX_DQ];
     __shared__ float sc[AT_CHUNK];
     __shared__ float scratch[AT_WARPS];
     __shared__ float vpart[AT_THREADS];
     __shared__ u32 ticket;
     AT_ARGS_INIT;
+    // Positions and first slots are written before a pass's first launch
+    // (the host's upload), never by a launch of the pass: read before the
+    // wait, so this block's first chunk is asked of L2 while the launch
+    // before it (the step that appends the new key and value) still runs.
+    // A prefetch is a hint: the loads below read what is there after the
+    // wait, whatever L2 held.
     AT_ROW;
     const u32 z = blockIdx.z;
     const u32 c0 = first / AT_CHUNK, chunks = p / AT_CHUNK - c0 + 1;
+    if (s0 + p < capacity && chunks <= chunk_cap && z < chunks) {
+        const u32 cb = (c0 + z) * AT_CHUNK;
+        at_l2_ahead(args, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK));
+    }
+    pdl_entry();
     // As `attention` (and NaN too where the records would not fit).
     if (s0 + p >= capacity || chunks > chunk_cap) {
         if (z == 0)
