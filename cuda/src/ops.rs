@@ -772,7 +772,8 @@ impl KernelSet {
             && w.cols.is_multiple_of(32)
             && w.cols <= MV_STREAM_MAX_COLS
             && w.data.device_ptr().is_multiple_of(16)
-            && w.rows >= warps.max(1) * MV_STREAM_MIN_ROWS_PER_WARP
+            && warps > 0
+            && w.rows >= warps * MV_STREAM_MIN_ROWS_PER_WARP
     }
 
     /// The grouped matrix-vector product of [`MatvecGroup`].
