@@ -244,13 +244,7 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
     // s goes to place #{experts below e_s} + #{earlier slots with e_s}.
     // Every thread of the first k reads and places one slot, so the block
     // waits for one round of loads, not a chain of them: a slot's expert,
-    // row and weight are requested together, and so is what this thread
-    // adds after the summands (the residual, the shared expert's output).
-    const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
-    const bool live = i < hidden;
-    const float base = accumulate && live ? out[row * hidden + i] : 0.0f;
-    const float sv = shared != nullptr && live ? shared[row * hidden + i] : 0.0f;
-    const float sg = shared_gate != nullptr ? shared_gate[row] : 0.0f;
+    // row and weight are requested together.
     u64 sr = 0;
     float sw = 0.0f;
     if (threadIdx.x < k) {
@@ -268,13 +262,16 @@ extern "C" __global__ void __launch_bounds__(EW_THREADS)
         wt[place] = sw;
     }
     __syncthreads();
-    if (!live) return;
+    const u32 i = blockIdx.x * EW_THREADS + threadIdx.x;
+    if (i >= hidden) return;
     float acc = 0.0f;
     // In order; eight summands' loads in flight at a time.
 #pragma unroll 8
     for (u32 j = 0; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(slot_out[src[j] * hidden + i], wt[j]));
-    if (shared != nullptr)
-        acc = __fadd_rn(acc, shared_gate != nullptr ? __fmul_rn(sigmoid_f32(sg), sv) : sv);
+    if (shared != nullptr) {
+        const float sv = shared[row * hidden + i];
+        acc = __fadd_rn(acc, shared_gate != nullptr ? __fmul_rn(sigmoid_f32(shared_gate[row]), sv) : sv);
+    }
     // accumulate: the residual add folded in (out is the residual stream).
-    out[row * hidden + i] = accumulate ? __fadd_rn(base, acc) : acc;
+    out[row * hidden + i] = accumulate ? __fadd_rn(out[row * hidden + i], acc) : acc;
 }
