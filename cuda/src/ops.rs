@@ -1461,7 +1461,10 @@ impl KernelSet {
     /// fill the device otherwise. `split.records` holds at least
     /// [`attention_split_records`] floats; `split.counters` `rows·heads`
     /// zeros, which the launch leaves zero again. A row with more than
-    /// `split.chunk_cap` chunks is answered with NaN.
+    /// `split.chunk_cap` chunks is answered with NaN. `at.pos` and
+    /// `at.slot0` are read before the launch waits for its predecessor
+    /// (kernels/attention.cu): they must not be written by the kernel
+    /// launched just before (an upload, or any earlier launch, is fine).
     pub fn attention_split(
         &self,
         dev: &CudaDevice,
