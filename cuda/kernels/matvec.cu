@@ -685,6 +685,19 @@ __device__ __forceinline__ float chain_sum(float v) {
     return v;
 }
 
+// Asks L2 for this block's share of `bytes` at `p` (the matrices the next
+// launch reads: a GLU launch's down projections), once `dep` (a word of
+// this lane's first weight group) has arrived: the block's own weights are
+// in, and the request overlaps its arithmetic instead of its loads. A hint:
+// it changes no value.
+__device__ __forceinline__ void l2_ahead_share(const u8* p, u64 bytes, u32 dep, u32 bx) {
+    asm volatile("" ::"r"(dep));
+    const u64 per = (bytes + gridDim.x - 1) / gridDim.x;
+    const u64 lo = per * bx, hi = min(bytes, lo + per);
+    for (u64 o = lo + (u64)threadIdx.x * 128; o < hi; o += (u64)MV_THREADS * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+}
+
 // matvec_core for FMT_Q4_0_Q8 and FMT_Q8_0_Q8 (same contract; no FP8
 // scales).
 template <int FMT, int NT, int R, bool EARLY, bool GLU>
@@ -693,7 +706,8 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
                                                const float* __restrict__ xm, u32 x_tstride,
                                                const u32* __restrict__ xrows,
                                                float* __restrict__ ym, u32 y_tstride, u32 rows,
-                                               u32 cols, u32 nt) {
+                                               u32 cols, u32 nt, const u8* ahead,
+                                               u64 ahead_bytes) {
     using Dot = Q8Dot<FMT>;
     constexpr int WFMT = Dot::WFMT, A = Dot::A, K = Dot::K;
     constexpr int C = A * K;                   // chains per token
@@ -747,6 +761,7 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
         __syncthreads();
         if (NT != 1 && (!EARLY || c0 != 0))
             mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+        if (NT == 1 && c0 == 0 && ahead != nullptr) l2_ahead_share(ahead, ahead_bytes, grp[0][0][0].q[0], bx);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
             const u32 b = jj * 32 + lane;       // this lane's group in the tile
@@ -828,10 +843,11 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             const float* __restrict__ xm, u32 x_tstride,
                                             const u32* __restrict__ xrows,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
-                                            u32 cols, u32 nt) {
+                                            u32 cols, u32 nt, const u8* ahead = nullptr,
+                                            u64 ahead_bytes = 0) {
     if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8) {
         matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
-                                               rows, cols, nt);
+                                               rows, cols, nt, ahead, ahead_bytes);
     } else {
         matvec_core_f<FMT, NT, R, EARLY, GLU>(bx, w0, s0, w1, s1, s_block, s_cols, xm, x_tstride,
                                               xrows, ym, y_tstride, rows, cols, nt);
@@ -936,7 +952,10 @@ __device__ __forceinline__ u64 ld_table(const u64* p) {
 // s2_ptrs[z]) is the up projection paired with gate w_ptrs[z]. x_rows:
 // when given, the token of pair row p is row x_rows[p − x_row0] of x (the
 // pair rows of this launch start at x_row0) instead of row p, so the
-// tokens need not be gathered first.
+// tokens need not be gathered first. ahead_ptrs: when given, a one-token
+// GLU launch with 8-bit activations asks L2 for the ahead_bytes at
+// ahead_ptrs[z] (expert z's down projection, which the next launch reads),
+// each block its share, once its own weights are in (l2_ahead_share).
 template <int FMT, int NT, bool GLU>
 __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs,
                                                   const u64* __restrict__ s_ptrs,
@@ -947,7 +966,8 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
                                                   u32 x_row0, const u32* __restrict__ tok_off,
                                                   const u32* __restrict__ tok_cnt,
                                                   float* __restrict__ y, u32 y_tstride, u32 rows,
-                                                  u32 cols) {
+                                                  u32 cols, const u64* __restrict__ ahead_ptrs,
+                                                  u64 ahead_bytes) {
     // The tables are written by an earlier launch (the device routing plan).
     // The count and the matrix addresses are requested at once and tested
     // together: tested one by one, ptxas moved each load past the test
@@ -960,11 +980,13 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
     const u32 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     u32 cnt;
-    u64 wp, w2p;
+    u64 wp, w2p, ap = 0;
     if (NT == 1 && FMT != FMT_F32) {
         cnt = ld_table(tok_cnt + z);
         wp = ld_table(w_ptrs + z);
         w2p = GLU ? ld_table(w2_ptrs + z) : 0;
+        if (GLU && (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8) && ahead_ptrs != nullptr)
+            ap = ld_table(ahead_ptrs + z);
         if (t0 >= cnt || wp == 0 || (GLU && w2p == 0)) return;
     } else {
         cnt = tok_cnt[z];
@@ -980,7 +1002,7 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
         s_block, s_cols,
         x_rows != nullptr ? x : x + first * x_tstride, x_tstride,
         x_rows != nullptr ? x_rows + (first - x_row0) : nullptr, y + first * y_tstride, y_tstride,
-        rows, cols, min((u32)NT, cnt - t0));
+        rows, cols, min((u32)NT, cnt - t0), (const u8*)ap, ahead_bytes);
 }
 
 #define MATVEC_KERNEL(NAME, FMT, NT)                                                              \
@@ -1013,11 +1035,11 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
              u32 s_cols, const float* __restrict__ x, u32 x_tstride,                             \
              const u32* __restrict__ x_rows, u32 x_row0, const u32* __restrict__ tok_off,        \
              const u32* __restrict__ tok_cnt, float* __restrict__ y, u32 y_tstride, u32 rows,    \
-             u32 cols) {                                                                         \
+             u32 cols, const u64* __restrict__ ahead_ptrs, u64 ahead_bytes) {                    \
         /* pdl_entry(): first thing in matvec_table_body */                                     \
         matvec_table_body<FMT, NT, GLU>(w_ptrs, s_ptrs, w2_ptrs, s2_ptrs, s_block, s_cols, x,    \
                                         x_tstride, x_rows, x_row0, tok_off, tok_cnt, y,          \
-                                        y_tstride, rows, cols);                                  \
+                                        y_tstride, rows, cols, ahead_ptrs, ahead_bytes);         \
     }
 
 // One token through a tall f16/bf16 matrix (an LM head: 10^5 rows of a

@@ -165,7 +165,7 @@ impl KernelSet {
         y: BufMut<'_, f32>,
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.table_launch(dev, t, None, y) }
+        unsafe { self.table_launch(dev, t, None, None, y) }
     }
 
     /// A gated MLP's first half for every matrix of a table at once:
@@ -176,17 +176,26 @@ impl KernelSet {
     /// form them and combined with [`KernelSet::swiglu`]'s operations, so
     /// the result has the bits of those three launches.
     ///
+    ///
+    /// `ahead`: a table of `matrices` addresses and a byte count (matrix
+    /// z's down projection, which the next launch reads). A one-token launch
+    /// with 8-bit activations asks L2 for those bytes once its own weights
+    /// are in, so they stream while it computes (unless
+    /// `COLIBRI_DOWN_AHEAD=0`). A hint: the bits are the same without it.
+    ///
     /// # Safety
-    /// [`KernelSet::matvec_table`]'s contract, for the up matrices too.
+    /// [`KernelSet::matvec_table`]'s contract, for the up matrices too; each
+    /// `ahead` address must start that many bytes of live device memory.
     pub unsafe fn matvec_table_glu(
         &self,
         dev: &CudaDevice,
         t: &MatvecTable<'_>,
         up: (BufView<'_, u64>, Option<BufView<'_, u64>>),
+        ahead: Option<(BufView<'_, u64>, usize)>,
         y: BufMut<'_, f32>,
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.table_launch(dev, t, Some(up), y) }
+        unsafe { self.table_launch(dev, t, Some(up), ahead, y) }
     }
 
     unsafe fn table_launch(
@@ -194,6 +203,7 @@ impl KernelSet {
         dev: &CudaDevice,
         t: &MatvecTable<'_>,
         up: Option<(BufView<'_, u64>, Option<BufView<'_, u64>>)>,
+        ahead: Option<(BufView<'_, u64>, usize)>,
         y: BufMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "matvec_table";
@@ -268,6 +278,13 @@ impl KernelSet {
                 format!("a GLU launch takes at most {GLU_MAX_TOK} tokens per matrix"),
             ));
         }
+        let (ahead_ptrs, ahead_bytes) = match ahead {
+            Some((p, bytes)) if self.down_ahead => {
+                need(K, "ahead pointers", t.matrices, p.len())?;
+                (p.device_ptr(), bytes as u64)
+            }
+            _ => (0, 0),
+        };
         let mut a = Args::new();
         a.ptr(t.w_ptrs.device_ptr())
             .ptr(s_ptrs)
@@ -288,12 +305,14 @@ impl KernelSet {
             .ptr(y.device_ptr())
             .u32(u32_arg(K, "y token stride", t.y_tok_stride)?)
             .u32(u32_arg(K, "rows", t.rows)?)
-            .u32(u32_arg(K, "cols", t.cols)?);
-        // SAFETY: 16 arguments in the order and sizes of
+            .u32(u32_arg(K, "cols", t.cols)?)
+            .ptr(ahead_ptrs)
+            .u64(ahead_bytes);
+        // SAFETY: 18 arguments in the order and sizes of
         // MATVEC_TABLE_KERNEL in kernels/matvec.cu (ptr, ptr, ptr, ptr, u32,
-        // u32, ptr, u32, ptr, u32, ptr, ptr, ptr, u32, u32, u32); the tables'
-        // contents and the token rows are the caller's contract (see
-        // above).
+        // u32, ptr, u32, ptr, u32, ptr, ptr, ptr, u32, u32, u32, ptr, u64);
+        // the tables' contents, the token rows and the ahead addresses are
+        // the caller's contract (see above).
         unsafe {
             self.launch(
                 dev,

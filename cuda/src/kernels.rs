@@ -315,6 +315,10 @@ pub struct KernelSet {
     /// (unless `COLIBRI_MV_STREAM=0`, for comparing the two; the bits are
     /// the same): see `matvec_stream_body` in kernels/matvec.cu.
     pub(crate) stream: bool,
+    /// One-token GLU table launches ask L2 for the down projections ahead
+    /// (unless `COLIBRI_DOWN_AHEAD=0`, for comparing; the same bits): see
+    /// `l2_ahead_share` in kernels/matvec.cu.
+    pub(crate) down_ahead: bool,
 }
 
 impl KernelSet {
@@ -353,6 +357,7 @@ impl KernelSet {
             functions,
             pdl: arch.major >= 9 && std::env::var("COLIBRI_PDL").map_or(true, |v| v != "0"),
             stream: std::env::var("COLIBRI_MV_STREAM").map_or(true, |v| v != "0"),
+            down_ahead: std::env::var("COLIBRI_DOWN_AHEAD").map_or(true, |v| v != "0"),
         })
     }
 

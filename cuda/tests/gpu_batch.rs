@@ -125,7 +125,7 @@ fn table_matvec_equals_single_matvec_bits() {
 /// The fused gate/up/SwiGLU table launch gives the bits of a gate table
 /// launch, an up table launch and `swiglu`, for every format, for one and
 /// two tokens per matrix, with the gate and up matrices in separate
-/// buffers at unrelated offsets.
+/// buffers at unrelated offsets, and with matrices asked of L2 ahead.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn glu_table_matvec_equals_three_launches() {
@@ -213,6 +213,7 @@ fn glu_table_matvec_equals_three_launches() {
                     &g.dev,
                     &table(0),
                     (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    None,
                     got.as_mut(),
                 )
                 .unwrap();
@@ -246,6 +247,9 @@ fn glu_table_matvec_equals_three_launches() {
                     &g.dev,
                     &by_rows,
                     (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    // The gate matrices asked of L2 ahead (a hint: the
+                    // same bits).
+                    Some((sides[0].2.as_view(), rows * rb)),
                     got_rows.as_mut(),
                 )
                 .unwrap();
@@ -278,6 +282,7 @@ fn glu_table_matvec_equals_three_launches() {
                     &g.dev,
                     &big,
                     (sides[1].2.as_view(), fp8.then(|| sides[1].3.as_view())),
+                    None,
                     got_buf(total * rows).as_mut(),
                 )
             };

@@ -1657,11 +1657,26 @@ unsafe fn run_chunk(
         // reading each pair's token where it is in h.
         let t = launch(0, hidden, inter)?;
         let up = (table(1)?, if fp8 { Some(table(4)?) } else { None });
-        // SAFETY: as for `run` above: the gate and up tables of the same
-        // experts, filled by the caller; the chunk's pair rows p0..p1 map
-        // to rows < n of h (the caller's contract, as for the gather).
+        // The down projections, asked of L2 while gate and up compute.
+        let down = &shape.mats[2];
+        let down_bytes = down
+            .format
+            .row_bytes(down.cols)
+            .and_then(|rb| rb.checked_mul(down.rows))
+            .ok_or_else(|| GpuError::Internal("down projection size overflows".into()))?;
+        // SAFETY: as for `run` above: the gate, up and down tables of the
+        // same experts, filled by the caller (each down address a slot
+        // holding `down_bytes` of this layer's down matrix); the chunk's
+        // pair rows p0..p1 map to rows < n of h (the caller's contract, as
+        // for the gather).
         unsafe {
-            kern.matvec_table_glu(dev, &t, up, bufs.ea.view_mut(0..pairs * inter)?)?;
+            kern.matvec_table_glu(
+                dev,
+                &t,
+                up,
+                Some((table(2)?, down_bytes)),
+                bufs.ea.view_mut(0..pairs * inter)?,
+            )?;
         }
     } else {
         run(
