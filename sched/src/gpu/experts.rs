@@ -903,6 +903,9 @@ impl ExpertTier {
         let nk = n * k;
         let tl = per.min(nk);
         let lay = MetaLayout::new(0, tl, 0, nk);
+        // Every address in the table is device memory unless experts are
+        // read in place from pinned RAM.
+        let in_vram = !self.table.as_ref().is_some_and(|t| t.reads_ram());
         {
             let t = self.table.as_mut().ok_or_else(|| {
                 GpuError::Internal("device routing without an expert table".into())
@@ -953,7 +956,11 @@ impl ExpertTier {
         // SAFETY: moe_route_plan wrote the tables (stream order) with the
         // resident slots' addresses and pair rows < n; launch indices past
         // the used experts have no tokens.
-        unsafe { run_chunk(dev, kern, dims, &shape, fp8, h, n, bufs, &lay, 0, n)? };
+        unsafe {
+            run_chunk(
+                dev, kern, dims, &shape, fp8, h, n, bufs, &lay, 0, n, in_vram,
+            )?
+        };
         self.counters.device_routed += 1;
         Ok(())
     }
@@ -1306,7 +1313,11 @@ impl ExpertTier {
         // ring) holding this layer's shape of expert, copied or resident
         // before the launch in stream order (the compute stream waited for
         // the ring copies above); pair rows are rows < n of h.
-        unsafe { run_chunk(dev, kern, dims, shape, fp8, h, n, bufs, &lay, p0, max_tok)? };
+        unsafe {
+            run_chunk(
+                dev, kern, dims, shape, fp8, h, n, bufs, &lay, p0, max_tok, true,
+            )?
+        };
 
         // Promote the chunk's staged experts into the cache where there is
         // room (device-to-device, compute stream: after the launches above
@@ -1568,6 +1579,8 @@ fn assign(
 
 /// One chunk's expert FFN: gather its pair rows of `h` into `xin`, then
 /// gate and up (pointer-table matvecs), SwiGLU, down into `eo`.
+/// `down_in_vram`: every down address is device memory, so the gate/up
+/// launch may ask L2 for the down matrices ahead.
 ///
 /// # Safety
 /// The chunk's tables in `bufs.d_meta` (at `lay`) must be written (in
@@ -1587,6 +1600,7 @@ unsafe fn run_chunk(
     lay: &MetaLayout,
     p0: usize,
     max_tok: usize,
+    down_in_vram: bool,
 ) -> Result<(), GpuError> {
     let hidden = dims.hidden;
     let inter = shape.mats[0].rows;
@@ -1657,26 +1671,20 @@ unsafe fn run_chunk(
         // reading each pair's token where it is in h.
         let t = launch(0, hidden, inter)?;
         let up = (table(1)?, if fp8 { Some(table(4)?) } else { None });
-        // The down projections, asked of L2 while gate and up compute.
-        let down = &shape.mats[2];
-        let down_bytes = down
-            .format
-            .row_bytes(down.cols)
-            .and_then(|rb| rb.checked_mul(down.rows))
-            .ok_or_else(|| GpuError::Internal("down projection size overflows".into()))?;
+        // The down projections, asked of L2 while gate and up compute,
+        // where they are in device memory (not read in place from RAM).
+        let ahead = if down_in_vram {
+            Some((table(2)?, shape.mats[2].bytes))
+        } else {
+            None
+        };
         // SAFETY: as for `run` above: the gate, up and down tables of the
-        // same experts, filled by the caller (each down address a slot
-        // holding `down_bytes` of this layer's down matrix); the chunk's
+        // same experts, filled by the caller (each down address holding
+        // this layer's down matrix, `shape.mats[2].bytes`); the chunk's
         // pair rows p0..p1 map to rows < n of h (the caller's contract, as
         // for the gather).
         unsafe {
-            kern.matvec_table_glu(
-                dev,
-                &t,
-                up,
-                Some((table(2)?, down_bytes)),
-                bufs.ea.view_mut(0..pairs * inter)?,
-            )?;
+            kern.matvec_table_glu(dev, &t, up, ahead, bufs.ea.view_mut(0..pairs * inter)?)?;
         }
     } else {
         run(

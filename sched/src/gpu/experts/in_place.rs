@@ -72,6 +72,12 @@ impl DeviceTable {
 }
 
 impl DeviceTable {
+    /// Whether some addresses may be pinned host RAM (experts read in
+    /// place), not device memory.
+    pub(super) fn reads_ram(&self) -> bool {
+        self.ram.is_some()
+    }
+
     /// The addresses `r` of the table, and where `moe_route_plan` writes
     /// layer `layer`'s routed ids for `nk` pairs when reading in place
     /// (the log the host reads back; `None`: the combine's own array).
