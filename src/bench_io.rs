@@ -883,11 +883,14 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         Some(p) => {
             println!(
                 "prefetch ({}): recall {} of demand misses covered or started; waste {} \
-                 (bytes never used per byte used); {} stale predictions dropped",
+                 (bytes never used per byte used); {} stale predictions dropped; paused in \
+                 {} of {} passes (reads ahead mostly unused)",
                 p.predictor,
                 percent(run.prefetch_recall),
                 run.prefetch_waste.map_or("-".into(), |w| format!("{w:.2}")),
-                p.stale_dropped
+                p.stale_dropped,
+                p.paused_steps,
+                p.steps
             );
             println!("predictor guesses as sets (cache-independent), decode and prefill:");
             for s in &p.scores {

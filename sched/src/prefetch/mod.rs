@@ -10,6 +10,7 @@
 //! - [`source`]: the [`Prefetcher`], an [`colibri_model::ExpertSource`] over
 //!   the RAM tier driven by the forward pass's
 //!   [`moe_input`](colibri_model::ExpertSource::moe_input) hint.
+//! - [`throttle`]: pauses reading ahead while the reads go mostly unused.
 //! - [`trace`]: routing traces recorded from real runs.
 //! - [`replay`]: traces replayed through the real tier and prefetch logic
 //!   over a synthetic expert file, for recall / waste / hit rate offline.
@@ -23,6 +24,7 @@ pub mod logic;
 pub mod replay;
 pub mod router;
 pub mod source;
+pub mod throttle;
 pub mod trace;
 
 use std::path::PathBuf;
@@ -75,6 +77,9 @@ pub struct PrefetcherStats {
     pub guess_ns: u64,
     /// Stale predictions dropped (landed ones evicted, reads cancelled).
     pub stale_dropped: u64,
+    /// Forward passes that read nothing ahead because recent reads ahead
+    /// went mostly unused ([`throttle`]).
+    pub paused_steps: u64,
     /// Set scores of every tracked predictor.
     pub scores: Vec<PredictorScore>,
 }

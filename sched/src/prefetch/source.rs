@@ -28,6 +28,7 @@ use colibri_model::{Model, ModelError, Pool};
 
 use super::logic::{PredictorScore, PrefetchLogic};
 use super::router::RouterSet;
+use super::throttle::PrefetchThrottle;
 use super::trace::{TraceHeader, TraceRecord, TraceWriter};
 use super::{PrefetchOptions, PrefetcherStats};
 use crate::tier::TierCache;
@@ -45,6 +46,9 @@ struct Inner {
     logic: PrefetchLogic,
     observed: Option<Observation>,
     trace: Option<TraceWriter>,
+    /// Pauses reading ahead while the reads go mostly unused (`None`:
+    /// `COLIBRI_PREFETCH_THROTTLE=0`).
+    throttle: Option<PrefetchThrottle>,
 }
 
 /// The tier with a router-aware prefetcher in front. See the module
@@ -106,6 +110,9 @@ impl Prefetcher {
                 logic,
                 observed: None,
                 trace,
+                throttle: std::env::var("COLIBRI_PREFETCH_THROTTLE")
+                    .map_or(true, |v| v != "0")
+                    .then(PrefetchThrottle::default),
             }),
             guess_ns: AtomicU64::new(0),
             guesses: AtomicU64::new(0),
@@ -135,6 +142,10 @@ impl Prefetcher {
             guess_calls: self.guesses.load(Ordering::Relaxed),
             guess_ns: self.guess_ns.load(Ordering::Relaxed),
             stale_dropped: self.stale_dropped.load(Ordering::Relaxed),
+            paused_steps: inner
+                .throttle
+                .as_ref()
+                .map_or(0, PrefetchThrottle::paused_steps),
             scores: inner.logic.scores(),
         }
     }
@@ -285,7 +296,14 @@ impl Prefetcher {
                     inner.trace = None;
                 }
             }
-            (stale, observed.map(|o| o.guesses).unwrap_or_default())
+            let mut guesses = observed.map(|o| o.guesses).unwrap_or_default();
+            if let Some(throttle) = inner.throttle.as_mut() {
+                let t = self.tier.stats();
+                if !throttle.admit(step, t.prefetch_reads, t.prefetch_used) {
+                    guesses.clear();
+                }
+            }
+            (stale, guesses)
         };
         if !stale.is_empty() {
             let dropped = self.tier.cancel_prefetch(layer, &stale);
