@@ -431,6 +431,55 @@ mod tests {
         out
     }
 
+    /// The kernels a source file defines: each plain `extern "C"
+    /// __global__` function, and the names matvec.cu's macros generate.
+    fn defined_kernels(src: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for (sig, _) in kernel_bodies(src) {
+            let head = &sig[..sig.find('(').map_or(sig.len(), |i| {
+                // Past `__launch_bounds__(...)`, the name's own parenthesis.
+                sig[i + 1..].find('(').map_or(i, |j| i + 1 + j)
+            })];
+            let name = head
+                .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .next()
+                .unwrap_or_default();
+            if name != "NAME" {
+                out.push(name.to_string());
+            }
+        }
+        for line in src.lines() {
+            let arg = |m: &str| line.strip_prefix(m).and_then(|r| r.split(',').next());
+            if let Some(p) = arg("MATVEC_FORMAT(") {
+                for t in ["_t1", "_t2", "_t4", "_t8", "_seg_t1"] {
+                    out.push(format!("{p}{t}"));
+                }
+                for t in ["_t1", "_t2", "_t4", "_t8", "_glu_t1", "_glu_t2"] {
+                    out.push(format!("{p}_table{t}"));
+                }
+            } else if let Some(n) =
+                arg("MATVEC_STREAM_KERNEL(").or_else(|| arg("MATVEC_TABLE_KERNEL_P("))
+            {
+                out.push(n.to_string());
+            }
+        }
+        out
+    }
+
+    /// Every kernel a module defines is in its list (the host loads only
+    /// listed ones: a kernel missing there fails only at its first launch,
+    /// on a GPU), and every listed one is defined.
+    #[test]
+    fn every_kernel_is_listed() {
+        for m in MODULES {
+            let mut defined = defined_kernels(m.source);
+            let mut listed: Vec<String> = m.kernels.iter().map(|k| k.to_string()).collect();
+            defined.sort();
+            listed.sort();
+            assert_eq!(defined, listed, "{}.cu", m.name);
+        }
+    }
+
     /// The host launches every kernel with programmatic dependent launch
     /// on sm_90 and later, so every kernel must wait for its predecessor
     /// (`pdl_entry()`, kernels/common.cuh) before touching what it wrote.
