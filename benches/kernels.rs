@@ -33,6 +33,11 @@
 //! prefetchers see in a real decode. GB/s of expert weights against a
 //! read pass measured after each stretch.
 //!
+//! `-- --tile-tokens` times the several-token Q4_0 tile kernel on one tile
+//! held in L1 (one thread): 8 tokens as one call, against the same tokens
+//! as calls of 4 and of 1, rounds taking turns; ns per block and token
+//! (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with AVX-512).
+//!
 //! `-- --attention` times one decode step's attention over one layer's KV
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
 //! context lengths: a task per query head, each re-reading its KV head's
@@ -415,6 +420,10 @@ fn main() {
         }
         return;
     }
+    if args.iter().any(|a| a == "--tile-tokens") {
+        tile_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
+        return;
+    }
     if args.iter().any(|a| a == "--attention") {
         attention(&pool, mib, threads);
         return;
@@ -580,5 +589,56 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
             b * 1e3,
             bytes / b / 1e9
         );
+    }
+}
+
+/// `--tile-tokens`: see the module notes.
+fn tile_tokens(rng: &mut impl Rng) {
+    use colibri_model::kernels::Q8Activation;
+    let k = kernels();
+    let Some(dots) = k.dot_q4_0_tiles else {
+        println!("kernels: {}: no several-token tile kernel here", k.name);
+        return;
+    };
+    let most = colibri_model::kernels::TILE_TOKENS;
+    println!(
+        "kernels: {}, one thread, tokens per call at most {most}",
+        k.name
+    );
+    for cols in [2048usize, 768] {
+        let blocks = cols / 32;
+        let w = tile(matrix(WeightFormat::Q4_0, 16, cols, rng));
+        let t = w.data().as_slice();
+        let acts: Vec<Q8Activation> = (0..48)
+            .map(|_| {
+                let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                Q8Activation::quantize(&x)
+            })
+            .collect();
+        let xs: Vec<&Q8Activation> = acts.iter().collect();
+        let mut out = [[0.0f32; 16]; 48];
+        let reps = 20_000usize;
+        let mut time = |per_call: usize| {
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                for (c, o) in xs.chunks(per_call).zip(out.chunks_mut(per_call)) {
+                    dots(t, blocks, c, o);
+                }
+                std::hint::black_box(&out);
+            }
+            t0.elapsed().as_secs_f64() * 1e9 / (reps * blocks * xs.len()) as f64
+        };
+        let sizes: Vec<usize> = [most, 4, 1].into_iter().filter(|&n| n <= most).collect();
+        let mut best = vec![f64::INFINITY; sizes.len()];
+        for _ in 0..7 {
+            for (i, &n) in sizes.iter().enumerate() {
+                best[i] = best[i].min(time(n));
+            }
+        }
+        for (n, ns) in sizes.iter().zip(&best) {
+            println!(
+                "{cols:>5} columns, {n} tokens per call: {ns:.3} ns per block and token (best of 7)"
+            );
+        }
     }
 }

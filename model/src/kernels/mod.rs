@@ -54,7 +54,7 @@ pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
 pub type MultiDot16 = fn(&[u16], &[&[f32]], &mut [f32]);
 
 /// The most activations a [`TilesDot`] kernel takes.
-pub const TILE_TOKENS: usize = 4;
+pub const TILE_TOKENS: usize = 8;
 
 /// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
 /// [`KernelSet::dot_f32_rows_group`]).

@@ -275,16 +275,20 @@ pub mod avx2 {
         }
     }
 
-    /// Tokens [`dot_tiles`] takes at once.
-    pub const TOKENS: usize = 4;
+    /// Tokens [`dot_tiles`] takes at once (as the AVX-512 kernel; it
+    /// splits more than [`PASS`] into passes of at most [`PASS`]).
+    pub const TOKENS: usize = 8;
+    /// Tokens of one pass over the tile.
+    pub const PASS: usize = 4;
 
     /// The tile against `xs.len() ≤ TOKENS` activations: `out[t]` is
     /// exactly what [`dot_tile`] gives for `xs[t]`. Each group of codes is
-    /// loaded and split into nibbles once for all the tokens: the split is
-    /// 24 of the one-token kernel's ~68 vector operations per block, so a
-    /// prefill pays for it once per four tokens instead of once per token.
-    /// Sixteen registers cannot hold four tokens' 32 accumulators; they
-    /// live in L1, each lane touched once per four blocks.
+    /// loaded and split into nibbles once for the tokens of a pass: the
+    /// split is 24 of the one-token kernel's ~68 vector operations per
+    /// block, so a prefill pays for it once per four tokens instead of once
+    /// per token. Sixteen registers cannot hold four tokens' 32
+    /// accumulators; they live in L1, each lane touched once per four
+    /// blocks.
     ///
     /// # Safety
     /// As [`dot_tile`], for every activation; `out.len() >= xs.len()`.
@@ -298,13 +302,17 @@ pub mod avx2 {
         // SAFETY: forwarded contract (module docs): each call reads the
         // tile and its activations within bounds.
         unsafe {
-            match xs.len() {
-                4 => tiles_n::<4>(tile, blocks, xs, out),
-                3 => tiles_n::<3>(tile, blocks, xs, out),
-                2 => tiles_n::<2>(tile, blocks, xs, out),
-                1 => tiles_n::<1>(tile, blocks, xs, out),
-                0 => {}
-                _ => panic!("dot_tiles takes at most {TOKENS} activations"),
+            assert!(
+                xs.len() <= TOKENS,
+                "dot_tiles takes at most {TOKENS} activations"
+            );
+            for (xs, out) in xs.chunks(PASS).zip(out.chunks_mut(PASS)) {
+                match xs.len() {
+                    4 => tiles_n::<4>(tile, blocks, xs, out),
+                    3 => tiles_n::<3>(tile, blocks, xs, out),
+                    2 => tiles_n::<2>(tile, blocks, xs, out),
+                    _ => tiles_n::<1>(tile, blocks, xs, out),
+                }
             }
         }
     }
@@ -461,14 +469,18 @@ pub mod avx512 {
     }
 
     /// Tokens [`dot_tiles`] takes at once.
-    pub const TOKENS: usize = 4;
+    pub const TOKENS: usize = 8;
 
     /// The tile against `xs.len() ≤ TOKENS` activations: `out[t]` is
     /// exactly what [`dot_tile`] gives for `xs[t]`. Each block's codes are
     /// loaded and split into nibbles once for all the tokens: on Zen 4 the
     /// split (three 512-bit logic ops per 64 bytes) takes as many cycles
     /// as the `vpdpbusd`s of one token, so a prefill pays for it once per
-    /// four tokens instead of once per token.
+    /// several tokens instead of once per token. Five to eight tokens take
+    /// [`tiles_by_lane`] (in L1 on Zen 5, 8 tokens: 1.74 ns per block and
+    /// token against 2.29 as two calls of 4; `cargo bench --bench kernels
+    /// -- --tile-tokens`); up to four, whose tile is more often read from
+    /// memory (batched decode), keep the blocks in memory order.
     ///
     /// # Safety
     /// As [`dot_tile`], for every activation; `out.len() >= xs.len()`.
@@ -483,12 +495,94 @@ pub mod avx512 {
         // tile and its activations within bounds.
         unsafe {
             match xs.len() {
+                8 => tiles_by_lane::<8>(tile, blocks, xs, out),
+                7 => tiles_by_lane::<7>(tile, blocks, xs, out),
+                6 => tiles_by_lane::<6>(tile, blocks, xs, out),
+                5 => tiles_by_lane::<5>(tile, blocks, xs, out),
                 4 => tiles_n::<4>(tile, blocks, xs, out),
                 3 => tiles_n::<3>(tile, blocks, xs, out),
                 2 => tiles_n::<2>(tile, blocks, xs, out),
                 1 => tiles_n::<1>(tile, blocks, xs, out),
                 0 => {}
                 _ => panic!("dot_tiles takes at most {TOKENS} activations"),
+            }
+        }
+    }
+
+    /// The tile against `T` activations, one accumulator lane at a time:
+    /// lane `l`'s blocks `l, l + 4, l + 8, …` in increasing order into
+    /// `T` registers, so eight tokens' accumulators fit (all four lanes of
+    /// eight tokens would be 32 registers). Each lane's chain of fused
+    /// multiply-adds is the one `dot_tile` forms, and the lanes are added
+    /// as it adds them: the same bits. The zero point starts the low
+    /// nibbles' integer chain (exact integer arithmetic, in any order).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tiles_by_lane<const T: usize>(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        debug_assert_eq!(tile.len(), super::tile_bytes(blocks));
+        debug_assert!(xs.len() == T && out.len() >= T);
+        debug_assert!(
+            xs.iter()
+                .all(|x| x.quants.len() >= blocks * 32 && x.scales.len() >= blocks)
+        );
+        let base = tile.as_ptr();
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        let z: [*const i32; T] = std::array::from_fn(|t| xs[t].bsums8.as_ptr());
+        let sc: [*const f32; T] = std::array::from_fn(|t| xs[t].scales.as_ptr());
+        // SAFETY: as in `dot_tile`, for block `b < blocks` of the tile and
+        // of each of the T activations; the rest is register arithmetic.
+        unsafe {
+            let nibble = _mm512_set1_epi8(0x0f);
+            let mut lanes = [[_mm512_setzero_ps(); T]; LANES];
+            for (lane, sums) in lanes.iter_mut().enumerate() {
+                let mut acc = [_mm512_setzero_ps(); T];
+                let mut b = lane;
+                while b < blocks {
+                    let c = base.add(codes_at(blocks, b)) as *const __m512i;
+                    let mut wl = [_mm512_setzero_si512(); 4];
+                    let mut wh = [_mm512_setzero_si512(); 4];
+                    for j in 0..4 {
+                        let w = _mm512_loadu_si512(c.add(j));
+                        wl[j] = _mm512_and_si512(w, nibble);
+                        wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                    }
+                    let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        base.add(scales_at(blocks, b)) as *const __m256i
+                    ));
+                    for t in 0..T {
+                        let qb = q[t].add(b * 8);
+                        let mut lo = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
+                        let mut hi = _mm512_setzero_si512();
+                        for j in 0..4 {
+                            lo = _mm512_dpbusd_epi32(
+                                lo,
+                                wl[j],
+                                _mm512_set1_epi32(qb.add(j).read_unaligned()),
+                            );
+                            hi = _mm512_dpbusd_epi32(
+                                hi,
+                                wh[j],
+                                _mm512_set1_epi32(qb.add(4 + j).read_unaligned()),
+                            );
+                        }
+                        let s = _mm512_add_epi32(lo, hi);
+                        let d = _mm512_mul_ps(dw, _mm512_set1_ps(sc[t].add(b).read()));
+                        acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[t]);
+                    }
+                    b += LANES;
+                }
+                *sums = acc;
+            }
+            for (t, o) in out.iter_mut().enumerate().take(T) {
+                let v = _mm512_add_ps(
+                    _mm512_add_ps(lanes[0][t], lanes[2][t]),
+                    _mm512_add_ps(lanes[1][t], lanes[3][t]),
+                );
+                _mm512_storeu_ps(o.as_mut_ptr(), v);
             }
         }
     }
@@ -692,9 +786,9 @@ mod tests {
             let w = matrix(&mut rng, TILE_ROWS, blocks);
             let mut t = w.clone();
             tile_in_place(&mut t, TILE_ROWS, blocks, &mut Vec::new());
-            let xs: Vec<Q8Activation> = (0..4)
+            let xs: Vec<Q8Activation> = (0..avx512::TOKENS.max(avx2::TOKENS))
                 .map(|i| {
-                    let mut x = data(&mut rng, blocks * QK, [0.01f32, 1.0, 300.0, 2.0][i]);
+                    let mut x = data(&mut rng, blocks * QK, [0.01f32, 1.0, 300.0, 2.0][i % 4]);
                     for (b, blk) in x.chunks_mut(QK).enumerate() {
                         match (b + i) % 7 {
                             1 => blk.fill(0.0),
@@ -708,6 +802,7 @@ mod tests {
                 .collect();
             let rb = blocks * Q4_0_BLOCK_BYTES;
             for &(name, dots, tokens) in &levels {
+                assert!(tokens <= xs.len());
                 for n in 1..=tokens {
                     let refs: Vec<&Q8Activation> = xs.iter().skip(xs.len() - n).collect();
                     let mut out = vec![[f32::NAN; TILE_ROWS]; n];
