@@ -15,7 +15,7 @@ use crate::kernels::{
     Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, tiled_matmuls,
     tiled_products,
 };
-use crate::ops::{sigmoid, silu, softmax_inplace, top_k};
+use crate::ops::{accumulator, sigmoid, silu, softmax_inplace, top_k};
 use crate::tensor::QMatrix;
 use crate::weights::{MlpWeights, MoeWeights};
 
@@ -344,7 +344,7 @@ pub(crate) fn moe_rows(
         });
     }
 
-    let mut out = vec![0.0f32; n * hidden];
+    let mut out = accumulator(n * hidden);
     for (row, r) in routing.iter().enumerate() {
         let y = &mut out[row * hidden..(row + 1) * hidden];
         let mut order: Vec<usize> = (0..r.experts.len()).collect();
