@@ -436,6 +436,18 @@ mod avx512_wrappers {
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q4_0::avx512::dot_q4_0_q8(w, x) }
     }
+    /// Also checks the lengths its safety contract asks for.
+    pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+        super::check_rows_group(qs, g, k, stride, out);
+        unsafe { super::x86::dot_f32_rows_group_avx512(qs, g, k, stride, out) }
+    }
+    /// Also checks the rows' extent, which the kernel's contract asks for.
+    pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+        if let Some(last) = s.len().checked_sub(1) {
+            assert!(v.len() >= last * stride + o.len(), "value rows in bounds");
+        }
+        unsafe { super::x86::weighted_rows_avx512(o, s, v, stride) }
+    }
     /// Also checks the tiles' width and the output's length, which the
     /// kernel's safety contract asks for.
     pub fn gemm_q4_0_q8(
@@ -478,6 +490,8 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
+    dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
+    weighted_rows: avx512_wrappers::weighted_rows,
     ..AVX2
 };
 

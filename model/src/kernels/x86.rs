@@ -904,3 +904,139 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
         super::scalar::weighted_rows(&mut o[i..], s, &v[i..], stride);
     }
 }
+
+/// [`dot_f32_rows_group`] with 512-bit accumulators. One register holds
+/// what the AVX2 kernel keeps in two: lanes 0–7 are its `a0` (elements
+/// `i..i + 8` of each 16-element step), lanes 8–15 its `a1`, each lane the
+/// same chain of fused multiply-adds. After the steps the halves are split
+/// and the AVX2 kernel's tail and reduction follow, so every result has
+/// the bits of [`dot_f32`]; half the instructions per step.
+///
+/// # Safety
+/// As [`dot_f32_rows_group`], and AVX-512 F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32_rows_group_avx512(
+    qs: &[f32],
+    g: usize,
+    k: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
+    let d = qs.len() / g.max(1);
+    let rows = out.len() / g.max(1);
+    let mut j0 = 0;
+    while j0 < g {
+        let m = (g - j0).min(4);
+        for t in 0..rows {
+            // SAFETY: row t lies in k (caller); queries j0..j0 + m in qs.
+            unsafe {
+                let kr = k.get_unchecked(t * stride..t * stride + d);
+                if m == 4 {
+                    let r = dot_four_avx512(qs.as_ptr().add(j0 * d), d, kr);
+                    for (jj, v) in r.into_iter().enumerate() {
+                        *out.get_unchecked_mut((j0 + jj) * rows + t) = v;
+                    }
+                } else {
+                    for jj in 0..m {
+                        let q = qs.get_unchecked((j0 + jj) * d..(j0 + jj + 1) * d);
+                        *out.get_unchecked_mut((j0 + jj) * rows + t) = dot_f32_body(q, kr);
+                    }
+                }
+            }
+        }
+        j0 += m;
+    }
+}
+
+/// [`dot_four`] with one 512-bit accumulator per query (see
+/// [`dot_f32_rows_group_avx512`]).
+///
+/// # Safety
+/// As [`dot_four`], and AVX-512 F.
+#[inline(always)]
+unsafe fn dot_four_avx512(q: *const f32, d: usize, kr: &[f32]) -> [f32; 4] {
+    let kp = kr.as_ptr();
+    // SAFETY: loads of 16 (or 8) floats at i ≤ d − 16 (or d − 8) of a
+    // query or of the key row.
+    unsafe {
+        let mut a = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= d {
+            let kv = _mm512_loadu_ps(kp.add(i));
+            for (j, aj) in a.iter_mut().enumerate() {
+                *aj = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(j * d + i)), kv, *aj);
+            }
+            i += 16;
+        }
+        let mut a0 = [_mm256_setzero_ps(); 4];
+        let mut a1 = [_mm256_setzero_ps(); 4];
+        for j in 0..4 {
+            a0[j] = _mm512_castps512_ps256(a[j]);
+            a1[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1));
+        }
+        while i + 8 <= d {
+            let k0 = _mm256_loadu_ps(kp.add(i));
+            for (j, aj) in a0.iter_mut().enumerate() {
+                *aj = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j * d + i)), k0, *aj);
+            }
+            i += 8;
+        }
+        let mut out = [0.0f32; 4];
+        for (j, o) in out.iter_mut().enumerate() {
+            let mut s = hsum(_mm256_add_ps(a0[j], a1[j]));
+            for t in i..d {
+                s += *q.add(j * d + t) * *kp.add(t);
+            }
+            *o = s;
+        }
+        out
+    }
+}
+
+/// [`weighted_rows`] 16 lanes at a time: each element is still `o + s·v`
+/// with the product and the sum rounded apart, rows in order, so the
+/// bits are [`super::scalar::weighted_rows`]'s.
+///
+/// # Safety
+/// As [`weighted_rows`], and AVX-512 F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn weighted_rows_avx512(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
+    let n = o.len();
+    let vp = v.as_ptr();
+    let mut i = 0;
+    // SAFETY: row t's elements i..i+128 (or i..i+16) are below
+    // t·stride + n <= v.len() (caller), and i + 128 <= n (or i + 16 <= n)
+    // for o.
+    unsafe {
+        while i + 128 <= n {
+            let op = o.as_ptr().add(i);
+            let mut acc = [_mm512_setzero_ps(); 8];
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(op.add(16 * k));
+            }
+            for (t, &st) in s.iter().enumerate() {
+                let w = _mm512_set1_ps(st);
+                let row = vp.add(t * stride + i);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, _mm512_loadu_ps(row.add(16 * k))));
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(o.as_mut_ptr().add(i + 16 * k), *a);
+            }
+            i += 128;
+        }
+        while i + 16 <= n {
+            let mut a = _mm512_loadu_ps(o.as_ptr().add(i));
+            for (t, &st) in s.iter().enumerate() {
+                let row = vp.add(t * stride + i);
+                a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(st), _mm512_loadu_ps(row)));
+            }
+            _mm512_storeu_ps(o.as_mut_ptr().add(i), a);
+            i += 16;
+        }
+        if i < n && !s.is_empty() {
+            weighted_rows(&mut o[i..], s, &v[i..], stride);
+        }
+    }
+}
