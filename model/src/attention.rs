@@ -98,6 +98,17 @@ pub fn attend_heads(
     let k = kernels::kernels();
     let per = qs.len() / hd;
     let mut scores = vec![0.0f32; per * len];
+    // A block's rows copied side by side: cached rows lie `stride` apart
+    // (every KV head's row of a position together), and 64 rows at a
+    // 2 KiB stride fall into few L1 sets, so each head of the group would
+    // read the block from L2 again.
+    let mut rows = Vec::new();
+    let packed = |src: &[f32], b: usize, rows: &mut Vec<f32>| {
+        rows.clear();
+        for t in 0..b {
+            rows.extend_from_slice(&src[t * stride..t * stride + hd]);
+        }
+    };
     match k.dot_f32_rows_group {
         Some(f) if per > 1 => {
             // A block of key rows at a time, so that the group's later
@@ -105,7 +116,8 @@ pub fn attend_heads(
             let mut blk = vec![0.0f32; per * ROW_BLOCK];
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
-                f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
+                packed(&keys[t0 * stride..], b, &mut rows);
+                f(qs, per, &rows, hd, &mut blk[..per * b]);
                 for (j, s) in scores.chunks_exact_mut(len).enumerate() {
                     s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
                 }
@@ -123,8 +135,14 @@ pub fn attend_heads(
     }
     for t0 in (0..len).step_by(ROW_BLOCK) {
         let t1 = (t0 + ROW_BLOCK).min(len);
+        let (v, vstride) = if per > 1 {
+            packed(&values[t0 * stride..], t1 - t0, &mut rows);
+            (&rows[..], hd)
+        } else {
+            (&values[t0 * stride..], stride)
+        };
         for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(len)) {
-            (k.weighted_rows)(oh, &s[t0..t1], &values[t0 * stride..], stride);
+            (k.weighted_rows)(oh, &s[t0..t1], v, vstride);
         }
     }
 }
