@@ -98,10 +98,12 @@ pub fn attend_heads(
     let k = kernels::kernels();
     let per = qs.len() / hd;
     let mut scores = vec![0.0f32; per * len];
-    // A block's rows copied side by side: cached rows lie `stride` apart
-    // (every KV head's row of a position together), and 64 rows at a
-    // 2 KiB stride fall into few L1 sets, so each head of the group would
-    // read the block from L2 again.
+    // A block's value rows copied side by side: cached rows lie `stride`
+    // apart (every KV head's row of a position together), and 64 rows at
+    // a 2 KiB stride fall into few L1 sets, so each head of the group
+    // would read the block from L2 again. (The keys are not copied: the
+    // grouped dot is bound by its arithmetic, and copying them cost more
+    // than it saved; docs/benchmarks.md.)
     let mut rows = Vec::new();
     let packed = |src: &[f32], b: usize, rows: &mut Vec<f32>| {
         rows.clear();
@@ -116,8 +118,7 @@ pub fn attend_heads(
             let mut blk = vec![0.0f32; per * ROW_BLOCK];
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
-                packed(&keys[t0 * stride..], b, &mut rows);
-                f(qs, per, &rows, hd, &mut blk[..per * b]);
+                f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
                 for (j, s) in scores.chunks_exact_mut(len).enumerate() {
                     s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
                 }

@@ -1019,10 +1019,10 @@ fn tiled_rows(
         if r < full {
             let t = &bytes[r / TILE_ROWS * tb..][..tb];
             if let Some(tiles) = k.dot_q4_0_tiles.filter(|_| xs.len() > 1) {
-                let mut four = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
+                let mut pass = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
                 for (c, group) in xs.chunks(TILE_TOKENS).enumerate() {
-                    tiles(t, blocks, group, &mut four);
-                    for (i, rows) in four.iter().enumerate().take(group.len()) {
+                    tiles(t, blocks, group, &mut pass);
+                    for (i, rows) in pass.iter().enumerate().take(group.len()) {
                         let j = c * TILE_TOKENS + i;
                         out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
                     }
