@@ -94,6 +94,18 @@ fn codes_at(blocks: usize, b: usize) -> usize {
     p * (SCALE_BYTES + CODE_BYTES) + in_pair * SCALE_BYTES + b % 2 * CODE_BYTES
 }
 
+/// What the several-token tile kernels' safety contract asks of their
+/// arguments (`t` activations), checked in debug builds.
+#[cfg(target_arch = "x86_64")]
+fn debug_check_tiles(tile: &[u8], blocks: usize, xs: &[&Q8Activation], outs: usize, t: usize) {
+    debug_assert_eq!(tile.len(), tile_bytes(blocks));
+    debug_assert!(xs.len() == t && outs >= t);
+    debug_assert!(
+        xs.iter()
+            .all(|x| x.quants.len() >= blocks * 32 && x.scales.len() >= blocks)
+    );
+}
+
 /// Rearranges a row-major Q4_0 matrix of `rows` rows of `blocks` blocks
 /// (`bytes.len() == rows × blocks × 18`) into tiles, in place: every full
 /// group of 16 rows becomes a tile, the remaining rows stay as they are.
@@ -325,12 +337,7 @@ pub mod avx2 {
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
     ) {
-        debug_assert_eq!(tile.len(), super::tile_bytes(blocks));
-        debug_assert!(xs.len() == T && out.len() >= T);
-        debug_assert!(
-            xs.iter()
-                .all(|x| x.quants.len() >= blocks * 32 && x.scales.len() >= blocks)
-        );
+        super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         // SAFETY: as in `dot_tile`, for block `b < blocks` of the tile and
@@ -468,6 +475,37 @@ pub mod avx512 {
         }
     }
 
+    /// Block `b` of a tile at `base`: its codes' low and high nibbles
+    /// (four registers each, 16 rows × 4 bytes apiece) and its 16 scales.
+    ///
+    /// # Safety
+    /// `b < blocks` of a tile of `blocks` blocks at `base`; the caller's
+    /// target features.
+    #[inline(always)]
+    unsafe fn split_block(
+        base: *const u8,
+        blocks: usize,
+        b: usize,
+        nibble: __m512i,
+    ) -> ([__m512i; 4], [__m512i; 4], __m512) {
+        // SAFETY: the block's 256 bytes of codes and 32 of scales lie in
+        // the tile (caller).
+        unsafe {
+            let c = base.add(codes_at(blocks, b)) as *const __m512i;
+            let mut wl = [_mm512_setzero_si512(); 4];
+            let mut wh = [_mm512_setzero_si512(); 4];
+            for j in 0..4 {
+                let w = _mm512_loadu_si512(c.add(j));
+                wl[j] = _mm512_and_si512(w, nibble);
+                wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+                base.add(scales_at(blocks, b)) as *const __m256i
+            ));
+            (wl, wh, dw)
+        }
+    }
+
     /// Tokens [`dot_tiles`] takes at once.
     pub const TOKENS: usize = 8;
 
@@ -523,12 +561,7 @@ pub mod avx512 {
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
     ) {
-        debug_assert_eq!(tile.len(), super::tile_bytes(blocks));
-        debug_assert!(xs.len() == T && out.len() >= T);
-        debug_assert!(
-            xs.iter()
-                .all(|x| x.quants.len() >= blocks * 32 && x.scales.len() >= blocks)
-        );
+        super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         let z: [*const i32; T] = std::array::from_fn(|t| xs[t].bsums8.as_ptr());
@@ -542,17 +575,7 @@ pub mod avx512 {
                 let mut acc = [_mm512_setzero_ps(); T];
                 let mut b = lane;
                 while b < blocks {
-                    let c = base.add(codes_at(blocks, b)) as *const __m512i;
-                    let mut wl = [_mm512_setzero_si512(); 4];
-                    let mut wh = [_mm512_setzero_si512(); 4];
-                    for j in 0..4 {
-                        let w = _mm512_loadu_si512(c.add(j));
-                        wl[j] = _mm512_and_si512(w, nibble);
-                        wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-                    }
-                    let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        base.add(scales_at(blocks, b)) as *const __m256i
-                    ));
+                    let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
                         let qb = q[t].add(b * 8);
                         let mut lo = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
@@ -594,12 +617,7 @@ pub mod avx512 {
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
     ) {
-        debug_assert_eq!(tile.len(), super::tile_bytes(blocks));
-        debug_assert!(xs.len() == T && out.len() >= T);
-        debug_assert!(
-            xs.iter()
-                .all(|x| x.quants.len() >= blocks * 32 && x.scales.len() >= blocks)
-        );
+        super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         // SAFETY: as in `dot_tile`, for block `b < blocks` of the tile and
@@ -612,17 +630,7 @@ pub mod avx512 {
             macro_rules! step {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
-                    let c = base.add(codes_at(blocks, b)) as *const __m512i;
-                    let mut wl = [_mm512_setzero_si512(); 4];
-                    let mut wh = [_mm512_setzero_si512(); 4];
-                    for j in 0..4 {
-                        let w = _mm512_loadu_si512(c.add(j));
-                        wl[j] = _mm512_and_si512(w, nibble);
-                        wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-                    }
-                    let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        base.add(scales_at(blocks, b)) as *const __m256i
-                    ));
+                    let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
                         // `dot_tile`'s operations for token t, in its order.
                         let qb = q[t].add(b * 8);

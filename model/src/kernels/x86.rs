@@ -59,6 +59,23 @@ pub unsafe fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32])
 /// `k.len() >= (rows - 1) · stride + d` when `rows > 0`.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { rows_group::<false>(qs, g, k, stride, out) }
+}
+
+/// The body of [`dot_f32_rows_group`] (`WIDE`: four queries through
+/// [`dot_four_avx512`], else [`dot_four`]), inlined into each.
+///
+/// # Safety
+/// As [`dot_f32_rows_group`], and AVX-512 F when `WIDE`.
+#[inline(always)]
+unsafe fn rows_group<const WIDE: bool>(
+    qs: &[f32],
+    g: usize,
+    k: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
     let d = qs.len() / g.max(1);
     let rows = out.len() / g.max(1);
     let mut j0 = 0;
@@ -69,7 +86,12 @@ pub unsafe fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize,
             unsafe {
                 let kr = k.get_unchecked(t * stride..t * stride + d);
                 if m == 4 {
-                    let r = dot_four(qs.as_ptr().add(j0 * d), d, kr);
+                    let q = qs.as_ptr().add(j0 * d);
+                    let r = if WIDE {
+                        dot_four_avx512(q, d, kr)
+                    } else {
+                        dot_four(q, d, kr)
+                    };
                     for (jj, v) in r.into_iter().enumerate() {
                         *out.get_unchecked_mut((j0 + jj) * rows + t) = v;
                     }
@@ -922,30 +944,8 @@ pub unsafe fn dot_f32_rows_group_avx512(
     stride: usize,
     out: &mut [f32],
 ) {
-    let d = qs.len() / g.max(1);
-    let rows = out.len() / g.max(1);
-    let mut j0 = 0;
-    while j0 < g {
-        let m = (g - j0).min(4);
-        for t in 0..rows {
-            // SAFETY: row t lies in k (caller); queries j0..j0 + m in qs.
-            unsafe {
-                let kr = k.get_unchecked(t * stride..t * stride + d);
-                if m == 4 {
-                    let r = dot_four_avx512(qs.as_ptr().add(j0 * d), d, kr);
-                    for (jj, v) in r.into_iter().enumerate() {
-                        *out.get_unchecked_mut((j0 + jj) * rows + t) = v;
-                    }
-                } else {
-                    for jj in 0..m {
-                        let q = qs.get_unchecked((j0 + jj) * d..(j0 + jj + 1) * d);
-                        *out.get_unchecked_mut((j0 + jj) * rows + t) = dot_f32_body(q, kr);
-                    }
-                }
-            }
-        }
-        j0 += m;
-    }
+    // SAFETY: forwarded contract.
+    unsafe { rows_group::<true>(qs, g, k, stride, out) }
 }
 
 /// [`dot_four`] with one 512-bit accumulator per query (see
