@@ -506,6 +506,35 @@ pub mod avx512 {
         }
     }
 
+    /// `start` plus a block's exact integer sums of codes times quants for
+    /// one token (`qb`: its 8 words of quants): the low nibbles against the
+    /// first 16 quants, the high ones against the last 16, in two chains.
+    ///
+    /// # Safety
+    /// `qb` points at 8 readable words; the caller's target features.
+    #[inline(always)]
+    unsafe fn block_sums(
+        start: __m512i,
+        wl: &[__m512i; 4],
+        wh: &[__m512i; 4],
+        qb: *const i32,
+    ) -> __m512i {
+        // SAFETY: words 0..8 at qb (caller); register arithmetic.
+        unsafe {
+            let mut lo = start;
+            let mut hi = _mm512_setzero_si512();
+            for j in 0..4 {
+                lo = _mm512_dpbusd_epi32(lo, wl[j], _mm512_set1_epi32(qb.add(j).read_unaligned()));
+                hi = _mm512_dpbusd_epi32(
+                    hi,
+                    wh[j],
+                    _mm512_set1_epi32(qb.add(4 + j).read_unaligned()),
+                );
+            }
+            _mm512_add_epi32(lo, hi)
+        }
+    }
+
     /// Tokens [`dot_tiles`] takes at once.
     pub const TOKENS: usize = 8;
 
@@ -577,22 +606,8 @@ pub mod avx512 {
                 while b < blocks {
                     let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
-                        let qb = q[t].add(b * 8);
-                        let mut lo = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
-                        let mut hi = _mm512_setzero_si512();
-                        for j in 0..4 {
-                            lo = _mm512_dpbusd_epi32(
-                                lo,
-                                wl[j],
-                                _mm512_set1_epi32(qb.add(j).read_unaligned()),
-                            );
-                            hi = _mm512_dpbusd_epi32(
-                                hi,
-                                wh[j],
-                                _mm512_set1_epi32(qb.add(4 + j).read_unaligned()),
-                            );
-                        }
-                        let s = _mm512_add_epi32(lo, hi);
+                        let start = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
+                        let s = block_sums(start, &wl, &wh, q[t].add(b * 8));
                         let d = _mm512_mul_ps(dw, _mm512_set1_ps(sc[t].add(b).read()));
                         acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[t]);
                     }
@@ -633,24 +648,10 @@ pub mod avx512 {
                     let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
                         // `dot_tile`'s operations for token t, in its order.
-                        let qb = q[t].add(b * 8);
-                        let mut lo = _mm512_setzero_si512();
-                        let mut hi = _mm512_setzero_si512();
-                        for j in 0..4 {
-                            lo = _mm512_dpbusd_epi32(
-                                lo,
-                                wl[j],
-                                _mm512_set1_epi32(qb.add(j).read_unaligned()),
-                            );
-                            hi = _mm512_dpbusd_epi32(
-                                hi,
-                                wh[j],
-                                _mm512_set1_epi32(qb.add(4 + j).read_unaligned()),
-                            );
-                        }
                         let x = xs.get_unchecked(t);
+                        let sums = block_sums(_mm512_setzero_si512(), &wl, &wh, q[t].add(b * 8));
                         let zero = _mm512_set1_epi32(*x.bsums8.get_unchecked(b));
-                        let s = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), zero);
+                        let s = _mm512_sub_epi32(sums, zero);
                         let d = _mm512_mul_ps(dw, _mm512_set1_ps(*x.scales.get_unchecked(b)));
                         acc[$lane][t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[$lane][t]);
                     }
