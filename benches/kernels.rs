@@ -34,9 +34,11 @@
 //! read pass measured after each stretch.
 //!
 //! `-- --tile-tokens` times the several-token Q4_0 tile kernel on one tile
-//! held in L1 (one thread): 8 tokens as one call, against the same tokens
-//! as calls of 4 and of 1, rounds taking turns; ns per block and token
-//! (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with AVX-512).
+//! held in L1 (one thread): tokens 8 per call, against the same tokens as
+//! calls of 4 and of 1, and token counts that are not multiples of 8 split
+//! as `tile_passes` splits them, rounds taking turns; ns per block and
+//! token (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with
+//! AVX-512).
 //!
 //! `-- --attention` times one decode step's attention over one layer's KV
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
@@ -618,26 +620,57 @@ fn tile_tokens(rng: &mut impl Rng) {
         let xs: Vec<&Q8Activation> = acts.iter().collect();
         let mut out = [[0.0f32; 16]; 48];
         let reps = 20_000usize;
-        let mut time = |per_call: usize| {
+        // A plan: the tokens per call, in order, over the first of `xs`.
+        let mut time = |plan: &[usize]| {
+            let n: usize = plan.iter().sum();
             let t0 = Instant::now();
             for _ in 0..reps {
-                for (c, o) in xs.chunks(per_call).zip(out.chunks_mut(per_call)) {
-                    dots(t, blocks, c, o);
+                let mut j0 = 0;
+                for &size in plan {
+                    dots(t, blocks, &xs[j0..j0 + size], &mut out[j0..j0 + size]);
+                    j0 += size;
                 }
                 std::hint::black_box(&out);
             }
-            t0.elapsed().as_secs_f64() * 1e9 / (reps * blocks * xs.len()) as f64
+            t0.elapsed().as_secs_f64() * 1e9 / (reps * blocks * n) as f64
         };
-        let sizes: Vec<usize> = [most, 4, 1].into_iter().filter(|&n| n <= most).collect();
-        let mut best = vec![f64::INFINITY; sizes.len()];
+        let even = |n: usize| colibri_model::kernels::tile_passes(n).collect::<Vec<_>>();
+        let by = |n: usize, size: usize| {
+            let mut v = vec![size.min(most); n / size.min(most)];
+            if !n.is_multiple_of(size.min(most)) {
+                v.push(n % size.min(most));
+            }
+            v
+        };
+        let plans: Vec<(String, Vec<usize>)> = vec![
+            (format!("48 tokens, {most} per call"), by(48, most)),
+            ("48 tokens, 4 per call".into(), by(48, 4)),
+            ("48 tokens, 1 per call".into(), by(48, 1)),
+            (
+                format!("36 tokens, {most} per call and the rest"),
+                by(36, most),
+            ),
+            ("36 tokens, even passes (tile_passes)".into(), even(36)),
+            (
+                format!("33 tokens, {most} per call and the rest"),
+                by(33, most),
+            ),
+            ("33 tokens, even passes (tile_passes)".into(), even(33)),
+        ];
+        let mut best = vec![f64::INFINITY; plans.len()];
         for _ in 0..7 {
-            for (i, &n) in sizes.iter().enumerate() {
-                best[i] = best[i].min(time(n));
+            for (i, (_, plan)) in plans.iter().enumerate() {
+                best[i] = best[i].min(time(plan));
             }
         }
-        for (n, ns) in sizes.iter().zip(&best) {
+        for ((name, plan), ns) in plans.iter().zip(&best) {
+            let shown = if plan.len() <= 8 {
+                format!(" {plan:?}")
+            } else {
+                String::new()
+            };
             println!(
-                "{cols:>5} columns, {n} tokens per call: {ns:.3} ns per block and token (best of 7)"
+                "{cols:>5} columns, {name}{shown}: {ns:.3} ns per block and token (best of 7)"
             );
         }
     }

@@ -56,6 +56,18 @@ pub type MultiDot16 = fn(&[u16], &[&[f32]], &mut [f32]);
 /// The most activations a [`TilesDot`] kernel takes.
 pub const TILE_TOKENS: usize = 8;
 
+/// How [`tiled_rows`] splits `n` tokens into passes over a tile: as few
+/// passes as [`TILE_TOKENS`] allows, their sizes differing by at most one
+/// (36 tokens: 8, 7, 7, 7, 7, not 8, 8, 8, 8, 4), so that no pass is left
+/// with the few tokens a several-token kernel runs slowest. Which tokens
+/// share a pass changes no result (each token's sums are its own).
+pub fn tile_passes(n: usize) -> impl Iterator<Item = usize> {
+    let passes = n.div_ceil(TILE_TOKENS);
+    let base = n.checked_div(passes).unwrap_or(0);
+    let extra = n.checked_rem(passes).unwrap_or(0);
+    (0..passes).map(move |p| base + usize::from(p < extra))
+}
+
 /// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
 /// [`KernelSet::dot_f32_rows_group`]).
 pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32]);
@@ -1020,12 +1032,13 @@ fn tiled_rows(
             let t = &bytes[r / TILE_ROWS * tb..][..tb];
             if let Some(tiles) = k.dot_q4_0_tiles.filter(|_| xs.len() > 1) {
                 let mut pass = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
-                for (c, group) in xs.chunks(TILE_TOKENS).enumerate() {
-                    tiles(t, blocks, group, &mut pass);
-                    for (i, rows) in pass.iter().enumerate().take(group.len()) {
-                        let j = c * TILE_TOKENS + i;
-                        out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
+                let mut j0 = 0;
+                for size in tile_passes(xs.len()) {
+                    tiles(t, blocks, &xs[j0..j0 + size], &mut pass);
+                    for (i, rows) in pass.iter().enumerate().take(size) {
+                        out[(j0 + i) * len + i0..][..n].copy_from_slice(&rows[..n]);
                     }
+                    j0 += size;
                 }
                 continue;
             }
@@ -2306,6 +2319,22 @@ mod tests {
         }
     }
 
+    /// Passes over a tile: every token once, in order, each pass at most
+    /// TILE_TOKENS, as few passes as that allows, sizes within one.
+    #[test]
+    fn tile_passes_are_few_and_even() {
+        assert_eq!(tile_passes(0).count(), 0);
+        assert_eq!(tile_passes(36).collect::<Vec<_>>(), [8, 7, 7, 7, 7]);
+        assert_eq!(tile_passes(33).collect::<Vec<_>>(), [7, 7, 7, 6, 6]);
+        for n in 1..200 {
+            let p: Vec<usize> = tile_passes(n).collect();
+            assert_eq!(p.iter().sum::<usize>(), n, "{n}");
+            assert_eq!(p.len(), n.div_ceil(TILE_TOKENS), "{n}");
+            let (lo, hi) = (p.iter().min().unwrap(), p.iter().max().unwrap());
+            assert!(*hi <= TILE_TOKENS && hi - lo <= 1, "{n}: {p:?}");
+        }
+    }
+
     #[test]
     fn grouped_tiled_products_equal_separate_row_major_ones() {
         if !q4_0_tiles_run_here() {
@@ -2313,12 +2342,14 @@ mod tests {
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        // Whole tiles, a tail, fewer rows than a tile; 1 to 5 tokens each.
+        // Whole tiles, a tail, fewer rows than a tile; 1 to 19 tokens each
+        // (19: passes of 7, 6 and 6).
         let shapes = [
             (48usize, 64usize, 3usize),
             (37, 96, 1),
             (9, 64, 5),
             (130, 96, 2),
+            (64, 96, 19),
         ];
         let ms: Vec<QMatrix> = shapes
             .iter()
