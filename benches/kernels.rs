@@ -40,6 +40,12 @@
 //! token (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with
 //! AVX-512).
 //!
+//! `-- --expert-tiles N` is the prefill's shape of the same kernel: 96
+//! expert matrices (81 MiB, read from memory), each tile against `N`
+//! tokens in the passes `tile_passes` makes, one thread; with and without
+//! asking L2 for the next tile during a tile's first pass, against the
+//! same work on one tile that stays in L1.
+//!
 //! `-- --attention` times one decode step's attention over one layer's KV
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
 //! context lengths: a task per query head, each re-reading its KV head's
@@ -422,6 +428,13 @@ fn main() {
         }
         return;
     }
+    if args.iter().any(|a| a == "--expert-tiles") {
+        expert_tiles(
+            &mut rand_chacha::ChaCha8Rng::seed_from_u64(1),
+            arg("--expert-tiles", 16),
+        );
+        return;
+    }
     if args.iter().any(|a| a == "--tile-tokens") {
         tile_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
         return;
@@ -594,6 +607,79 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
     }
 }
 
+/// `--expert-tiles N`: see the module notes.
+fn expert_tiles(rng: &mut impl Rng, tokens: usize) {
+    use colibri_model::kernels::{Q8Activation, tile_passes};
+    let k = kernels();
+    let Some(dots) = k.dot_q4_0_tiles else {
+        println!("kernels: {}: no several-token tile kernel here", k.name);
+        return;
+    };
+    // 96 gate matrices of Qwen3-30B-A3B (768 × 2048, 864 KiB each): 81
+    // MiB, more than a last-level cache.
+    let (rows, cols, count) = (768usize, 2048usize, 96usize);
+    let blocks = cols / 32;
+    let one = tile(matrix(WeightFormat::Q4_0, rows, cols, rng));
+    let experts: Vec<Vec<u8>> = (0..count)
+        .map(|i| {
+            let mut v = one.data().as_slice().to_vec();
+            v[i] ^= 1; // distinct pages, same work
+            v
+        })
+        .collect();
+    let acts: Vec<Q8Activation> = (0..tokens * 4)
+        .map(|_| {
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            Q8Activation::quantize(&x)
+        })
+        .collect();
+    let tb = q4_0_tiles::tile_bytes(blocks);
+    let plan: Vec<usize> = tile_passes(tokens).collect();
+    println!(
+        "kernels: {}, one thread, {count} matrices {rows} x {cols} (tiled Q4_0), {tokens} tokens each, passes {plan:?}",
+        k.name
+    );
+    let modes = [
+        "one tile in L1",
+        "streamed, no hint",
+        "streamed, next tile asked of L2",
+    ];
+    let mut best = [f64::INFINITY; 3];
+    let mut out = [[0.0f32; 16]; colibri_model::kernels::TILE_TOKENS];
+    for _ in 0..5 {
+        for (mode, best) in best.iter_mut().enumerate() {
+            let t0 = Instant::now();
+            for (e, w) in experts.iter().enumerate() {
+                let xs: Vec<&Q8Activation> = acts[e % 4 * tokens..][..tokens].iter().collect();
+                for i in 0..rows / 16 {
+                    let t = if mode == 0 {
+                        &experts[0][..tb]
+                    } else {
+                        &w[i * tb..][..tb]
+                    };
+                    let mut next = match w.get((i + 1) * tb..(i + 2) * tb) {
+                        Some(n) if mode == 2 => n,
+                        _ => &[][..],
+                    };
+                    let mut j0 = 0;
+                    for &size in &plan {
+                        dots(t, blocks, &xs[j0..j0 + size], &mut out[..size], next);
+                        next = &[];
+                        j0 += size;
+                    }
+                    std::hint::black_box(&out);
+                }
+            }
+            let ns =
+                t0.elapsed().as_secs_f64() * 1e9 / (count * rows / 16 * blocks * tokens) as f64;
+            *best = best.min(ns);
+        }
+    }
+    for (mode, ns) in modes.iter().zip(best) {
+        println!("  {mode}: {ns:.3} ns per block and token (best of 5)");
+    }
+}
+
 /// `--tile-tokens`: see the module notes.
 fn tile_tokens(rng: &mut impl Rng) {
     use colibri_model::kernels::Q8Activation;
@@ -627,7 +713,7 @@ fn tile_tokens(rng: &mut impl Rng) {
             for _ in 0..reps {
                 let mut j0 = 0;
                 for &size in plan {
-                    dots(t, blocks, &xs[j0..j0 + size], &mut out[j0..j0 + size]);
+                    dots(t, blocks, &xs[j0..j0 + size], &mut out[j0..j0 + size], &[]);
                     j0 += size;
                 }
                 std::hint::black_box(&out);

@@ -40,10 +40,12 @@ pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
 /// `dot_q4_0_q8`'s for that row.
 pub type TileDot = fn(&[u8], usize, &Q8Activation, &mut [f32; q4_0_tiles::TILE_ROWS]);
 
-/// `(tile, blocks, xs, out)`: a Q4_0 tile against up to
+/// `(tile, blocks, xs, out, next)`: a Q4_0 tile against up to
 /// [`TILE_TOKENS`] activations at once, `out[t]` exactly what the
-/// [`TileDot`] kernel gives for `xs[t]`.
-pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::TILE_ROWS]]);
+/// [`TileDot`] kernel gives for `xs[t]`. `next` (possibly empty): bytes
+/// the caller reads next, asked of L2 during the call (a hint; the
+/// following tile, on a tile's first pass).
+pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::TILE_ROWS]], &[u8]);
 
 /// `(w, x, out)`: consecutive rows of a 16-bit matrix against one vector.
 pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
@@ -399,9 +401,10 @@ mod avx2_wrappers {
         blocks: usize,
         xs: &[&super::Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         super::check_tiles_args(tile, blocks, xs, out);
-        unsafe { super::q4_0_tiles::avx2::dot_tiles(tile, blocks, xs, out) }
+        unsafe { super::q4_0_tiles::avx2::dot_tiles(tile, blocks, xs, out, next) }
     }
 }
 
@@ -483,9 +486,10 @@ mod avx512_wrappers {
         blocks: usize,
         xs: &[&super::Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         super::check_tiles_args(tile, blocks, xs, out);
-        unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out) }
+        unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out, next) }
     }
 }
 
@@ -1031,10 +1035,16 @@ fn tiled_rows(
         if r < full {
             let t = &bytes[r / TILE_ROWS * tb..][..tb];
             if let Some(tiles) = k.dot_q4_0_tiles.filter(|_| xs.len() > 1) {
+                // The task's next tile, asked for during the first pass.
+                let mut next = match r + TILE_ROWS {
+                    r1 if r1 < full && i0 + TILE_ROWS < len => &bytes[r1 / TILE_ROWS * tb..][..tb],
+                    _ => &[][..],
+                };
                 let mut pass = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
                 let mut j0 = 0;
                 for size in tile_passes(xs.len()) {
-                    tiles(t, blocks, &xs[j0..j0 + size], &mut pass);
+                    tiles(t, blocks, &xs[j0..j0 + size], &mut pass, next);
+                    next = &[];
                     for (i, rows) in pass.iter().enumerate().take(size) {
                         out[(j0 + i) * len + i0..][..n].copy_from_slice(&rows[..n]);
                     }

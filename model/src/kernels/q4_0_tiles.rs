@@ -106,6 +106,32 @@ fn debug_check_tiles(tile: &[u8], blocks: usize, xs: &[&Q8Activation], outs: usi
     );
 }
 
+/// Asks L2 for block `b`'s share of `next`, its `b`-th 288 bytes (the
+/// size of one block of a tile), where a several-token kernel multiplies
+/// block `b` of the tile before it. Once per block of a pass, that asks for
+/// the whole of a next tile as large as this one while this one is
+/// computed: the hardware prefetchers do not, as a tile spans several
+/// 4 KiB pages (docs/benchmarks.md, "The next tile asked of L2").
+///
+/// A hint only: `prefetcht1` never faults and changes no result.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ask_l2(next: &[u8], b: usize) {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    let share = Q4_0_BLOCK_BYTES * TILE_ROWS;
+    let Some(part) = next.get(b * share..next.len().min((b + 1) * share)) else {
+        return;
+    };
+    // From the start of the cache line that holds the share's first byte.
+    let lead = part.as_ptr() as usize % 64;
+    let first = part.as_ptr().wrapping_sub(lead);
+    for at in (0..lead + part.len()).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults, whatever the
+        // address; `wrapping_*` keeps the pointer arithmetic defined.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(first.wrapping_add(at) as *const i8) };
+    }
+}
+
 /// Rearranges a row-major Q4_0 matrix of `rows` rows of `blocks` blocks
 /// (`bytes.len() == rows × blocks × 18`) into tiles, in place: every full
 /// group of 16 rows becomes a tile, the remaining rows stay as they are.
@@ -310,6 +336,7 @@ pub mod avx2 {
         blocks: usize,
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         // SAFETY: forwarded contract (module docs): each call reads the
         // tile and its activations within bounds.
@@ -318,13 +345,16 @@ pub mod avx2 {
                 xs.len() <= TOKENS,
                 "dot_tiles takes at most {TOKENS} activations"
             );
+            // The next tile is asked for in the first pass only.
+            let mut next = next;
             for (xs, out) in xs.chunks(PASS).zip(out.chunks_mut(PASS)) {
                 match xs.len() {
-                    4 => tiles_n::<4>(tile, blocks, xs, out),
-                    3 => tiles_n::<3>(tile, blocks, xs, out),
-                    2 => tiles_n::<2>(tile, blocks, xs, out),
-                    _ => tiles_n::<1>(tile, blocks, xs, out),
+                    4 => tiles_n::<4>(tile, blocks, xs, out, next),
+                    3 => tiles_n::<3>(tile, blocks, xs, out, next),
+                    2 => tiles_n::<2>(tile, blocks, xs, out, next),
+                    _ => tiles_n::<1>(tile, blocks, xs, out, next),
                 }
+                next = &[];
             }
         }
     }
@@ -336,6 +366,7 @@ pub mod avx2 {
         blocks: usize,
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
@@ -353,6 +384,7 @@ pub mod avx2 {
             macro_rules! step {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
+                    super::ask_l2(next, b);
                     let c = base.add(codes_at(blocks, b));
                     let mut s16 = [[_mm256_setzero_si256(); 2]; T];
                     for j in 0..4 {
@@ -557,19 +589,20 @@ pub mod avx512 {
         blocks: usize,
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         // SAFETY: forwarded contract (module docs): each call reads the
         // tile and its activations within bounds.
         unsafe {
             match xs.len() {
-                8 => tiles_by_lane::<8>(tile, blocks, xs, out),
-                7 => tiles_by_lane::<7>(tile, blocks, xs, out),
-                6 => tiles_by_lane::<6>(tile, blocks, xs, out),
-                5 => tiles_by_lane::<5>(tile, blocks, xs, out),
-                4 => tiles_n::<4>(tile, blocks, xs, out),
-                3 => tiles_n::<3>(tile, blocks, xs, out),
-                2 => tiles_n::<2>(tile, blocks, xs, out),
-                1 => tiles_n::<1>(tile, blocks, xs, out),
+                8 => tiles_by_lane::<8>(tile, blocks, xs, out, next),
+                7 => tiles_by_lane::<7>(tile, blocks, xs, out, next),
+                6 => tiles_by_lane::<6>(tile, blocks, xs, out, next),
+                5 => tiles_by_lane::<5>(tile, blocks, xs, out, next),
+                4 => tiles_n::<4>(tile, blocks, xs, out, next),
+                3 => tiles_n::<3>(tile, blocks, xs, out, next),
+                2 => tiles_n::<2>(tile, blocks, xs, out, next),
+                1 => tiles_n::<1>(tile, blocks, xs, out, next),
                 0 => {}
                 _ => panic!("dot_tiles takes at most {TOKENS} activations"),
             }
@@ -589,6 +622,7 @@ pub mod avx512 {
         blocks: usize,
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
@@ -604,6 +638,7 @@ pub mod avx512 {
                 let mut acc = [_mm512_setzero_ps(); T];
                 let mut b = lane;
                 while b < blocks {
+                    super::ask_l2(next, b);
                     let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
                         let start = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
@@ -631,6 +666,7 @@ pub mod avx512 {
         blocks: usize,
         xs: &[&Q8Activation],
         out: &mut [[f32; 16]],
+        next: &[u8],
     ) {
         super::debug_check_tiles(tile, blocks, xs, out.len(), T);
         let base = tile.as_ptr();
@@ -645,6 +681,7 @@ pub mod avx512 {
             macro_rules! step {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
+                    super::ask_l2(next, b);
                     let (wl, wh, dw) = split_block(base, blocks, b, nibble);
                     for t in 0..T {
                         // `dot_tile`'s operations for token t, in its order.
@@ -769,13 +806,14 @@ mod tests {
     }
 
     /// Every several-token tile kernel this CPU runs gives each (row,
-    /// token) the row kernel's bits, for 1 to 4 tokens, on the block counts
+    /// token) the row kernel's bits, for 1 to 8 tokens, with or without
+    /// the next tile asked for, on the block counts
     /// of the single-token test, with zero, huge and infinite activation
     /// blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_several_token_tile_kernels_equal_the_row_kernel_bit_for_bit() {
-        type Dots = unsafe fn(&[u8], usize, &[&Q8Activation], &mut [[f32; TILE_ROWS]]);
+        type Dots = unsafe fn(&[u8], usize, &[&Q8Activation], &mut [[f32; TILE_ROWS]], &[u8]);
         let mut levels: Vec<(&str, Dots, usize)> = Vec::new();
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
@@ -815,9 +853,12 @@ mod tests {
                 for n in 1..=tokens {
                     let refs: Vec<&Q8Activation> = xs.iter().skip(xs.len() - n).collect();
                     let mut out = vec![[f32::NAN; TILE_ROWS]; n];
+                    // The hint for the next tile: none, a whole tile, a
+                    // part of one; it must change no bit.
+                    let next = [&[][..], &w[..], &w[..w.len() / 3]][n % 3];
                     // SAFETY: features checked above; the tile and every
                     // activation have `blocks` blocks.
-                    unsafe { dots(&t, blocks, &refs, &mut out) };
+                    unsafe { dots(&t, blocks, &refs, &mut out, next) };
                     for (x, o) in refs.iter().zip(&out) {
                         for (r, v) in o.iter().enumerate() {
                             let want = dot_q4_0_q8(&w[r * rb..(r + 1) * rb], x);
