@@ -35,6 +35,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::ops::fast_exp;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
@@ -401,32 +402,6 @@ const SORT_ALL: usize = 2048;
 /// terms it sets to 0 below -87 weigh under 2e-38 each, against a sum of at
 /// least 1).
 const Z_REL_ERR: f64 = 1.5e-7;
-
-/// `exp(x)` for `x <= 0` in f32, written to vectorize: range reduction to
-/// `2^n * exp(r)` with `|r| <= ln 2 / 2`, and Cephes' `expf` polynomial.
-/// Relative error at most 8.2e-8 on [-87, 0]; 0 below -87 (where `exp` is
-/// under 1.7e-38) and for NaN; positive `x` is taken as 0.
-#[inline(always)]
-fn fast_exp(x: f32) -> f32 {
-    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-    let xc = if x > -87.0 { x } else { -87.0 };
-    let xc = if xc < 0.0 { xc } else { 0.0 };
-    let k = xc * std::f32::consts::LOG2_E + SHIFT;
-    let n = k.to_bits().wrapping_sub(SHIFT.to_bits()) as i32;
-    let fx = k - SHIFT;
-    let r = xc - fx * 0.693_359_4 - fx * -2.121_944_4e-4;
-    let y = (((((1.987_569_1e-4f32 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r
-        + 4.166_579_6e-2)
-        * r
-        + 0.166_666_65)
-        * r
-        + 0.5)
-        * (r * r)
-        + r
-        + 1.0;
-    let e = y * f32::from_bits((n.wrapping_add(127) as u32) << 23);
-    if x >= -87.0 { e } else { 0.0 }
-}
 
 /// A candidate's weight as the sort-based code computes it: `exp` in f64 of
 /// the scaled logit minus the scaled maximum.

@@ -91,10 +91,16 @@ impl Q8Activation {
     /// Records block scale `d` and the sum of the block's quants, which
     /// start at `start`.
     fn finish_block(&mut self, d: f32, start: usize) {
-        self.scales.push(d);
         let q = &self.quants[start..start + QK];
-        self.bsums8
-            .push(8 * q.iter().map(|&v| v as i32).sum::<i32>());
+        let sum = q.iter().map(|&v| v as i32).sum::<i32>();
+        self.record_block(d, start, sum);
+    }
+
+    /// [`Self::finish_block`] with the sum of the block's quants given.
+    #[inline(always)]
+    fn record_block(&mut self, d: f32, start: usize, sum: i32) {
+        self.scales.push(d);
+        self.bsums8.push(8 * sum);
         let b = self.scales.len() - 1;
         let (g, j) = (b / 4, b % 4);
         if j == 0 {
@@ -110,7 +116,12 @@ impl Q8Activation {
 /// block). NaNs are skipped by the maximum, as `f32::max` does.
 #[inline]
 fn block_scale(block: &[f32]) -> (f32, f32) {
-    let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    scale_of(block.iter().fold(0.0f32, |m, v| m.max(v.abs())))
+}
+
+/// The scale and inverse scale of a block whose largest |value| is `amax`.
+#[inline(always)]
+fn scale_of(amax: f32) -> (f32, f32) {
     let d = amax / 127.0;
     (d, if d > 0.0 { 1.0 / d } else { 0.0 })
 }
@@ -180,14 +191,27 @@ pub mod avx2 {
         let one = _mm256_set1_ps(1.0);
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         for block in x.chunks_exact(QK) {
-            let (d, id) = super::block_scale(block);
+            // SAFETY: k·8 + 8 <= 32 = block.len().
+            let v: [__m256; 4] =
+                std::array::from_fn(|k| unsafe { _mm256_loadu_ps(block.as_ptr().add(k * 8)) });
+            // `block_scale`'s maximum of |v| in registers: `max_ps` gives
+            // its second operand where either is NaN, and the running
+            // maximum never is NaN, so NaNs are skipped as `f32::max`
+            // skips them; a maximum is exact in any order.
+            let mut m = _mm256_setzero_ps();
+            for vk in v {
+                m = _mm256_max_ps(_mm256_and_ps(vk, magnitude), m);
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+            let (d, id) = super::scale_of(amax);
             let vid = _mm256_set1_ps(id);
             let mut ints = [_mm256_setzero_si256(); 4];
-            for (k, out) in ints.iter_mut().enumerate() {
-                // SAFETY: k·8 + 8 <= 32 = block.len().
-                let v = unsafe { _mm256_loadu_ps(block.as_ptr().add(k * 8)) };
-                let xv = _mm256_mul_ps(v, vid);
+            for (out, vk) in ints.iter_mut().zip(v) {
+                let xv = _mm256_mul_ps(vk, vid);
                 let t = _mm256_round_ps(xv, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
                 let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(xv, t));
                 let away = _mm256_or_ps(_mm256_and_ps(xv, sign), one);
@@ -196,6 +220,14 @@ pub mod avx2 {
                 let ordered = _mm256_cmp_ps(xv, xv, _CMP_ORD_Q);
                 *out = _mm256_cvttps_epi32(_mm256_and_ps(r, ordered));
             }
+            // The quants' sum from the 32-bit lanes (exact).
+            let s8 = _mm256_add_epi32(
+                _mm256_add_epi32(ints[0], ints[1]),
+                _mm256_add_epi32(ints[2], ints[3]),
+            );
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
             let w16a = _mm256_packs_epi32(ints[0], ints[1]);
             let w16b = _mm256_packs_epi32(ints[2], ints[3]);
             let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b), order);
@@ -204,7 +236,7 @@ pub mod avx2 {
             // SAFETY: `q` has 32 bytes.
             unsafe { _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes) };
             a.quants.extend_from_slice(&q);
-            a.finish_block(d, start);
+            a.record_block(d, start, sum);
         }
     }
 
@@ -543,6 +575,11 @@ pub(crate) mod tests {
         odd[50..].fill(0.0);
         inputs.push(odd);
         inputs.push(vec![0.0; QK]);
+        inputs.push(vec![-0.0; QK]);
+        let mut nans = vec![f32::NAN; QK];
+        nans[17] = -3.0;
+        inputs.push(nans);
+        inputs.push(vec![f32::NAN; QK]);
         for x in &inputs {
             let mut want = Q8Activation::default();
             want.quantize_scalar(x);
