@@ -313,24 +313,29 @@ pub mod avx2 {
         }
     }
 
-    /// Tokens [`dot_tiles`] takes at once (as the AVX-512 kernel; it
-    /// splits more than [`PASS`] into passes of at most [`PASS`]).
+    /// Tokens [`dot_tiles`] takes at once (as the AVX-512 kernel).
     pub const TOKENS: usize = 8;
-    /// Tokens of one pass over the tile.
-    pub const PASS: usize = 4;
 
     /// The tile against `xs.len() ≤ TOKENS` activations: `out[t]` is
-    /// exactly what [`dot_tile`] gives for `xs[t]`. Each group of codes is
-    /// loaded and split into nibbles once for the tokens of a pass: the
-    /// split is 24 of the one-token kernel's ~68 vector operations per
-    /// block, so a prefill pays for it once per four tokens instead of once
-    /// per token. Sixteen registers cannot hold four tokens' 32
-    /// accumulators; they live in L1, each lane touched once per four
-    /// blocks.
+    /// exactly what [`dot_tile`] gives for `xs[t]`.
+    ///
+    /// From three tokens on, block by block: the block's codes are split
+    /// into nibbles once (16 registers' worth, which the compiler keeps in
+    /// L1) and every token multiplies them from there, two tokens at a
+    /// time so each load of split codes serves both. Sixteen registers
+    /// then hold a pair's four 16-bit sums, its broadcast quants and the
+    /// codes in flight; the accumulators live in L1, one fused
+    /// multiply-add per token and half of a block. Passes of four tokens
+    /// over the tile with every token's sums in registers, as before,
+    /// spilled inside the multiply loop and ran 12–35% slower
+    /// (docs/benchmarks.md, "The AVX2 tile kernel without spills"). One
+    /// or two tokens take [`tiles_n`], whose split codes stay in
+    /// registers: there the stores of the split would not pay.
     ///
     /// # Safety
     /// As [`dot_tile`], for every activation; `out.len() >= xs.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // h indexes the halves of acc and of out
     pub unsafe fn dot_tiles(
         tile: &[u8],
         blocks: usize,
@@ -338,27 +343,114 @@ pub mod avx2 {
         out: &mut [[f32; 16]],
         next: &[u8],
     ) {
-        // SAFETY: forwarded contract (module docs): each call reads the
-        // tile and its activations within bounds.
+        let n = xs.len();
+        assert!(n <= TOKENS, "dot_tiles takes at most {TOKENS} activations");
+        // SAFETY: forwarded contract (module docs).
+        match n {
+            1 => return unsafe { tiles_n::<1>(tile, blocks, xs, out, next) },
+            2 => return unsafe { tiles_n::<2>(tile, blocks, xs, out, next) },
+            _ => {}
+        }
+        super::debug_check_tiles(tile, blocks, xs, out.len(), n);
+        let base = tile.as_ptr();
+        // SAFETY: block `b < blocks` reads codes `codes_at(b)..+256` and
+        // scales `scales_at(b)..+32` of the tile, and quants `b × 32..+32`,
+        // scale `b` and `bsums8[b]` of each of the `n` activations, all in
+        // bounds (module docs); the rest is register arithmetic and
+        // accesses to local arrays.
         unsafe {
-            assert!(
-                xs.len() <= TOKENS,
-                "dot_tiles takes at most {TOKENS} activations"
-            );
-            // The next tile is asked for in the first pass only.
-            let mut next = next;
-            for (xs, out) in xs.chunks(PASS).zip(out.chunks_mut(PASS)) {
-                match xs.len() {
-                    4 => tiles_n::<4>(tile, blocks, xs, out, next),
-                    3 => tiles_n::<3>(tile, blocks, xs, out, next),
-                    2 => tiles_n::<2>(tile, blocks, xs, out, next),
-                    _ => tiles_n::<1>(tile, blocks, xs, out, next),
+            let nibble = _mm256_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            // acc[lane][t][h]: token t's rows 8h..8h + 8, lane b mod 4.
+            let mut acc = [[[_mm256_setzero_ps(); 2]; TOKENS]; LANES];
+            // Block b's codes split: [4j] low and [4j + 1] high nibbles of
+            // rows 0..8 in group j, [4j + 2] and [4j + 3] of rows 8..16.
+            let mut split = [_mm256_setzero_si256(); 16];
+            // Tokens t..t + $p of block b into `lane`, as `dot_tile`'s
+            // step does for each.
+            macro_rules! tokens {
+                ($p:literal, $t:expr, $b:expr, $dw:expr, $lane:expr) => {{
+                    let (t, b): (usize, usize) = ($t, $b);
+                    let q: [*const i32; $p] = std::array::from_fn(|i| {
+                        (xs.get_unchecked(t + i).quants.as_ptr() as *const i32).add(b * 8)
+                    });
+                    let mut s16 = [[_mm256_setzero_si256(); 2]; $p];
+                    for j in 0..4 {
+                        for i in 0..$p {
+                            let ql = _mm256_set1_epi32(q[i].add(j).read_unaligned());
+                            let qh = _mm256_set1_epi32(q[i].add(4 + j).read_unaligned());
+                            let s = &mut s16[i];
+                            let lo = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(split[4 * j], ql),
+                                _mm256_maddubs_epi16(split[4 * j + 1], qh),
+                            );
+                            let hi = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(split[4 * j + 2], ql),
+                                _mm256_maddubs_epi16(split[4 * j + 3], qh),
+                            );
+                            s[0] = _mm256_add_epi16(s[0], lo);
+                            s[1] = _mm256_add_epi16(s[1], hi);
+                        }
+                    }
+                    for i in 0..$p {
+                        let x = xs.get_unchecked(t + i);
+                        let zero = _mm256_set1_epi32(*x.bsums8.get_unchecked(b));
+                        let xd = _mm256_set1_ps(*x.scales.get_unchecked(b));
+                        for h in 0..2 {
+                            let s = _mm256_sub_epi32(_mm256_madd_epi16(s16[i][h], ones), zero);
+                            let a = &mut $lane[t + i][h];
+                            *a = _mm256_fmadd_ps(
+                                _mm256_mul_ps($dw[h], xd),
+                                _mm256_cvtepi32_ps(s),
+                                *a,
+                            );
+                        }
+                    }
+                }};
+            }
+            for b in 0..blocks {
+                super::ask_l2(next, b);
+                let c = base.add(codes_at(blocks, b));
+                for j in 0..4 {
+                    let w0 = _mm256_loadu_si256(c.add(64 * j) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(c.add(64 * j + 32) as *const __m256i);
+                    split[4 * j] = _mm256_and_si256(w0, nibble);
+                    split[4 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nibble);
+                    split[4 * j + 2] = _mm256_and_si256(w1, nibble);
+                    split[4 * j + 3] = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nibble);
                 }
-                next = &[];
+                let sc = base.add(scales_at(blocks, b));
+                let dw = [
+                    _mm256_cvtph_ps(_mm_loadu_si128(sc as *const __m128i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(sc.add(16) as *const __m128i)),
+                ];
+                let lane = &mut acc[b % LANES];
+                let mut t = 0;
+                while t + 2 <= n {
+                    tokens!(2, t, b, dw, lane);
+                    t += 2;
+                }
+                if t < n {
+                    tokens!(1, t, b, dw, lane);
+                }
+            }
+            for (t, o) in out.iter_mut().enumerate().take(n) {
+                for h in 0..2 {
+                    let v = _mm256_add_ps(
+                        _mm256_add_ps(acc[0][t][h], acc[2][t][h]),
+                        _mm256_add_ps(acc[1][t][h], acc[3][t][h]),
+                    );
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8 * h), v);
+                }
             }
         }
     }
 
+    /// One or two tokens (`T`) through the tile: each group of codes is
+    /// loaded and split once for both, their sums kept in registers.
+    ///
+    /// # Safety
+    /// As [`dot_tiles`], with `xs.len() == T`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // h indexes the halves and the output
     unsafe fn tiles_n<const T: usize>(
