@@ -529,8 +529,15 @@ pub mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     //! The tile kernel on AVX-512 VNNI: the 16 rows in the 16 lanes of a
-    //! register. Weight codes enter `vpdpbusd` unsigned (0..15) and the
-    //! zero point is taken off exactly afterwards, `Σ(w−8)q = Σwq − 8Σq`.
+    //! register. Weight codes enter `vpdpbusd` unsigned and the zero point
+    //! is taken off exactly afterwards, `Σ(w−8)q = Σwq − 8Σq`. In the
+    //! one-token [`dot_tile`], low nibbles enter as 0..15 (the byte masked
+    //! by 0x0f) and high nibbles stay where they are, 16 × (0..15) (the byte
+    //! masked by 0xf0, at most 240, still an unsigned byte operand): their
+    //! chain sums exactly 16 × Σwq, and one arithmetic shift by 4 per block
+    //! takes the factor off. That spares the shift per 64 bytes of a split
+    //! into 0..15, in the kernel a decode streams from memory
+    //! (docs/benchmarks.md, "High nibbles in place").
     //!
     //! # Safety
     //! Requires AVX-512 F, BW, VL and VNNI, FMA and F16C (checked by the
@@ -555,7 +562,7 @@ pub mod avx512 {
         // and `bsums8[b]` of the activation, all in bounds (module docs);
         // the rest is register arithmetic.
         unsafe {
-            let nibble = _mm512_set1_epi8(0x0f);
+            let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0xf0u8 as i8));
             let pf = super::prefetch_ahead();
             let step = |b: usize, acc: &mut __m512| {
                 let c = base.add(codes_at(blocks, b)) as *const __m512i;
@@ -570,13 +577,14 @@ pub mod avx512 {
                 }
                 let qb = q.add(b * 8);
                 // Low nibbles pair with the block's first 16 quants, high
-                // ones with its last 16; two chains halve the latency.
+                // ones (in place, 16×) with its last 16; two chains halve
+                // the latency.
                 let mut lo = _mm512_setzero_si512();
                 let mut hi = _mm512_setzero_si512();
                 for j in 0..4 {
                     let w = _mm512_loadu_si512(c.add(j));
-                    let wl = _mm512_and_si512(w, nibble);
-                    let wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                    let wl = _mm512_and_si512(w, low);
+                    let wh = _mm512_and_si512(w, high);
                     lo = _mm512_dpbusd_epi32(lo, wl, _mm512_set1_epi32(qb.add(j).read_unaligned()));
                     hi = _mm512_dpbusd_epi32(
                         hi,
@@ -585,7 +593,7 @@ pub mod avx512 {
                     );
                 }
                 let zero = _mm512_set1_epi32(*x.bsums8.get_unchecked(b));
-                let s = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), zero);
+                let s = _mm512_sub_epi32(_mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4)), zero);
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
                     base.add(scales_at(blocks, b)) as *const __m256i
                 ));
@@ -601,6 +609,9 @@ pub mod avx512 {
 
     /// Block `b` of a tile at `base`: its codes' low and high nibbles
     /// (four registers each, 16 rows × 4 bytes apiece) and its 16 scales.
+    /// Both split into 0..15: the several-token kernels split a block once
+    /// for all their tokens, where the one-token kernel's high nibbles in
+    /// place would cost a shift per token instead.
     ///
     /// # Safety
     /// `b < blocks` of a tile of `blocks` blocks at `base`; the caller's
