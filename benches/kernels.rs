@@ -31,7 +31,9 @@
 //! tier's decode runs them (one pool job for the gates and ups, one for
 //! the downs). Many short matrices, not one long one: what the hardware
 //! prefetchers see in a real decode. GB/s of expert weights against a
-//! read pass measured after each stretch.
+//! read pass measured after each stretch; `--prefetch P,...` compares the
+//! tile kernels' prefetch settings (`4096/l2`, `1536/l1`, `0`; default:
+//! the default against none), slices of layers taking turns.
 //!
 //! `-- --tile-tokens` times the several-token Q4_0 tile kernel on one tile
 //! held in L1 (one thread): tokens 8 per call, against the same tokens as
@@ -216,13 +218,18 @@ fn experts(pool: &Pool, n: usize, threads: usize) {
     // Prefetch distances of the tile kernels, compared in slices of a few
     // layers taken in turn, so that drifting memory bandwidth (a shared
     // VM's) hits every distance alike.
-    let dists: Vec<usize> =
-        args_list("--prefetch").unwrap_or_else(|| vec![q4_0_tiles::DEFAULT_PREFETCH_AHEAD, 0]);
+    let dists: Vec<q4_0_tiles::TilePrefetch> = match arg_str("--prefetch") {
+        Some(list) => list
+            .split(',')
+            .map(|p| p.parse().unwrap_or_else(|e| panic!("--prefetch: {e}")))
+            .collect(),
+        None => vec![q4_0_tiles::DEFAULT_PREFETCH, q4_0_tiles::TilePrefetch::NONE],
+    };
     let (slices, layers) = (40, 12);
     let mut secs = vec![0.0f64; dists.len()];
     for slice in 1..=slices {
         for (d, &dist) in dists.iter().enumerate() {
-            q4_0_tiles::set_prefetch_ahead(dist);
+            q4_0_tiles::set_prefetch(dist);
             let t = Instant::now();
             for _ in 0..layers {
                 let pick: Vec<usize> = (0..8).map(|_| rng.random_range(0..pool_m.len())).collect();
@@ -256,14 +263,18 @@ fn experts(pool: &Pool, n: usize, threads: usize) {
             );
         }
     }
-    q4_0_tiles::set_prefetch_ahead(q4_0_tiles::DEFAULT_PREFETCH_AHEAD);
+    q4_0_tiles::set_prefetch(q4_0_tiles::DEFAULT_PREFETCH);
 }
 
 /// A comma-separated list of numbers after `name`.
 fn args_list(name: &str) -> Option<Vec<usize>> {
+    arg_str(name)?.split(',').map(|x| x.parse().ok()).collect()
+}
+
+/// The argument after `name`.
+fn arg_str(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    let v = args.get(args.iter().position(|a| a == name)? + 1)?;
-    v.split(',').map(|x| x.parse().ok()).collect()
+    args.get(args.iter().position(|a| a == name)? + 1).cloned()
 }
 
 /// `--pages`: batch-1 products from 4 KiB pages and from huge pages,

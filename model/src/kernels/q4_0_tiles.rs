@@ -48,28 +48,126 @@ pub fn tile_bytes(blocks: usize) -> usize {
     TILE_ROWS * blocks * Q4_0_BLOCK_BYTES
 }
 
-/// How far ahead of the block it multiplies a one-token tile kernel asks
-/// for the tile's bytes by default (`prefetcht0`, x86). A decode streams
-/// many short tiled matrices (an expert's rows split among the threads:
-/// ~110 KiB per task), too short for the hardware prefetchers to ramp up.
-/// With 2 threads, experts' GB/s against none (docs/benchmarks.md,
-/// "Prefetching the tiles of a decode"): Zen 3 (AVX2) +12–15% at 1 to
-/// 1.5 KiB, Xeon (AVX-512) +23% at 1.5 KiB, +25% at 2 KiB.
-pub const DEFAULT_PREFETCH_AHEAD: usize = 1536;
-
-static PREFETCH_AHEAD: AtomicUsize = AtomicUsize::new(DEFAULT_PREFETCH_AHEAD);
-
-/// Sets how many bytes ahead the one-token tile kernels prefetch (0: not
-/// at all), for every thread; the products' bits do not depend on it.
-/// `cargo bench --bench kernels -- --experts N` compares distances.
-pub fn set_prefetch_ahead(bytes: usize) {
-    PREFETCH_AHEAD.store(bytes, Ordering::Relaxed);
+/// Which cache a one-token tile kernel's prefetch fills (x86:
+/// `prefetcht0` for L1, `prefetcht1` for L2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchLevel {
+    L1,
+    L2,
 }
 
-/// The distance [`set_prefetch_ahead`] set ([`DEFAULT_PREFETCH_AHEAD`]
-/// unless changed).
-pub fn prefetch_ahead() -> usize {
-    PREFETCH_AHEAD.load(Ordering::Relaxed)
+/// How a one-token tile kernel asks for the tile's bytes ahead of the
+/// block it multiplies: `bytes` ahead (0: not at all), into `level`. A
+/// decode streams many short tiled matrices (an expert's rows split among
+/// the threads: ~110 KiB per task), too short for the hardware prefetchers
+/// to ramp up. Written `BYTES/l1` or `BYTES/l2` (`0` for none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TilePrefetch {
+    pub bytes: usize,
+    pub level: PrefetchLevel,
+}
+
+/// The default: 4 KiB ahead into L2. Experts' GB/s in `cargo bench --bench
+/// kernels -- --experts 640` (distances interleaved in one run;
+/// docs/benchmarks.md, "Decode tiles asked of L2"), against the earlier
+/// 1.5 KiB into L1: Xeon (the H200 host) AVX-512 +4–8% with 2 threads,
+/// +4% with 8; its AVX2 kernel +12% and +7%; Zen 4 AVX-512 +4–9% with 2
+/// threads, +10% with 1; Zen 4's AVX2 kernel unchanged. Asked into L1, a
+/// line in flight holds one of the core's few L1 miss buffers as a demand
+/// miss does; asked into L2 it does not, so more lines are in flight.
+pub const DEFAULT_PREFETCH: TilePrefetch = TilePrefetch {
+    bytes: 4096,
+    level: PrefetchLevel::L2,
+};
+
+impl TilePrefetch {
+    /// None at all.
+    pub const NONE: TilePrefetch = TilePrefetch {
+        bytes: 0,
+        level: PrefetchLevel::L1,
+    };
+
+    const fn encode(self) -> usize {
+        self.bytes << 1
+            | match self.level {
+                PrefetchLevel::L1 => 0,
+                PrefetchLevel::L2 => 1,
+            }
+    }
+
+    const fn decode(v: usize) -> TilePrefetch {
+        TilePrefetch {
+            bytes: v >> 1,
+            level: if v & 1 == 0 {
+                PrefetchLevel::L1
+            } else {
+                PrefetchLevel::L2
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for TilePrefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.bytes, self.level) {
+            (0, _) => write!(f, "0"),
+            (b, PrefetchLevel::L1) => write!(f, "{b}/l1"),
+            (b, PrefetchLevel::L2) => write!(f, "{b}/l2"),
+        }
+    }
+}
+
+impl std::str::FromStr for TilePrefetch {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<TilePrefetch, String> {
+        let bad = || format!("a tile prefetch is BYTES/l1, BYTES/l2 or 0, not {s:?}");
+        let (bytes, level) = match s.split_once('/') {
+            None if s == "0" => return Ok(TilePrefetch::NONE),
+            None => return Err(bad()),
+            Some((b, "l1")) => (b, PrefetchLevel::L1),
+            Some((b, "l2")) => (b, PrefetchLevel::L2),
+            Some(_) => return Err(bad()),
+        };
+        let bytes = bytes.parse().map_err(|_| bad())?;
+        Ok(TilePrefetch { bytes, level })
+    }
+}
+
+static PREFETCH: AtomicUsize = AtomicUsize::new(DEFAULT_PREFETCH.encode());
+
+/// Sets how the one-token tile kernels prefetch, for every thread; the
+/// products' bits do not depend on it. `cargo bench --bench kernels --
+/// --experts N --prefetch P,...` compares settings.
+pub fn set_prefetch(p: TilePrefetch) {
+    PREFETCH.store(p.encode(), Ordering::Relaxed);
+}
+
+/// What [`set_prefetch`] set ([`DEFAULT_PREFETCH`] unless changed).
+pub fn prefetch() -> TilePrefetch {
+    TilePrefetch::decode(PREFETCH.load(Ordering::Relaxed))
+}
+
+/// Asks for the five cache lines from `at` (one block's 288 bytes of a
+/// tile) into `level`.
+///
+/// A hint only: a prefetch never faults, whatever the address, and
+/// changes no result.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ask_block(at: *const i8, level: PrefetchLevel) {
+    use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+    for line in 0..5 {
+        let p = at.wrapping_add(64 * line);
+        // SAFETY: a prefetch is a hint that never faults; `wrapping_add`
+        // keeps the address arithmetic defined.
+        unsafe {
+            match level {
+                PrefetchLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(p),
+                PrefetchLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(p),
+            }
+        }
+    }
 }
 
 /// Bytes of one block's 16 scales in a tile.
@@ -265,19 +363,16 @@ pub mod avx2 {
         unsafe {
             let nibble = _mm256_set1_epi8(0x0f);
             let ones = _mm256_set1_epi16(1);
-            let pf = super::prefetch_ahead();
+            let pf = super::prefetch();
             let step = |b: usize, acc: &mut [__m256; 2]| {
                 let c = base.add(codes_at(blocks, b));
-                // The 288 bytes of a block `pf` on: this tile's, the next
-                // tile's of the same rows task, or (at the end of the
+                // The 288 bytes of a block `pf.bytes` on: this tile's, the
+                // next tile's of the same rows task, or (at the end of the
                 // task's rows) bytes it never reads. A prefetch is only a
                 // hint and never faults, and `wrapping_add` keeps the
                 // address arithmetic defined past the slice.
-                if pf != 0 {
-                    let ahead = c.wrapping_add(pf) as *const i8;
-                    for line in 0..5 {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
-                    }
+                if pf.bytes != 0 {
+                    super::ask_block(c.wrapping_add(pf.bytes) as *const i8, pf.level);
                 }
                 let qb = q.add(b * 8);
                 let zero = _mm256_set1_epi32(*x.bsums8.get_unchecked(b));
@@ -563,17 +658,14 @@ pub mod avx512 {
         // the rest is register arithmetic.
         unsafe {
             let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0xf0u8 as i8));
-            let pf = super::prefetch_ahead();
+            let pf = super::prefetch();
             let step = |b: usize, acc: &mut __m512| {
                 let c = base.add(codes_at(blocks, b)) as *const __m512i;
-                // As in the AVX2 kernel: ask for the bytes `pf` on (a hint
-                // that never faults; `wrapping_add` keeps the address
+                // As in the AVX2 kernel: ask for the bytes `pf.bytes` on (a
+                // hint that never faults; `wrapping_add` keeps the address
                 // arithmetic defined past the slice).
-                if pf != 0 {
-                    let ahead = (c as *const i8).wrapping_add(pf);
-                    for line in 0..5 {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
-                    }
+                if pf.bytes != 0 {
+                    super::ask_block((c as *const i8).wrapping_add(pf.bytes), pf.level);
                 }
                 let qb = q.add(b * 8);
                 // Low nibbles pair with the block's first 16 quants, high
@@ -1017,11 +1109,26 @@ mod tests {
                 let rb = blocks * Q4_0_BLOCK_BYTES;
                 // Any prefetch distance (none, inside the tile, the
                 // default, far past it) gives the same bits.
-                for (&(name, dot), pf) in levels
-                    .iter()
-                    .flat_map(|l| [0, 64, DEFAULT_PREFETCH_AHEAD, 1 << 20].map(|pf| (l, pf)))
-                {
-                    set_prefetch_ahead(pf);
+                for (&(name, dot), pf) in levels.iter().flat_map(|l| {
+                    [
+                        TilePrefetch::NONE,
+                        TilePrefetch {
+                            bytes: 64,
+                            level: PrefetchLevel::L1,
+                        },
+                        TilePrefetch {
+                            bytes: 1536,
+                            level: PrefetchLevel::L1,
+                        },
+                        DEFAULT_PREFETCH,
+                        TilePrefetch {
+                            bytes: 1 << 20,
+                            level: PrefetchLevel::L2,
+                        },
+                    ]
+                    .map(|pf| (l, pf))
+                }) {
+                    set_prefetch(pf);
                     let mut out = [f32::NAN; TILE_ROWS];
                     // SAFETY: features checked above; the tile and the
                     // activation have `blocks` blocks.
@@ -1037,6 +1144,25 @@ mod tests {
                 }
             }
         }
-        set_prefetch_ahead(DEFAULT_PREFETCH_AHEAD);
+        set_prefetch(DEFAULT_PREFETCH);
+    }
+
+    #[test]
+    fn prefetch_settings_parse_and_print() {
+        for p in [
+            TilePrefetch::NONE,
+            DEFAULT_PREFETCH,
+            TilePrefetch {
+                bytes: 1536,
+                level: PrefetchLevel::L1,
+            },
+        ] {
+            assert_eq!(p.to_string().parse::<TilePrefetch>(), Ok(p));
+            assert_eq!(TilePrefetch::decode(p.encode()), p);
+        }
+        assert_eq!(DEFAULT_PREFETCH.to_string(), "4096/l2");
+        for bad in ["", "4096", "4096/l3", "x/l1", "/l2"] {
+            assert!(bad.parse::<TilePrefetch>().is_err(), "{bad:?}");
+        }
     }
 }
