@@ -70,11 +70,13 @@ pub struct TilePrefetch {
 /// The default: 4 KiB ahead into L2. Experts' GB/s in `cargo bench --bench
 /// kernels -- --experts 640` (distances interleaved in one run;
 /// docs/benchmarks.md, "Decode tiles asked of L2"), against the earlier
-/// 1.5 KiB into L1: Xeon (the H200 host) AVX-512 +4–8% with 2 threads,
-/// +4% with 8; its AVX2 kernel +12% and +7%; Zen 4 AVX-512 +4–9% with 2
-/// threads, +10% with 1; Zen 4's AVX2 kernel unchanged. Asked into L1, a
-/// line in flight holds one of the core's few L1 miss buffers as a demand
-/// miss does; asked into L2 it does not, so more lines are in flight.
+/// 1.5 KiB into L1: Xeon (the H200 host) AVX-512 +6–8% with 2 threads,
+/// +4% with 8; its AVX2 kernel +12% and +7%; Zen 4 AVX-512 +3–9% with 2
+/// threads (four runs), −15% to +10% with 1; Zen 4's AVX2 kernel
+/// unchanged. Zen 3, where 1.5 KiB into L1 had been chosen (+12–15%
+/// against none), was not measured with it. Asked into L1, a line in
+/// flight holds one of the core's few L1 miss buffers as a demand miss
+/// does; asked into L2 it does not, so more lines are in flight.
 pub const DEFAULT_PREFETCH: TilePrefetch = TilePrefetch {
     bytes: 4096,
     level: PrefetchLevel::L2,
