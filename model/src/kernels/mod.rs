@@ -511,6 +511,46 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     ..AVX2
 };
 
+/// [`AVX512_VNNI`] for CPUs that execute a 512-bit vector operation as
+/// two 256-bit halves (AMD Zen 4, [`splits_512_bit`]): the one-token tile
+/// kernel is AVX2's. On a Zen 4 VM it streamed a decode's experts 3–6%
+/// faster than the AVX-512 one, on the H200 host's Xeon 2–4% slower
+/// (`cargo bench --bench kernels -- --experts 640`, both in one run;
+/// docs/benchmarks.md, "One-token tiles on Zen 4"). The several-token
+/// kernels stay AVX-512 (on the same Zen 4, 3.2 against 5.8 ns per block
+/// and token). The bits are the same: every tile kernel gives each row
+/// exactly what [`q4_0::dot_q4_0_q8`] gives.
+#[cfg(target_arch = "x86_64")]
+pub const AVX512_VNNI_HALF_WIDTH: KernelSet = KernelSet {
+    name: "avx512-vnni, avx2 one-token tiles",
+    dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
+    ..AVX512_VNNI
+};
+
+/// The family of an x86 CPU from CPUID leaf 1's EAX: the base family,
+/// plus the extended family where the base is 0xF.
+#[cfg(target_arch = "x86_64")]
+fn x86_family(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xf;
+    if base == 0xf {
+        base + ((eax >> 20) & 0xff)
+    } else {
+        base
+    }
+}
+
+/// Whether this CPU executes 512-bit vector operations as two 256-bit
+/// halves: AMD family 19h with AVX-512, that is Zen 4 (Zen 3, the same
+/// family, has no AVX-512; Zen 5, family 1Ah, has full-width units).
+#[cfg(target_arch = "x86_64")]
+pub fn splits_512_bit() -> bool {
+    use std::arch::x86_64::__cpuid;
+    // CPUID leaves 0 (vendor) and 1 (family) exist on every x86-64 CPU.
+    let (vendor, id) = (__cpuid(0), __cpuid(1));
+    let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+    amd && x86_family(id.eax) == 0x19 && is_x86_feature_detected!("avx512f")
+}
+
 /// Whether this CPU runs [`AVX512_VNNI`].
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512_vnni() -> bool {
@@ -682,7 +722,11 @@ fn select_simd() -> KernelSet {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx512_vnni() && std::env::var_os("COLIBRI_NO_AVX512").is_none() {
-            return AVX512_VNNI;
+            return if splits_512_bit() {
+                AVX512_VNNI_HALF_WIDTH
+            } else {
+                AVX512_VNNI
+            };
         }
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
@@ -1422,6 +1466,30 @@ mod tests {
 
     /// Every kernel set this CPU runs besides [`SCALAR`] (the tests
     /// compare each with the scalar references).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn x86_families_from_cpuid() {
+        // Zen 3 and Zen 4 (family 19h), Zen 5 (1Ah), Sapphire Rapids (6).
+        assert_eq!(x86_family(0x00A0_0F11), 0x19);
+        assert_eq!(x86_family(0x00A1_0F11), 0x19);
+        assert_eq!(x86_family(0x00B0_0F21), 0x1A);
+        assert_eq!(x86_family(0x0008_06F8), 6);
+        // Only a CPU with AVX-512 can split it.
+        assert!(!splits_512_bit() || is_x86_feature_detected!("avx512f"));
+        let chosen = select_simd().name;
+        let forced = ["COLIBRI_NO_AVX512", "COLIBRI_SCALAR_KERNELS"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some());
+        if has_avx512_vnni() && !forced {
+            let want = if splits_512_bit() {
+                AVX512_VNNI_HALF_WIDTH.name
+            } else {
+                AVX512_VNNI.name
+            };
+            assert_eq!(chosen, want);
+        }
+    }
+
     pub(crate) fn simd_sets() -> Vec<KernelSet> {
         let mut sets = Vec::new();
         #[cfg(target_arch = "x86_64")]
@@ -1438,6 +1506,7 @@ mod tests {
             }
             if has_avx512_vnni() {
                 sets.push(AVX512_VNNI);
+                sets.push(AVX512_VNNI_HALF_WIDTH);
             } else {
                 eprintln!(
                     "SKIP avx512: this CPU has no AVX-512 VNNI (probe: is_x86_feature_detected)"
