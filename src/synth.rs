@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use colibri_model::convert::cast::Quant;
+use colibri_model::format::WeightFormat;
 use colibri_model::synth::{self, SynthFormat, SynthSource, SynthSummary};
 
 use crate::convert::{Bar, human_bytes};
@@ -19,6 +20,15 @@ pub enum SynthQuant {
     Q8_0,
     #[value(name = "q4_0")]
     Q4_0,
+}
+
+/// The output head's format, when not `--quant`'s.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum HeadArg {
+    /// ggml Q6_K, as llama.cpp stores the head of its Q4_0 and k-quant
+    /// files.
+    #[value(name = "q6_k")]
+    Q6K,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -43,6 +53,10 @@ pub struct SynthArgs {
     /// embeddings, norms and routers in bf16.
     #[arg(long, value_enum, default_value = "q4_0")]
     pub quant: SynthQuant,
+    /// Store the output head in this format instead (GGUF only): `q6_k`
+    /// with `--quant q4_0` gives llama.cpp's Q4_0 file layout.
+    #[arg(long, value_enum)]
+    pub head: Option<HeadArg>,
     /// Output format.
     #[arg(long, value_enum, default_value = "packed")]
     pub format: FormatArg,
@@ -118,7 +132,10 @@ pub fn main(args: SynthArgs) -> Result<()> {
         None => None,
     };
     let config = synth::config(args.preset.as_deref(), config, args.layers)?;
-    let source = SynthSource::new(config, args.seed).context("the model's config")?;
+    let mut source = SynthSource::new(config, args.seed).context("the model's config")?;
+    if let Some(HeadArg::Q6K) = args.head {
+        source = source.with_head(WeightFormat::Q6K);
+    }
     let quant = match args.quant {
         SynthQuant::F32 => Quant::F32,
         SynthQuant::Bf16 => Quant::Bf16,

@@ -67,6 +67,9 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => b
             .chunks_exact_mut(18)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
+        WeightFormat::Q6K | WeightFormat::Q6KQ8 => b
+            .chunks_exact_mut(210)
+            .for_each(|blk| blk[208..].copy_from_slice(&scale)),
         // bf16 with exponent bits forced into [2^-8, 2^0): finite, non-zero.
         WeightFormat::Bf16 | WeightFormat::F16 => b
             .chunks_exact_mut(2)

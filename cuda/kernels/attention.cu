@@ -337,6 +337,18 @@ __device__ __forceinline__ float weight_elem(const u8* __restrict__ w, u32 fmt, 
             const float d = f16_bits_to_f32(*(const u16*)b);
             return __fmul_rn(d, (float)(signed char)b[2 + col % 32]);
         }
+        case FMT_Q6_K: {
+            // ggml's layout (model/src/quant.rs `q6_k_code`); d · sc · q is
+            // exact in f32.
+            const u8* b = w + row * (cols / 256) * 210 + (col / 256) * 210;
+            const u32 e = col % 256, n = e / 128, k = (e % 128) / 32, l = e % 32;
+            const u32 ql = b[64 * n + 32 * (k % 2) + l];
+            const u32 nib = k < 2 ? (ql & 15u) : (ql >> 4);
+            const u32 hi = (b[128 + 32 * n + l] >> (2 * k)) & 3u;
+            const float d = f16_bits_to_f32((u32)b[208] | ((u32)b[209] << 8));
+            const float sc = (float)(signed char)b[192 + e / 16];
+            return __fmul_rn(__fmul_rn(d, sc), (float)((int)(nib | (hi << 4)) - 32));
+        }
         default: {
             const u8* b = w + row * (cols / 32) * 18 + (col / 32) * 18;
             const float d = f16_bits_to_f32(*(const u16*)b);

@@ -30,6 +30,10 @@ typedef unsigned long long u64;
 #define FMT_Q4_0_Q8 6
 // Q8_0 weights, likewise.
 #define FMT_Q8_0_Q8 7
+// ggml Q6_K (super-blocks of 256 in 210 bytes), exact dequantized product.
+#define FMT_Q6_K 8
+// Q6_K weights with 8-bit activations (the CPU tier's `dot_q6_k_q8`).
+#define FMT_Q6_K_Q8 9
 
 // Programmatic dependent launch (sm_90 and later; nothing before). The
 // host launches every kernel with programmatic stream serialization

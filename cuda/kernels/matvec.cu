@@ -44,14 +44,16 @@
 #define MV_THREADS (MV_WARPS * 32)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
-// q4_0, fp8; f16/bf16 where matvec_core_f takes GroupHalfReg): its lanes
+// q4_0, fp8, q6_k with 8-bit activations; f16/bf16 where matvec_core_f takes GroupHalfReg): its lanes
 // then own two groups of a tile and load both before using either (twice
 // the loads in flight, half the barriers). Either way lane l meets its
 // groups in increasing order. (f32 groups, and the other f16/bf16 ones,
-// load as they are used; two of them per lane made ptxas spill.)
+// load as they are used; two of them per lane made ptxas spill, as did
+// two exact Q6_K groups in its one-token table launch on sm_90.)
 #define MV_TILE_FOR(FMT, NT) \
     (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
-                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3)) ? 2048 : 1024)
+                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3 ||                         \
+                    (FMT) == FMT_Q6_K_Q8)) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -312,6 +314,51 @@ template <> struct Group<FMT_Q4_0> {
     }
 };
 
+// ggml Q6_K: super-blocks of 256 elements in 210 bytes (ql[128]: low 4
+// bits, qh[64]: high 2 bits, 16 × i8 sub-block scales, f16 d; 2-byte
+// aligned), read as groups of 32: group g is part j = g mod 8 of
+// super-block g / 8, whose element l (< 32) is nibble j / 2 mod 2 of
+// ql[64 n + 32 (j mod 2) + l] under bits 2k, 2k + 1 of qh[32 n + l] (n = j
+// / 4, k = j mod 4), its first 16 elements scaled by sc[2j], the last 16
+// by sc[2j + 1] (model/src/quant.rs `q6_k_code`). q holds the 32 codes
+// (0..63, code − 32 is the value) as bytes. Element = d · sc · (code −
+// 32), exact in f32 (11 + 7 + 5 significant bits).
+template <> struct Group<FMT_Q6_K> {
+    u32 q[8];
+    float d;
+    int sc[2];
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = row + (u64)(g / 8) * 210;
+        const u32 j = g % 8, n = j / 4, k = j % 4;
+        u32 lo[8], hi[8];
+        load_realigned<8>(b + 64 * n + 32 * (k % 2), lo, 32);
+        load_realigned<8>(b + 128 + 32 * n, hi, 32);
+        const u32 sw = (u32)__ldg((const unsigned short*)(b + 192 + 2 * j));
+        const u32 dw = (u32)__ldg((const unsigned short*)(b + 208));
+        d = f16_bits_to_f32(dw);
+        sc[0] = (int)(signed char)(sw & 0xffu);
+        sc[1] = (int)(signed char)(sw >> 8);
+        const u32 ns = 4 * (k / 2), hs = 2 * k;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            q[i] = ((lo[i] >> ns) & 0x0f0f0f0fu) | (((hi[i] >> hs) & 0x03030303u) << 4);
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0x20202020u;
+        d = 0.0f;
+        sc[0] = sc[1] = 0;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const float ds = __fmul_rn(d, (float)sc[sub / 4]);
+        const u32 v = q[sub];
+        return make_float4(__fmul_rn(ds, magic_byte(v, 0) - 8388640.0f),
+                           __fmul_rn(ds, magic_byte(v, 1) - 8388640.0f),
+                           __fmul_rn(ds, magic_byte(v, 2) - 8388640.0f),
+                           __fmul_rn(ds, magic_byte(v, 3) - 8388640.0f));
+    }
+};
+
 template <int FMT>
 __device__ __forceinline__ u64 row_bytes(u32 cols) {
     switch (FMT) {
@@ -320,6 +367,7 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
         case FMT_BF16: return (u64)cols * 2;
         case FMT_F8E4M3: return (u64)cols;
         case FMT_Q8_0: return (u64)(cols / 32) * 34;
+        case FMT_Q6_K: return (u64)(cols / 256) * 210;
         default: return (u64)(cols / 32) * 18;
     }
 }
@@ -427,7 +475,7 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
     // overlaps the staging (what EARLY does for a plain launch's first
     // tile). f16/bf16 groups load as they are used; FP8's GLU launch
     // spilled (ptxas) with its groups live across the staging.
-    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || REG);
+    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || FMT == FMT_Q6_K || REG);
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
         if (LOAD_FIRST && (!EARLY || c0 != 0))
@@ -672,6 +720,35 @@ template <> struct Q8Dot<FMT_Q8_0_Q8> {
     }
 };
 
+// Q6_K: one sum per block as Q4_0 (`dot_q6_k_q8`): the signed codes (code
+// − 32, bytewise) by DP4A, each half of 16 times its sub-block scale.
+template <> struct Q8Dot<FMT_Q6_K_Q8> {
+    static constexpr int WFMT = FMT_Q6_K, A = 4, K = 1;
+    u32 q[8];
+    int sc[2];
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q6_K>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __vsub4(g.q[i], 0x20202020u);
+        sc[0] = g.sc[0];
+        sc[1] = g.sc[1];
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+        int u = dp4a_s8(q[0], xl.x, 0);
+        u = dp4a_s8(q[1], xl.y, u);
+        u = dp4a_s8(q[2], xl.z, u);
+        u = dp4a_s8(q[3], xl.w, u);
+        int v = dp4a_s8(q[4], xh.x, 0);
+        v = dp4a_s8(q[5], xh.y, v);
+        v = dp4a_s8(q[6], xh.z, v);
+        v = dp4a_s8(q[7], xh.w, v);
+        s[0] = sc[0] * u + sc[1] * v;
+    }
+};
+
 // The final sum of C accumulator chains held by C consecutive lanes (C a
 // power of two; lane K·a + k holds chain (a, k)), in the CPU's order in the
 // first lane: Q4_0 (C = 4): (a0 + a2) + (a1 + a3); Q8_0 (C = 16): acc[0][k]
@@ -845,7 +922,7 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt, const u8* ahead = nullptr,
                                             u64 ahead_bytes = 0) {
-    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8) {
+    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8 || FMT == FMT_Q6_K_Q8) {
         matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
                                                rows, cols, nt, ahead, ahead_bytes);
     } else {
@@ -1189,3 +1266,5 @@ MATVEC_FORMAT(matvec_q8_0, FMT_Q8_0)
 MATVEC_FORMAT(matvec_q4_0, FMT_Q4_0)
 MATVEC_FORMAT(matvec_q4_0q8, FMT_Q4_0_Q8)
 MATVEC_FORMAT(matvec_q8_0q8, FMT_Q8_0_Q8)
+MATVEC_FORMAT(matvec_q6_k, FMT_Q6_K)
+MATVEC_FORMAT(matvec_q6_kq8, FMT_Q6_K_Q8)

@@ -68,7 +68,7 @@ pub struct MatvecTable<'a> {
 }
 
 fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 8] = [
+    const NAMES: [[&str; 4]; 10] = [
         [
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
@@ -117,8 +117,20 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
             "matvec_q8_0q8_table_t4",
             "matvec_q8_0q8_table_t8",
         ],
+        [
+            "matvec_q6_k_table_t1",
+            "matvec_q6_k_table_t2",
+            "matvec_q6_k_table_t4",
+            "matvec_q6_k_table_t8",
+        ],
+        [
+            "matvec_q6_kq8_table_t1",
+            "matvec_q6_kq8_table_t2",
+            "matvec_q6_kq8_table_t4",
+            "matvec_q6_kq8_table_t8",
+        ],
     ];
-    const GLU_NAMES: [[&str; 2]; 8] = [
+    const GLU_NAMES: [[&str; 2]; 10] = [
         ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
         ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
         ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
@@ -127,6 +139,8 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
         ["matvec_q4_0_table_glu_t1", "matvec_q4_0_table_glu_t2"],
         ["matvec_q4_0q8_table_glu_t1", "matvec_q4_0q8_table_glu_t2"],
         ["matvec_q8_0q8_table_glu_t1", "matvec_q8_0q8_table_glu_t2"],
+        ["matvec_q6_k_table_glu_t1", "matvec_q6_k_table_glu_t2"],
+        ["matvec_q6_kq8_table_glu_t1", "matvec_q6_kq8_table_glu_t2"],
     ];
     let i = match nt {
         1 => 0,

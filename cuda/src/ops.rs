@@ -36,6 +36,12 @@ pub enum WeightFormat {
     /// Q8_0 storage with the CPU tier's default arithmetic (`dot_q8_0_q8`
     /// of colibri-model), as `Q4_0Q8` is for Q4_0.
     Q8_0Q8,
+    /// ggml Q6_K: super-blocks of 256 elements in 210 bytes (llama.cpp's
+    /// output matrices), the exact dequantized product.
+    Q6K,
+    /// Q6_K storage with the CPU tier's default arithmetic (`dot_q6_k_q8`
+    /// of colibri-model).
+    Q6KQ8,
 }
 
 impl WeightFormat {
@@ -52,6 +58,9 @@ impl WeightFormat {
             WeightFormat::Q4_0 | WeightFormat::Q4_0Q8 => {
                 cols.is_multiple_of(32).then(|| cols / 32 * 18)
             }
+            WeightFormat::Q6K | WeightFormat::Q6KQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 210)
+            }
         }
     }
 
@@ -62,6 +71,7 @@ impl WeightFormat {
         match self {
             WeightFormat::Q4_0Q8 => WeightFormat::Q4_0,
             WeightFormat::Q8_0Q8 => WeightFormat::Q8_0,
+            WeightFormat::Q6KQ8 => WeightFormat::Q6K,
             f => f,
         }
     }
@@ -77,6 +87,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => 5,
             WeightFormat::Q4_0Q8 => 6,
             WeightFormat::Q8_0Q8 => 7,
+            WeightFormat::Q6K => 8,
+            WeightFormat::Q6KQ8 => 9,
         }
     }
 
@@ -139,6 +151,18 @@ impl WeightFormat {
                 "matvec_q8_0q8_t4",
                 "matvec_q8_0q8_t8",
             ],
+            WeightFormat::Q6K => [
+                "matvec_q6_k_t1",
+                "matvec_q6_k_t2",
+                "matvec_q6_k_t4",
+                "matvec_q6_k_t8",
+            ],
+            WeightFormat::Q6KQ8 => [
+                "matvec_q6_kq8_t1",
+                "matvec_q6_kq8_t2",
+                "matvec_q6_kq8_t4",
+                "matvec_q6_kq8_t8",
+            ],
         }
     }
 }
@@ -165,6 +189,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => "matvec_q4_0_seg_t1",
             WeightFormat::Q4_0Q8 => "matvec_q4_0q8_seg_t1",
             WeightFormat::Q8_0Q8 => "matvec_q8_0q8_seg_t1",
+            WeightFormat::Q6K => "matvec_q6_k_seg_t1",
+            WeightFormat::Q6KQ8 => "matvec_q6_kq8_seg_t1",
         }
     }
 }

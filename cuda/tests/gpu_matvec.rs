@@ -81,6 +81,7 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
     let int_dot: Option<(IntDot, &str)> = match fmt {
         WeightFormat::Q4_0Q8 => Some((dot_q4_0_q8_ref, "dot_q4_0_q8")),
         WeightFormat::Q8_0Q8 => Some((dot_q8_0_q8_ref, "dot_q8_0_q8")),
+        WeightFormat::Q6KQ8 => Some((dot_q6_k_q8_ref, "dot_q6_k_q8")),
         _ => None,
     };
     if let Some((dot, dot_name)) = int_dot {
@@ -228,6 +229,27 @@ fn matvec_q8_0_q8_activations() {
     check(WeightFormat::Q8_0Q8, 45, 2080, 60);
     check(WeightFormat::Q8_0Q8, 130, 2368, 62);
     check(WeightFormat::Q8_0Q8, 33, 4128, 63);
+}
+
+/// Q6_K (llama.cpp's output matrices), exact: the dequantized twin's bits;
+/// rows of 1, 3 and 9 super-blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q6_k() {
+    check(WeightFormat::Q6K, 301, 768, 64);
+    check(WeightFormat::Q6K, 7, 256, 65);
+    check(WeightFormat::Q6K, 45, 2304, 66);
+}
+
+/// Q6_K with 8-bit activations: the CPU's `dot_q6_k_q8` bits, for rows of
+/// 8, 24, 72 and 80 blocks (one or two rounds of a tile, partial rounds).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q6_k_q8_activations() {
+    check(WeightFormat::Q6KQ8, 301, 768, 67);
+    check(WeightFormat::Q6KQ8, 7, 256, 68);
+    check(WeightFormat::Q6KQ8, 45, 2304, 69);
+    check(WeightFormat::Q6KQ8, 130, 2560, 71);
 }
 
 /// Three q4_0 matrices at an odd stride, each with its own 3 tokens, in one

@@ -24,6 +24,11 @@ pub enum WeightFormat {
     Q8_0,
     /// ggml Q4_0: blocks of 32 × 4-bit with one f16 scale (18 bytes).
     Q4_0,
+    /// ggml Q6_K: super-blocks of 256 × 6-bit in 16 sub-blocks with an i8
+    /// scale each and one f16 scale (210 bytes); see
+    /// [`crate::quant::dequantize_q6_k`].
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl WeightFormat {
@@ -47,6 +52,16 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => Ok(cols),
             WeightFormat::Q8_0 => block(crate::quant::Q8_0_BLOCK_BYTES),
             WeightFormat::Q4_0 => block(crate::quant::Q4_0_BLOCK_BYTES),
+            WeightFormat::Q6K => {
+                if cols.is_multiple_of(crate::quant::QK_K) {
+                    Ok(cols / crate::quant::QK_K * crate::quant::Q6_K_BLOCK_BYTES)
+                } else {
+                    Err(ModelError::Invalid(format!(
+                        "q6_k: a row of {cols} elements is not a multiple of the {}-element super-block",
+                        crate::quant::QK_K
+                    )))
+                }
+            }
         }
     }
 
@@ -58,6 +73,7 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => "fp8-e4m3",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q6K => "q6_k",
         }
     }
 }

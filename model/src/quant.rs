@@ -14,6 +14,9 @@
 //! Every element `d · q` is exact in f32 (an f16 has 11 significant bits,
 //! `q` at most 8), so dequantizing never rounds and a quantized model
 //! computes the same function as its dequantized f32 twin.
+//!
+//! Q6_K, the k-quant llama.cpp gives a model's output matrix (and, in its
+//! `_M` mixes, some others), is read too: see [`dequantize_q6_k`].
 
 use crate::error::{ModelError, Result};
 use crate::format::f16_to_f32;
@@ -129,6 +132,110 @@ pub fn dequantize_q4_0(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Elements per super-block of ggml's k-quants.
+pub const QK_K: usize = 256;
+/// Bytes of one Q6_K super-block: `ql` (128: the low 4 bits), `qh` (64:
+/// the high 2 bits), 16 × i8 sub-block scales, then an f16 `d`.
+pub const Q6_K_BLOCK_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
+/// Where a Q6_K super-block's parts begin.
+pub const Q6_K_QH: usize = QK_K / 2;
+pub const Q6_K_SCALES: usize = Q6_K_QH + QK_K / 4;
+pub const Q6_K_D: usize = Q6_K_SCALES + QK_K / 16;
+
+/// Element `e` (< 256) of a Q6_K super-block as its signed 6-bit code
+/// (−32..=31), by ggml's layout: each half of 128 elements takes 64 bytes
+/// of `ql` and 32 of `qh`; element `l + 32k` of a half (l < 32, k < 4) is
+/// the low (k < 2) or high (k ≥ 2) nibble of `ql[64n + 32(k mod 2) + l]`
+/// with bits `2k, 2k + 1` of `qh[32n + l]` above it. Its scale is
+/// `scales[e / 16]`.
+#[inline(always)]
+pub fn q6_k_code(blk: &[u8], e: usize) -> i32 {
+    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let ql = blk[64 * n + 32 * (k % 2) + l];
+    let nib = if k < 2 { ql & 0x0f } else { ql >> 4 };
+    let hi = (blk[Q6_K_QH + 32 * n + l] >> (2 * k)) & 3;
+    (nib | (hi << 4)) as i32 - 32
+}
+
+/// Sub-block `j`'s (< 16) scale of a Q6_K super-block.
+#[inline(always)]
+pub fn q6_k_scale(blk: &[u8], j: usize) -> i32 {
+    blk[Q6_K_SCALES + j] as i8 as i32
+}
+
+/// The f16 `d` of a Q6_K super-block.
+#[inline(always)]
+pub fn q6_k_d(blk: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([blk[Q6_K_D], blk[Q6_K_D + 1]]))
+}
+
+/// Dequantizes a whole Q6_K row as ggml's `dequantize_row_q6_K` (and
+/// gguf-py): element = `d · scale · q`, exact in f32 as Q4_0's are (`d`
+/// has at most 11 significant bits, `|scale| ≤ 128` at most 7, `|q| ≤ 32`
+/// at most 5). model/tests/q6_k.rs checks it against gguf-py bit for bit.
+pub fn dequantize_q6_k(bytes: &[u8], out: &mut [f32]) {
+    for (blk, o) in bytes
+        .chunks_exact(Q6_K_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK_K))
+    {
+        let d = q6_k_d(blk);
+        for (e, v) in o.iter_mut().enumerate() {
+            *v = d * q6_k_scale(blk, e / 16) as f32 * q6_k_code(blk, e) as f32;
+        }
+    }
+}
+
+/// Quantizes a row (`len % 256 == 0`) to Q6_K: each sub-block of 16 takes
+/// the scale `amax / 31`, the super-block `d` = the largest of them / 127,
+/// each sub-block scale `round(s / d)` and each code `round(x / (d ·
+/// scale))` clamped to −32..=31. Not ggml's quantizer (which searches for
+/// the scales that minimize the error): colibri reads Q6_K files, and
+/// writes Q6_K only for synthetic models and tests, where any valid
+/// encoding of the values serves.
+pub fn quantize_q6_k(x: &[f32]) -> Result<Vec<u8>> {
+    if !x.len().is_multiple_of(QK_K) {
+        return Err(ModelError::Invalid(format!(
+            "q6_k: a row of {} elements is not a multiple of the {QK_K}-element super-block",
+            x.len()
+        )));
+    }
+    let mut out = vec![0u8; x.len() / QK_K * Q6_K_BLOCK_BYTES];
+    for (xs, blk) in x
+        .chunks_exact(QK_K)
+        .zip(out.chunks_exact_mut(Q6_K_BLOCK_BYTES))
+    {
+        let subs: Vec<f32> = xs
+            .chunks_exact(16)
+            .map(|s| s.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0)
+            .collect();
+        let d = half::f16::from_f32(subs.iter().fold(0.0f32, |m, &v| m.max(v)) / 127.0);
+        blk[Q6_K_D..].copy_from_slice(&d.to_bits().to_le_bytes());
+        let d = d.to_f32();
+        for (j, &s) in subs.iter().enumerate() {
+            let sc = if d > 0.0 {
+                (s / d).round().clamp(-128.0, 127.0) as i8
+            } else {
+                0
+            };
+            blk[Q6_K_SCALES + j] = sc as u8;
+            let step = d * sc as f32;
+            for (e, &v) in xs.iter().enumerate().skip(16 * j).take(16) {
+                let q = if step != 0.0 {
+                    (v / step).round().clamp(-32.0, 31.0) as i32
+                } else {
+                    0
+                };
+                let u = (q + 32) as u8;
+                let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+                let at = 64 * n + 32 * (k % 2) + l;
+                blk[at] |= if k < 2 { u & 0x0f } else { (u & 0x0f) << 4 };
+                blk[Q6_K_QH + 32 * n + l] |= (u >> 4) << (2 * k);
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +279,36 @@ mod tests {
         assert_eq!(&z[..2], &[0, 0x80]);
         assert!(z[2..].iter().all(|&b| b == 0x88));
         assert!(quantize_q8_0(&[1.0; 33]).is_err());
+    }
+
+    #[test]
+    fn q6_k_round_trip_is_close() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        let x: Vec<f32> = (0..512).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let q = quantize_q6_k(&x).unwrap();
+        assert_eq!(q.len(), 2 * Q6_K_BLOCK_BYTES);
+        let mut y = vec![0.0; 512];
+        dequantize_q6_k(&q, &mut y);
+        for (xs, ys) in x.chunks(16).zip(y.chunks(16)) {
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (a, c) in xs.iter().zip(ys) {
+                // Half a code step, plus the scales' own rounding.
+                assert!((a - c).abs() <= amax / 31.0, "{a} vs {c}");
+            }
+        }
+        // The codes land where ggml's layout puts them: ±31 (the
+        // quantizer's range is symmetric) in the first and in the last
+        // quarter of the second half, zeros elsewhere.
+        let mut x = vec![0.0f32; 256];
+        x[0] = 31.0;
+        x[1] = -31.0;
+        x[200] = -31.0;
+        let q = quantize_q6_k(&x).unwrap();
+        assert_eq!(q6_k_code(&q, 0), 31);
+        assert_eq!(q6_k_code(&q, 1), -31);
+        assert_eq!(q6_k_code(&q, 2), 0);
+        assert_eq!(q6_k_code(&q, 200), -31);
+        assert_eq!(q6_k_code(&q, 199), 0);
+        assert!(quantize_q6_k(&[1.0; 128]).is_err());
     }
 }

@@ -274,3 +274,58 @@ fn synth_values_are_seeded_and_never_zero_tensors() {
     assert_eq!(f.architecture().unwrap(), "llama");
     assert!(f.contains("blk.1.ffn_down_exps.weight"));
 }
+
+/// `--head q6_k`: llama.cpp's layout of a Q4_0 file (the output head in
+/// Q6_K, everything else as `--quant q4_0` writes it). The model loads, its
+/// head is read as Q6_K, and its logits are the bf16-head model's up to
+/// the head's 6-bit quantization. A packed store refuses the option.
+#[test]
+fn a_q6_k_head_gives_llama_cpp_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 250, 17, 99, 4];
+    // Q6_K rows are whole super-blocks of 256.
+    let mut config = small("qwen3-30b-a3b");
+    config["hidden_size"] = json!(256);
+    let plain = SynthSource::new(config.clone(), 42).unwrap();
+    let mixed = SynthSource::new(config, 42)
+        .unwrap()
+        .with_head(colibri_model::format::WeightFormat::Q6K);
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+    synth::write(&plain, Quant::Q4_0, SynthFormat::Gguf, &a, &Silent).unwrap();
+    let sb = synth::write(&mixed, Quant::Q4_0, SynthFormat::Gguf, &b, &Silent).unwrap();
+    let planned = synth::plan(&mixed, Quant::Q4_0, SynthFormat::Gguf, &b).unwrap();
+    assert_eq!(planned.file_bytes, sb.file_bytes);
+    assert_eq!(sb.file_bytes, std::fs::metadata(&b).unwrap().len());
+    let (fa, fb) = (GgufFile::open(&a).unwrap(), GgufFile::open(&b).unwrap());
+    assert_eq!(fb.tensor("output.weight").unwrap().ty.name(), "Q6_K");
+    assert_eq!(fa.tensor("output.weight").unwrap().ty.name(), "BF16");
+    // Every other tensor is stored alike.
+    for t in &fb.header().tensors {
+        if t.name != "output.weight" {
+            assert_eq!(fa.tensor(&t.name).unwrap().ty, t.ty, "{}", t.name);
+        }
+    }
+    let (la, lb) = (logits(&a, &tokens), logits(&b, &tokens));
+    assert_eq!(la.len(), lb.len());
+    let spread =
+        la.iter().copied().fold(f32::MIN, f32::max) - la.iter().copied().fold(f32::MAX, f32::min);
+    let worst = la
+        .iter()
+        .zip(&lb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(bits(&la) != bits(&lb), "the head's format changed nothing");
+    assert!(
+        worst < 0.05 * spread,
+        "q6_k head: logits moved {worst} (spread {spread})"
+    );
+    let err = synth::plan(&mixed, Quant::Q4_0, SynthFormat::Packed, &a);
+    assert!(err.is_err(), "a packed store cannot take --head");
+    // `colibri convert` keeps the Q6_K head's bytes: the same model.
+    let c = dir.path().join("c");
+    convert(&b, &c, &ConvertOptions::new(Quant::Keep), &Silent).unwrap();
+    assert!(
+        bits(&logits(&c, &tokens)) == bits(&lb),
+        "converted store differs"
+    );
+}

@@ -142,13 +142,21 @@ fn q8_0_products_have_the_cpu_kernel_bits() {
 }
 
 /// Greedy continuations, NLL against the CPU tier, and bit-identity across
-/// VRAM budgets and pass sizes, on each of `models`.
+/// VRAM budgets and pass sizes, on each of `models` (with its reference
+/// prompt and text).
 fn models_match_the_cpu_tier_and_themselves(models: Vec<std::path::PathBuf>) {
     for model in models {
-        let name = model.display().to_string();
         let (prompt, tokens) = reference_tokens(&model);
-        let cpu = engine(&model, DeviceChoice::Cpu, None, None, 512);
-        let gpu = engine(&model, DeviceChoice::Cuda, None, None, 512);
+        model_matches_the_cpu_tier_and_itself(&model, &prompt, &tokens);
+    }
+}
+
+fn model_matches_the_cpu_tier_and_itself(model: &std::path::Path, prompt: &[u32], tokens: &[u32]) {
+    {
+        let name = model.display().to_string();
+        let (prompt, tokens) = (prompt.to_vec(), tokens.to_vec());
+        let cpu = engine(model, DeviceChoice::Cpu, None, None, 512);
+        let gpu = engine(model, DeviceChoice::Cuda, None, None, 512);
         assert_eq!(
             colibri_model::kernels::kernels().int_activations,
             !EXACT_QUANT
@@ -173,7 +181,7 @@ fn models_match_the_cpu_tier_and_themselves(models: Vec<std::path::PathBuf>) {
             worst = worst.max(rel);
         }
         for (vram, rows) in [(Some(0), 7), (None, 3)] {
-            let e = engine(&model, DeviceChoice::Cuda, vram, None, rows);
+            let e = engine(model, DeviceChoice::Cuda, vram, None, rows);
             assert!(
                 bits(&teacher_forced(&e, &tokens, 16)) == bits(&full),
                 "{name}: logits differ at --vram-budget {vram:?}, {rows} rows per pass"
@@ -197,4 +205,62 @@ fn q4_0_models_match_the_cpu_tier_and_themselves() {
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn q8_0_models_match_the_cpu_tier_and_themselves() {
     models_match_the_cpu_tier_and_themselves(q8_0_models());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn q6_k_products_have_the_cpu_kernel_bits() {
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0d6c);
+    // 97 rows of 9 super-blocks (72 blocks: chains of 18, two tiles for one
+    // token), 6 tokens; every code and scale byte.
+    let (rows, cols, ntok) = (97usize, 2304usize, 6usize);
+    let mut w = Vec::with_capacity(rows * cols / 256 * 210);
+    for _ in 0..rows * cols / 256 {
+        w.extend((0..208).map(|_| rng.random::<u8>()));
+        // f16 d between 2^-13 and 2^-9 (exponent fields 2..6).
+        let d: u16 = rng.random_range(0x0800..0x1800);
+        w.extend_from_slice(&d.to_le_bytes());
+    }
+    let x = random_tokens(&mut rng, ntok, cols);
+    let cpu = colibri_model::kernels::kernels();
+    assert_cpu_bits(DevFormat::Q6KQ8, &w, rows, cols, &x, |row, a| {
+        let simd = (cpu.dot_q6_k_q8)(row, a);
+        let scalar = colibri_model::kernels::q6_k::dot_q6_k_q8(row, a);
+        assert_eq!(simd.to_bits(), scalar.to_bits(), "CPU kernels disagree");
+        simd
+    });
+}
+
+/// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_0 files are (the
+/// output head in Q6_K): the GPU tier equals the CPU tier on it.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn a_q6_k_head_matches_the_cpu_tier() {
+    use colibri_model::convert::{Silent, cast::Quant};
+    use colibri_model::synth::{self, SynthFormat, SynthSource};
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let mut config = synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
+    for (k, v) in [
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("moe_intermediate_size", 64),
+        ("num_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 64),
+        ("vocab_size", 1024),
+    ] {
+        config[k] = serde_json::json!(v);
+    }
+    let src = SynthSource::new(config, 7)
+        .unwrap()
+        .with_head(colibri_model::format::WeightFormat::Q6K);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q6k_head.gguf");
+    synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x6b);
+    let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
+    model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
 }

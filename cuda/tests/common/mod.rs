@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 8] = [
+pub const FORMATS: [WeightFormat; 10] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
@@ -20,6 +20,8 @@ pub const FORMATS: [WeightFormat; 8] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_0Q8,
     WeightFormat::Q8_0Q8,
+    WeightFormat::Q6K,
+    WeightFormat::Q6KQ8,
 ];
 
 pub struct Gpu {
@@ -172,8 +174,43 @@ pub fn random_weights(
                 }
             }
         }
+        WeightFormat::Q6K | WeightFormat::Q6KQ8 => {
+            assert!(cols.is_multiple_of(256));
+            for _ in 0..rows * cols / 256 {
+                // Random codes and sub-block scales of both signs (never a
+                // zero scale), a random d.
+                let mut blk: Vec<u8> = (0..210).map(|_| rng.random()).collect();
+                for s in &mut blk[192..208] {
+                    if *s == 0 {
+                        *s = 1;
+                    }
+                }
+                let d = half::f16::from_f32(rng.random_range(0.0001f32..0.001));
+                blk[208..].copy_from_slice(&d.to_bits().to_le_bytes());
+                w.f32.extend((0..256).map(|e| q6_k_value(&blk, e)));
+                w.bytes.extend_from_slice(&blk);
+            }
+        }
     }
     w
+}
+
+/// Element `e` of a Q6_K super-block, as ggml dequantizes it: `d · sc ·
+/// (code − 32)`, exact in f32 (colibri-model's `quant::dequantize_q6_k`,
+/// written out from ggml's layout).
+pub fn q6_k_value(blk: &[u8], e: usize) -> f32 {
+    let d = half::f16::from_bits(u16::from_le_bytes([blk[208], blk[209]])).to_f32();
+    let sc = blk[192 + e / 16] as i8 as f32;
+    d * sc * q6_k_code(blk, e) as f32
+}
+
+/// The signed 6-bit code (−32..=31) of element `e` of a Q6_K super-block.
+pub fn q6_k_code(blk: &[u8], e: usize) -> i32 {
+    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let ql = blk[64 * n + 32 * (k % 2) + l];
+    let nib = if k < 2 { ql & 15 } else { ql >> 4 };
+    let hi = (blk[128 + 32 * n + l] >> (2 * k)) & 3;
+    (nib | (hi << 4)) as i32 - 32
 }
 
 /// One token quantized as colibri-model's `Q8Activation::quantize`: per
@@ -217,6 +254,29 @@ pub fn dot_q4_0_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
             s += ((v >> 4) as i32 - 8) * q[j + 16] as i32;
         }
         acc[b % 4] = d.mul_add(s as f32, acc[b % 4]);
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3])
+}
+
+/// colibri-model's `dot_q6_k_q8`, written out: block b (32 elements, two
+/// sub-blocks of 16) gives the exact integer `sc₀ · Σ₀ + sc₁ · Σ₁`, times
+/// `f16(d) · x.d`, fused-added into accumulator b mod 4 as Q4_0's.
+pub fn dot_q6_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
+    let mut acc = [0.0f32; 4];
+    for (i, blk) in row.chunks_exact(210).enumerate() {
+        let d = half::f16::from_bits(u16::from_le_bytes([blk[208], blk[209]])).to_f32();
+        for g in 0..8 {
+            let b = 8 * i + g;
+            let q = &x.q[b * 32..(b + 1) * 32];
+            let half = |h: usize| -> i32 {
+                (0..16)
+                    .map(|l| q6_k_code(blk, 32 * g + 16 * h + l) * q[16 * h + l] as i32)
+                    .sum()
+            };
+            let s =
+                blk[192 + 2 * g] as i8 as i32 * half(0) + blk[193 + 2 * g] as i8 as i32 * half(1);
+            acc[b % 4] = (d * x.d[b]).mul_add(s as f32, acc[b % 4]);
+        }
     }
     (acc[0] + acc[2]) + (acc[1] + acc[3])
 }

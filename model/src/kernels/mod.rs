@@ -15,6 +15,7 @@ pub mod neon;
 pub mod pool;
 pub mod q4_0;
 pub mod q4_0_tiles;
+pub mod q6_k;
 pub mod q8act;
 pub mod quads16;
 pub mod scalar;
@@ -120,6 +121,8 @@ pub struct KernelSet {
     pub weighted_rows: fn(&mut [f32], &[f32], &[f32], usize),
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// A Q6_K row against one activation ([`q6_k`]).
+    pub dot_q6_k_q8: fn(&[u8], &Q8Activation) -> f32,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
     pub dot_q8_0_q8_multi: MultiDot,
@@ -269,6 +272,7 @@ pub const SCALAR: KernelSet = KernelSet {
     weighted_rows: scalar::weighted_rows,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
+    dot_q6_k_q8: q6_k::dot_q6_k_q8,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
@@ -327,6 +331,16 @@ mod avx2_wrappers {
     }
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q4_0::avx2::dot_q4_0_q8(w, x) }
+    }
+    /// Also checks the lengths the kernel's contract asks for.
+    pub fn dot_q6_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        let supers = w.len() / crate::quant::Q6_K_BLOCK_BYTES;
+        assert!(
+            x.quants.len() >= supers * crate::quant::QK_K
+                && x.scales.len() >= supers * crate::quant::QK_K / crate::quant::QK,
+            "an activation of the row's length"
+        );
+        unsafe { super::q6_k::avx2::dot_q6_k_q8(w, x) }
     }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&super::Q8Activation], out: &mut [f32]) {
         unsafe { super::q8act::avx2::dot_q8_0_q8_multi(w, xs, out) }
@@ -430,6 +444,7 @@ pub const AVX2: KernelSet = KernelSet {
     weighted_rows: avx2_wrappers::weighted_rows,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
+    dot_q6_k_q8: avx2_wrappers::dot_q6_k_q8,
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
@@ -606,6 +621,10 @@ mod neon_wrappers {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q4_0_q8(w, x) }
     }
+    pub fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q6_k_q8(w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q8_0_q8_multi(w, xs, out) }
@@ -642,6 +661,7 @@ pub const NEON: KernelSet = KernelSet {
     weighted_rows: neon_wrappers::weighted_rows,
     dot_q8_0_q8: neon_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: neon_wrappers::dot_q4_0_q8,
+    dot_q6_k_q8: neon_wrappers::dot_q6_k_q8,
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -665,6 +685,10 @@ mod dotprod_wrappers {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q4_0_q8(w, x) }
     }
+    pub fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q6_k_q8(w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q8_0_q8_multi(w, xs, out) }
@@ -682,6 +706,7 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     name: "neon+dotprod",
     dot_q8_0_q8: dotprod_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: dotprod_wrappers::dot_q4_0_q8,
+    dot_q6_k_q8: dotprod_wrappers::dot_q6_k_q8,
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
     ..NEON
@@ -848,7 +873,20 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
             let rb = c / QK * Q4_0_BLOCK_BYTES;
             (k.dot_q4_0)(&bytes[r * rb..(r + 1) * rb], x)
         }
+        // The exact product is the dequantized row's (every Q6_K element
+        // is exact in f32), through the f32 kernel.
+        WeightFormat::Q6K => DEQUANTIZED.with_borrow_mut(|row| {
+            row.resize(c, 0.0);
+            row_to_f32(w, r, row);
+            (k.dot_f32)(row, x)
+        }),
     }
+}
+
+thread_local! {
+    /// A row dequantized for the exact product of a format without an
+    /// exact kernel.
+    static DEQUANTIZED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Row `r` of `w` widened to f32 into `out` (exact).
@@ -901,6 +939,10 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
         WeightFormat::Q4_0 => {
             let rb = c / QK * Q4_0_BLOCK_BYTES;
             quant::dequantize_q4_0(&bytes[r * rb..(r + 1) * rb], out);
+        }
+        WeightFormat::Q6K => {
+            let rb = c / quant::QK_K * quant::Q6_K_BLOCK_BYTES;
+            quant::dequantize_q6_k(&bytes[r * rb..(r + 1) * rb], out);
         }
     }
 }
@@ -1024,9 +1066,20 @@ impl<'a> Input<'a> {
 
     /// Whether `w`'s products take the input quantized to 8-bit blocks.
     fn quantizes(k: &KernelSet, w: &QMatrix) -> bool {
-        matches!(w.format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k.int_activations
+        int_format(w.format) && k.int_activations
     }
 }
+
+/// Whether products over `f` take 8-bit activations (unless the exact
+/// kernels were asked for).
+fn int_format(f: WeightFormat) -> bool {
+    matches!(
+        f,
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q6K
+    )
+}
+
+impl Input<'_> {}
 
 /// Row `r` of `w` with a prepared input: the one place every matrix
 /// product's element is computed.
@@ -1042,6 +1095,10 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
                 WeightFormat::Q8_0 => {
                     let rb = blocks * Q8_0_BLOCK_BYTES;
                     (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
+                }
+                WeightFormat::Q6K => {
+                    let rb = w.cols / quant::QK_K * quant::Q6_K_BLOCK_BYTES;
+                    (k.dot_q6_k_q8)(&bytes[r * rb..(r + 1) * rb], a)
                 }
                 _ => {
                     let rb = blocks * Q4_0_BLOCK_BYTES;
@@ -1298,7 +1355,7 @@ struct Batch<'a> {
 impl<'a> Batch<'a> {
     fn prepare(pool: &Pool, format: WeightFormat, x: &'a [f32], cols: usize, n: usize) -> Self {
         let k = kernels();
-        let int = matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k.int_activations;
+        let int = int_format(format) && k.int_activations;
         let inputs: Vec<Input<'a>> = if int {
             pool.map_collect(n, |t| {
                 Input::Q8(Q8Activation::quantize(&x[t * cols..(t + 1) * cols]))

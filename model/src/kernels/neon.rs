@@ -21,7 +21,8 @@
 //!   references' arithmetic exactly (exact integer lane sums, one fused
 //!   multiply-add per block into the reference's lane, its reduction), so
 //!   they equal [`super::q8act::dot_q8_0_q8`] and
-//!   [`super::q4_0::dot_q4_0_q8`] bit for bit.
+//!   [`super::q4_0::dot_q4_0_q8`] bit for bit; likewise `dot_q6_k_q8` and
+//!   [`super::q6_k::dot_q6_k_q8`].
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
@@ -35,7 +36,9 @@ use std::arch::asm;
 
 use super::q8act::{MULTI, Q8Activation};
 use crate::format::{bf16_to_f32, f16_to_f32};
-use crate::quant::{Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK};
+use crate::quant::{
+    Q4_0_BLOCK_BYTES, Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0_BLOCK_BYTES, QK, QK_K,
+};
 
 // Every `unsafe` call of a NEON intrinsic below relies on this.
 const _: () = assert!(
@@ -573,6 +576,100 @@ unsafe fn q4_0_multi<const SDOT: bool, const N: usize>(
     }
 }
 
+/// The 64 codes of one half (`n`) of a Q6_K super-block, blocks `4n..4n +
+/// 4` of it, each as two 16-byte halves in activation order, signed
+/// (`code − 32`, −32..=31): block `k`'s element `l` is the low (`k < 2`)
+/// or high nibble of `ql[64n + 32(k mod 2) + l]` with bits `2k, 2k + 1` of
+/// `qh[32n + l]` as bits 4–5 (`crate::quant::q6_k_code`).
+///
+/// # Safety
+/// `blk` readable for a whole super-block (210 bytes), `n < 2`.
+#[inline(always)]
+unsafe fn q6_k_codes(blk: *const u8, n: usize) -> [(int8x16_t, int8x16_t); 4] {
+    // SAFETY: ql[64n..64n + 64] and qh[32n..32n + 32] lie in the
+    // super-block (caller); register arithmetic.
+    unsafe {
+        let ql = blk.add(64 * n);
+        let qh = blk.add(Q6_K_QH + 32 * n);
+        let (m4, m2, off) = (vdupq_n_u8(0x0f), vdupq_n_u8(0x30), vdupq_n_s8(32));
+        // Byte halves h = 0, 1 (elements l = 16h .. 16h + 16).
+        let one = |h: usize| -> [int8x16_t; 4] {
+            let ql0 = vld1q_u8(ql.add(16 * h));
+            let ql1 = vld1q_u8(ql.add(32 + 16 * h));
+            let hb = vld1q_u8(qh.add(16 * h));
+            let codes = [
+                vorrq_u8(vandq_u8(ql0, m4), vandq_u8(vshlq_n_u8::<4>(hb), m2)),
+                vorrq_u8(vandq_u8(ql1, m4), vandq_u8(vshlq_n_u8::<2>(hb), m2)),
+                vorrq_u8(vshrq_n_u8::<4>(ql0), vandq_u8(hb, m2)),
+                vorrq_u8(vshrq_n_u8::<4>(ql1), vandq_u8(vshrq_n_u8::<2>(hb), m2)),
+            ];
+            codes.map(|c| vsubq_s8(vreinterpretq_s8_u8(c), off))
+        };
+        let (a, b) = (one(0), one(1));
+        [(a[0], b[0]), (a[1], b[1]), (a[2], b[2]), (a[3], b[3])]
+    }
+}
+
+/// A Q6_K row (`supers` super-blocks) · activation, `q6_k::dot_q6_k_q8`'s
+/// arithmetic: per half of a super-block (its blocks `4n..4n + 4`), the 8
+/// sub-block sums `Σ (code − 32) · q` (exact: lanes of 4 products, each
+/// |·| ≤ 32 · 128), times their i8 scales and paired into the 4 block sums
+/// `s_b` (exact, |s_b| < 2²⁴, so exact as f32 too); `d_b = f16(d) · x.d_b`
+/// (one rounding); one fused multiply-add of the 4 blocks into lanes
+/// 0..4 (block `b` into lane `b % 4`, blocks in order), reduced as
+/// `q4_0::tree4`.
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
+/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+#[inline(always)]
+unsafe fn q6_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
+    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+    // SAFETY: super-block i < supers of w, and the activation's quants
+    // [256i..256i + 256] and scales [8i..8i + 8], are in bounds (caller);
+    // SDOT only when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let mut acc = vdupq_n_f32(0.0);
+        for i in 0..supers {
+            let blk = wp.add(i * Q6_K_BLOCK_BYTES);
+            let dw = vdupq_n_f32(f16_to_f32_hw(u16::from_le_bytes([
+                *blk.add(Q6_K_D),
+                *blk.add(Q6_K_D + 1),
+            ])));
+            let sc = vld1q_s8(blk.add(Q6_K_SCALES) as *const i8);
+            let sc16 = [vmovl_s8(vget_low_s8(sc)), vmovl_high_s8(sc)];
+            for (n, &s16) in sc16.iter().enumerate() {
+                let codes = q6_k_codes(blk, n);
+                let q = qp.add((8 * i + 4 * n) * QK);
+                // p[2k + h]: sub-block 8n + 2k + h's 4 lane sums.
+                let mut p = [zero; 8];
+                for (k, &(lo, hi)) in codes.iter().enumerate() {
+                    p[2 * k] = dot4::<SDOT>(zero, lo, vld1q_s8(q.add(k * QK)));
+                    p[2 * k + 1] = dot4::<SDOT>(zero, hi, vld1q_s8(q.add(k * QK + 16)));
+                }
+                // Lane j: sub-block 8n + j (then 8n + 4 + j) summed, times
+                // its scale.
+                let subs_lo = vmulq_s32(
+                    vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3])),
+                    vmovl_s16(vget_low_s16(s16)),
+                );
+                let subs_hi = vmulq_s32(
+                    vpaddq_s32(vpaddq_s32(p[4], p[5]), vpaddq_s32(p[6], p[7])),
+                    vmovl_high_s16(s16),
+                );
+                // Lane k: block 8i + 4n + k's s_b.
+                let sums = vcvtq_f32_s32(vpaddq_s32(subs_lo, subs_hi));
+                let d = vmulq_f32(dw, vld1q_f32(sp.add(8 * i + 4 * n)));
+                acc = vfmaq_f32(acc, d, sums);
+            }
+        }
+        // (a0 + a2) + (a1 + a3), as `tree4`.
+        let u = vaddq_f32(acc, vextq_f32::<2>(acc, acc));
+        vgetq_lane_f32::<0>(u) + vgetq_lane_f32::<1>(u)
+    }
+}
+
 /// Runs `kernel::<N>` for `N = xs.len()` (at most [`MULTI`]).
 macro_rules! by_count {
     ($kernel:ident, $sdot:expr, $w:expr, $xs:expr, $out:expr) => {{
@@ -651,6 +748,28 @@ macro_rules! integer_kernels {
                 check_acts(xs, w.len() / Q4_0_BLOCK_BYTES);
                 // SAFETY: as in dot_q8_0_q8_multi.
                 unsafe { by_count!(q4_0_multi, $sdot, w, xs, out) }
+            }
+
+            /// A Q6_K row (whole super-blocks of 210 bytes; a partial one
+            /// at the end is ignored, as by the reference) · activation;
+            /// equals `q6_k::dot_q6_k_q8` bit for bit. Panics if `x` is
+            /// shorter than the row.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+                let supers = w.len() / Q6_K_BLOCK_BYTES;
+                assert!(
+                    x.quants.len() >= supers * QK_K && x.scales.len() >= supers * (QK_K / QK),
+                    "activation of the row's length"
+                );
+                // SAFETY: the row's super-blocks and the activation's
+                // quants and scales they meet are in bounds (checked);
+                // this function has the features the kernel's build needs.
+                unsafe { q6_k_row::<$sdot>(w, x, supers) }
             }
         }
     };

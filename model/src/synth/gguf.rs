@@ -340,6 +340,7 @@ fn ggml(f: WeightFormat) -> Result<GgmlType> {
         WeightFormat::Bf16 => GgmlType::BF16,
         WeightFormat::Q8_0 => GgmlType::Q8_0,
         WeightFormat::Q4_0 => GgmlType::Q4_0,
+        WeightFormat::Q6K => GgmlType::Q6_K,
         WeightFormat::F8E4M3 => return Err(cannot("fp8 tensors")),
     })
 }
@@ -351,7 +352,17 @@ fn llama_row(s: usize, hd: usize) -> usize {
 }
 
 /// Every tensor of the GGUF file, in file order.
-fn tensors(spec: &ModelSpec, quant: Quant, seed: u64) -> Result<Vec<Tensor>> {
+/// The tensors of the file: `quant`'s formats, the output head in `head`
+/// when given (llama.cpp stores it as Q6_K in its Q4_0 and k-quant mixes).
+fn tensors(
+    spec: &ModelSpec,
+    quant: Quant,
+    head: Option<WeightFormat>,
+    seed: u64,
+) -> Result<Vec<Tensor>> {
+    if let Some(h) = head {
+        h.row_bytes(spec.hidden_size)?;
+    }
     let mut out = Vec::new();
     let dense = |ts: Vec<tensors::DenseTensor<'_>>, out: &mut Vec<Tensor>| -> Result<()> {
         for t in ts {
@@ -360,12 +371,10 @@ fn tensors(spec: &ModelSpec, quant: Quant, seed: u64) -> Result<Vec<Tensor>> {
                 Shape::Vector(n) => (1, n, true),
             };
             let src = SynthMatrix::new(seed, &t.name, t.role, rows, cols);
-            let fmt = |cols: usize| {
-                if vector {
-                    WeightFormat::F32
-                } else {
-                    target_format(quant, t.role, WeightFormat::Bf16, cols).0
-                }
+            let fmt = |cols: usize| match head {
+                _ if vector => WeightFormat::F32,
+                Some(h) if t.role == Role::OutputHead => h,
+                _ => target_format(quant, t.role, WeightFormat::Bf16, cols).0,
             };
             if t.name.ends_with("self_attn.kv_b_proj.weight") {
                 let AttentionSpec::Mla {
@@ -494,8 +503,12 @@ pub struct GgufOutcome {
 }
 
 /// Bytes of the file `write` would produce, and of one expert's matrices.
-pub fn planned_bytes(spec: &ModelSpec, quant: Quant) -> Result<(u64, u64)> {
-    let ts = tensors(spec, quant, 0)?;
+pub fn planned_bytes(
+    spec: &ModelSpec,
+    quant: Quant,
+    head: Option<WeightFormat>,
+) -> Result<(u64, u64)> {
+    let ts = tensors(spec, quant, head, 0)?;
     let meta = metadata(spec)?;
     let headers: Vec<_> = ts
         .iter()
@@ -531,17 +544,19 @@ fn first_moe_layer(spec: &ModelSpec) -> Option<usize> {
     spec.layers.iter().position(|l| l.ffn == FfnKind::Moe)
 }
 
-/// Writes the synthetic model of `spec` (values from `seed`) to `out`.
+/// Writes the synthetic model of `spec` (values from `seed`) to `out`,
+/// the output head in `head` when given.
 pub fn write(
     spec: &ModelSpec,
     quant: Quant,
+    head: Option<WeightFormat>,
     seed: u64,
     out: &Path,
     progress: &dyn Progress,
 ) -> Result<GgufOutcome> {
     let t0 = Instant::now();
     let mem = PeakMemory::new();
-    let ts = tensors(spec, quant, seed)?;
+    let ts = tensors(spec, quant, head, seed)?;
     let meta = metadata(spec)?;
     let infos: Vec<(String, Vec<u64>, GgmlType)> = ts
         .iter()

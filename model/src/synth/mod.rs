@@ -31,6 +31,7 @@ use crate::convert::memory::PeakMemory;
 use crate::convert::tensors::{self, Role, Shape};
 use crate::convert::{ConvertOptions, ConvertSource, Progress, SourceTensor, TensorData};
 use crate::error::{ModelError, Result};
+use crate::format::WeightFormat;
 use crate::source::packed::Unit;
 use crate::source::packed::manifest::Architecture;
 use crate::weights::TensorNames;
@@ -53,6 +54,8 @@ pub struct SynthSource {
     spec: ModelSpec,
     config: Value,
     seed: u64,
+    /// The output head's format in a GGUF file, when not `quant`'s.
+    head: Option<WeightFormat>,
 }
 
 impl SynthSource {
@@ -63,7 +66,19 @@ impl SynthSource {
                 "synth writes f32/bf16/q8_0/q4_0 weights: remove `quantization_config`".into(),
             ));
         }
-        Ok(SynthSource { spec, config, seed })
+        Ok(SynthSource {
+            spec,
+            config,
+            seed,
+            head: None,
+        })
+    }
+
+    /// The output head stored as `head` in a GGUF file (llama.cpp's Q4_0
+    /// and k-quant files store it as Q6_K) instead of in bf16.
+    pub fn with_head(mut self, head: WeightFormat) -> SynthSource {
+        self.head = Some(head);
+        self
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -280,7 +295,14 @@ pub fn plan(
     out: &Path,
 ) -> Result<SynthSummary> {
     let (file_bytes, expert_bytes) = match format {
-        SynthFormat::Gguf => gguf::planned_bytes(&source.spec, quant)?,
+        SynthFormat::Gguf => gguf::planned_bytes(&source.spec, quant, source.head)?,
+        SynthFormat::Packed if source.head.is_some() => {
+            return Err(ModelError::Invalid(
+                "a packed store keeps the output head in the checkpoint's format: \
+                 choose the head's format for GGUF output only"
+                    .into(),
+            ));
+        }
         SynthFormat::Packed => {
             let m = crate::convert::plan_store(source, quant)?;
             let rec = m.experts.layers.first().map_or(0, |l| l.record_bytes);
@@ -322,7 +344,7 @@ pub fn write(
             s.peak_rss_anon_bytes = c.peak_rss_anon_bytes;
         }
         SynthFormat::Gguf => {
-            let g = gguf::write(&source.spec, quant, source.seed, out, progress)?;
+            let g = gguf::write(&source.spec, quant, source.head, source.seed, out, progress)?;
             s.file_bytes = g.file_bytes;
             s.seconds = g.seconds;
             s.bytes_per_second = g.file_bytes as f64 / g.seconds.max(1e-9);

@@ -184,12 +184,14 @@ pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
     match f {
         WeightFormat::Q4_0 if int => DevFormat::Q4_0Q8,
         WeightFormat::Q8_0 if int => DevFormat::Q8_0Q8,
+        WeightFormat::Q6K if int => DevFormat::Q6KQ8,
         WeightFormat::F32 => DevFormat::F32,
         WeightFormat::F16 => DevFormat::F16,
         WeightFormat::Bf16 => DevFormat::Bf16,
         WeightFormat::F8E4M3 => DevFormat::F8E4M3,
         WeightFormat::Q8_0 => DevFormat::Q8_0,
         WeightFormat::Q4_0 => DevFormat::Q4_0,
+        WeightFormat::Q6K => DevFormat::Q6K,
     }
 }
 

@@ -200,11 +200,12 @@ impl GgufFile {
             GgmlType::BF16 => WeightFormat::Bf16,
             GgmlType::Q8_0 => WeightFormat::Q8_0,
             GgmlType::Q4_0 => WeightFormat::Q4_0,
+            GgmlType::Q6_K => WeightFormat::Q6K,
             other => {
                 return Err(ModelError::UnsupportedDtype {
                     name: format!("{}: {}", self.path.display(), t.name),
                     dtype: other.name().to_string(),
-                    supported: "F32, F16, BF16, Q8_0, Q4_0",
+                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q6_K",
                 });
             }
         })

@@ -1,0 +1,276 @@
+//! Q6_K weights (ggml's k-quant of llama.cpp's output matrices; see
+//! [`crate::quant::dequantize_q6_k`]) against activations quantized to
+//! 8-bit blocks of 32, the arithmetic of the Q4_0 kernels
+//! ([`super::q4_0`]) with a Q6_K row read as blocks of 32:
+//!
+//! - block `b` (elements `32b .. 32b + 32`, sub-blocks `2b mod 16` and
+//!   `2b + 1 mod 16` of super-block `b / 8`) gives the exact integer
+//!   `s_b = sc₀ · Σ₀ q·a + sc₁ · Σ₁ q·a` over its two halves of 16
+//!   (|s_b| ≤ 2 · 128 · 16 · 32 · 127 < 2²⁴: exact in f32 too);
+//! - its scale is `d_b = f16(d) · x.d_b`, one f32 rounding;
+//! - `d_b · s_b` is added with one fused multiply-add into accumulator
+//!   lane `b mod 4`, and the lanes are reduced as `(a0 + a2) + (a1 + a3)`.
+//!
+//! The scalar [`dot_q6_k_q8`] is the reference; the vector kernels give its
+//! bits (the tests check it on every level the CPU has).
+
+use super::q4_0::{LANES, tree4};
+use super::q8act::Q8Activation;
+use crate::quant::{Q6_K_BLOCK_BYTES, QK, QK_K, q6_k_code, q6_k_d, q6_k_scale};
+
+/// Blocks of 32 in a super-block.
+const BLOCKS: usize = QK_K / QK;
+
+/// Scalar reference: a Q6_K row (`n/256` super-blocks of 210 bytes) ·
+/// activation.
+pub fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, blk) in w.chunks_exact(Q6_K_BLOCK_BYTES).enumerate() {
+        let d = q6_k_d(blk);
+        for g in 0..BLOCKS {
+            let b = i * BLOCKS + g;
+            let q = &x.quants[b * QK..(b + 1) * QK];
+            let half = |h: usize| -> i32 {
+                (0..16)
+                    .map(|l| q6_k_code(blk, 32 * g + 16 * h + l) * q[16 * h + l] as i32)
+                    .sum()
+            };
+            let s = q6_k_scale(blk, 2 * g) * half(0) + q6_k_scale(blk, 2 * g + 1) * half(1);
+            acc[b % LANES] = (d * x.scales[b]).mul_add(s as f32, acc[b % LANES]);
+        }
+    }
+    tree4(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    //! # Safety
+    //! Every function needs AVX2, FMA and F16C (the caller checked them at
+    //! run time), `w` whole super-blocks and `x` of `w`'s length in
+    //! elements.
+
+    use std::arch::x86_64::*;
+
+    use super::super::q8act::Q8Activation;
+    use super::BLOCKS;
+    use crate::quant::{Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK};
+
+    /// One block's 8 lane sums (lanes 0–3: the first 16 elements times
+    /// their scale, 4–7 the last 16 times theirs) from its 32 unsigned
+    /// codes (0..=63) and 32 quants: `maddubs` of the codes less `maddubs`
+    /// of 32 gives Σ (code − 32) · q by pairs exactly (|·| ≤ 2 · 63 · 127),
+    /// `madd` by the scales widens to i32 exactly.
+    #[inline(always)]
+    unsafe fn block_lanes(codes: __m256i, q: *const i8, sc: __m256i) -> __m256i {
+        // SAFETY: 32 quants at `q` (caller); register arithmetic under the
+        // module's guarantee.
+        unsafe {
+            let xq = _mm256_loadu_si256(q as *const __m256i);
+            let p = _mm256_sub_epi16(
+                _mm256_maddubs_epi16(codes, xq),
+                _mm256_maddubs_epi16(_mm256_set1_epi8(32), xq),
+            );
+            _mm256_madd_epi16(p, sc)
+        }
+    }
+
+    /// Sub-block scales `2g` (low 128 bits) and `2g + 1` (high) as i16.
+    #[inline(always)]
+    unsafe fn scales_of(blk: *const u8, g: usize) -> __m256i {
+        // SAFETY: the super-block's scale bytes are in bounds (caller).
+        unsafe {
+            let s0 = *blk.add(Q6_K_SCALES + 2 * g) as i8 as i16;
+            let s1 = *blk.add(Q6_K_SCALES + 2 * g + 1) as i8 as i16;
+            _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
+        }
+    }
+
+    /// Lane `i` of the result: the sum of `v[i]`'s 8 lanes.
+    #[inline(always)]
+    unsafe fn reduce8(v: [__m256i; 8]) -> __m256i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let h = [
+                _mm256_hadd_epi32(v[0], v[1]),
+                _mm256_hadd_epi32(v[2], v[3]),
+                _mm256_hadd_epi32(v[4], v[5]),
+                _mm256_hadd_epi32(v[6], v[7]),
+            ];
+            let a = _mm256_hadd_epi32(h[0], h[1]);
+            let b = _mm256_hadd_epi32(h[2], h[3]);
+            let lows = _mm256_permute2x128_si256(a, b, 0x20);
+            let highs = _mm256_permute2x128_si256(a, b, 0x31);
+            _mm256_add_epi32(lows, highs)
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q6_K_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        // SAFETY: super-blocks i < supers are read, with their 8 blocks of
+        // quants and scales (module docs).
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0f);
+            let m2 = _mm256_set1_epi8(0x30);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q6_K_BLOCK_BYTES);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for n in 0..2 {
+                    let ql0 = _mm256_loadu_si256(blk.add(64 * n) as *const __m256i);
+                    let ql1 = _mm256_loadu_si256(blk.add(64 * n + 32) as *const __m256i);
+                    let qh = _mm256_loadu_si256(blk.add(Q6_K_QH + 32 * n) as *const __m256i);
+                    // The four blocks of this half: low nibbles of ql0, ql1,
+                    // then high nibbles, with qh's bit pairs 0–1 .. 6–7 as
+                    // bits 4–5 (16-bit shifts: the masks drop what crosses
+                    // a byte).
+                    let codes = [
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql0, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                            _mm256_and_si256(qh, m2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                        ),
+                    ];
+                    for (k, &c) in codes.iter().enumerate() {
+                        let g = 4 * n + k;
+                        let b = i * BLOCKS + g;
+                        v[g] = block_lanes(c, qp.add(b * QK), scales_of(blk, g));
+                    }
+                }
+                let sums = _mm256_cvtepi32_ps(reduce8(v));
+                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
+                    *blk.add(Q6_K_D),
+                    *blk.add(Q6_K_D + 1),
+                ]) as i32)));
+                let d = _mm256_mul_ps(
+                    _mm256_set1_ps(dw),
+                    _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)),
+                );
+                // Blocks 8i..8i+4 into lanes 0..4, then 8i+4..8i+8: block
+                // order within each lane.
+                acc = _mm_fmadd_ps(_mm256_castps256_ps128(d), _mm256_castps256_ps128(sums), acc);
+                acc = _mm_fmadd_ps(
+                    _mm256_extractf128_ps(d, 1),
+                    _mm256_extractf128_ps(sums, 1),
+                    acc,
+                );
+            }
+            // (a0 + a2) + (a1 + a3), as `tree4`.
+            let h2 = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
+            _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_q6_k, quantize_q6_k};
+    use rand::{Rng, SeedableRng};
+
+    /// Random super-blocks: every code, every scale sign, finite `d`s.
+    fn random_row(rng: &mut impl Rng, supers: usize) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..supers * Q6_K_BLOCK_BYTES)
+            .map(|_| rng.random())
+            .collect();
+        for blk in w.chunks_exact_mut(Q6_K_BLOCK_BYTES) {
+            let d = half::f16::from_f32(rng.random_range(-0.02f32..0.02));
+            blk[Q6_K_BLOCK_BYTES - 2..].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+        w
+    }
+
+    #[test]
+    fn the_integer_dot_is_close_to_the_exact_product() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(61);
+        for supers in [1, 3, 8] {
+            let n = supers * QK_K;
+            let w = random_row(&mut rng, supers);
+            let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let a = Q8Activation::quantize(&x);
+            let mut wf = vec![0.0f32; n];
+            dequantize_q6_k(&w, &mut wf);
+            // The same products in f64 on the quantized activation: only
+            // the f32 accumulation differs.
+            let exact: f64 = (0..n)
+                .map(|e| wf[e] as f64 * a.quants[e] as f64 * a.scales[e / QK] as f64)
+                .sum();
+            let mag: f64 = (0..n)
+                .map(|e| (wf[e] as f64 * a.quants[e] as f64 * a.scales[e / QK] as f64).abs())
+                .sum();
+            let got = dot_q6_k_q8(&w, &a) as f64;
+            assert!((got - exact).abs() <= 1e-5 * mag, "{got} vs {exact}");
+            // And the quantized activation costs about what it costs Q4_0.
+            let full: f64 = wf.iter().zip(&x).map(|(&w, &x)| w as f64 * x as f64).sum();
+            assert!((got - full).abs() <= 0.02 * mag, "{got} vs {full}");
+        }
+    }
+
+    #[test]
+    fn the_vector_kernels_equal_the_reference_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(62);
+        for k in crate::kernels::tests::simd_sets() {
+            for supers in [1, 2, 5, 9] {
+                let n = supers * QK_K;
+                let w = random_row(&mut rng, supers);
+                let mut x: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+                // Extremes: a block at ±127 everywhere, a zero block.
+                for v in &mut x[..QK] {
+                    *v = if rng.random() { 1.0 } else { -1.0 };
+                }
+                x[QK..2 * QK].fill(0.0);
+                let a = Q8Activation::quantize(&x);
+                assert_eq!(
+                    (k.dot_q6_k_q8)(&w, &a).to_bits(),
+                    dot_q6_k_q8(&w, &a).to_bits(),
+                    "{} at {supers} super-blocks",
+                    k.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_codes_and_scales_stay_exact() {
+        // Codes −32 and 31 under scales −128 and 127 against ±127 quants:
+        // the largest integer sums a block can have.
+        let mut w = vec![0u8; Q6_K_BLOCK_BYTES];
+        w[..128].fill(0x00); // low bits 0: with qh 0, code −32
+        for (j, s) in w[crate::quant::Q6_K_SCALES..crate::quant::Q6_K_D]
+            .iter_mut()
+            .enumerate()
+        {
+            *s = if j % 2 == 0 { 0x80 } else { 0x7f };
+        }
+        w[crate::quant::Q6_K_D..]
+            .copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+        let x = vec![-1.0f32; QK_K];
+        let a = Q8Activation::quantize(&x);
+        // Each block: (−128 + 127) · 16 · (−32) · (−127) = −65024.
+        let want = 8.0 * -65024.0 * a.scales[0];
+        assert_eq!(dot_q6_k_q8(&w, &a), want);
+        for k in crate::kernels::tests::simd_sets() {
+            assert_eq!((k.dot_q6_k_q8)(&w, &a), want, "{}", k.name);
+        }
+        // A quantized row reads back through the same kernel.
+        let v: Vec<f32> = (0..QK_K).map(|i| (i as f32 * 0.37).sin()).collect();
+        let q = quantize_q6_k(&v).unwrap();
+        let r = dot_q6_k_q8(&q, &Q8Activation::quantize(&v));
+        let norm: f32 = v.iter().map(|x| x * x).sum();
+        assert!((r - norm).abs() < 0.03 * norm, "{r} vs {norm}");
+    }
+}
