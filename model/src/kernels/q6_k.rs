@@ -48,6 +48,14 @@ pub mod avx2 {
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
     //! run time), `w` whole super-blocks and `x` of `w`'s length in
     //! elements.
+    //!
+    //! A super-block is taken a half (4 blocks, 8 sub-blocks of 16) at a
+    //! time: each block's 16 pair sums `Σ (code − 32) · q` (`maddubs` of
+    //! the codes less `maddubs` of 32, exact: |·| ≤ 2 · 63 · 127), widened
+    //! to 8 i32 lanes (lanes 0–3 its first sub-block, 4–7 its second); two
+    //! rounds of `hadd` over the 4 blocks leave the 8 sub-block sums, which
+    //! are multiplied by their scales at once and added in pairs into the 4
+    //! block sums `s_b` (exact integers), then converted and fused-added.
 
     use std::arch::x86_64::*;
 
@@ -55,13 +63,10 @@ pub mod avx2 {
     use super::BLOCKS;
     use crate::quant::{Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK};
 
-    /// One block's 8 lane sums (lanes 0–3: the first 16 elements times
-    /// their scale, 4–7 the last 16 times theirs) from its 32 unsigned
-    /// codes (0..=63) and 32 quants: `maddubs` of the codes less `maddubs`
-    /// of 32 gives Σ (code − 32) · q by pairs exactly (|·| ≤ 2 · 63 · 127),
-    /// `madd` by the scales widens to i32 exactly.
+    /// One block's 8 lane sums of `(code − 32) · q` (lanes 0–3: its first
+    /// 16 elements, 4–7 its last 16) from its 32 unsigned codes (0..=63).
     #[inline(always)]
-    unsafe fn block_lanes(codes: __m256i, q: *const i8, sc: __m256i) -> __m256i {
+    unsafe fn block_lanes(codes: __m256i, q: *const i8) -> __m256i {
         // SAFETY: 32 quants at `q` (caller); register arithmetic under the
         // module's guarantee.
         unsafe {
@@ -70,37 +75,7 @@ pub mod avx2 {
                 _mm256_maddubs_epi16(codes, xq),
                 _mm256_maddubs_epi16(_mm256_set1_epi8(32), xq),
             );
-            _mm256_madd_epi16(p, sc)
-        }
-    }
-
-    /// Sub-block scales `2g` (low 128 bits) and `2g + 1` (high) as i16.
-    #[inline(always)]
-    unsafe fn scales_of(blk: *const u8, g: usize) -> __m256i {
-        // SAFETY: the super-block's scale bytes are in bounds (caller).
-        unsafe {
-            let s0 = *blk.add(Q6_K_SCALES + 2 * g) as i8 as i16;
-            let s1 = *blk.add(Q6_K_SCALES + 2 * g + 1) as i8 as i16;
-            _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
-        }
-    }
-
-    /// Lane `i` of the result: the sum of `v[i]`'s 8 lanes.
-    #[inline(always)]
-    unsafe fn reduce8(v: [__m256i; 8]) -> __m256i {
-        // SAFETY: register arithmetic under the module's guarantee.
-        unsafe {
-            let h = [
-                _mm256_hadd_epi32(v[0], v[1]),
-                _mm256_hadd_epi32(v[2], v[3]),
-                _mm256_hadd_epi32(v[4], v[5]),
-                _mm256_hadd_epi32(v[6], v[7]),
-            ];
-            let a = _mm256_hadd_epi32(h[0], h[1]);
-            let b = _mm256_hadd_epi32(h[2], h[3]);
-            let lows = _mm256_permute2x128_si256(a, b, 0x20);
-            let highs = _mm256_permute2x128_si256(a, b, 0x31);
-            _mm256_add_epi32(lows, highs)
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
         }
     }
 
@@ -115,10 +90,22 @@ pub mod avx2 {
         unsafe {
             let m4 = _mm256_set1_epi8(0x0f);
             let m2 = _mm256_set1_epi8(0x30);
+            // Sub-block scales in the order the hadd rounds leave the sums
+            // of a half: sub-blocks 0, 2, 4, 6 of it in the low 128 bits,
+            // 1, 3, 5, 7 in the high (each half's 8 scale bytes).
+            let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
             let mut acc = _mm_setzero_ps();
             for i in 0..supers {
                 let blk = wp.add(i * Q6_K_BLOCK_BYTES);
-                let mut v = [_mm256_setzero_si256(); 8];
+                let scales = _mm_shuffle_epi8(
+                    _mm_loadu_si128(blk.add(Q6_K_SCALES) as *const __m128i),
+                    order,
+                );
+                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
+                    *blk.add(Q6_K_D),
+                    *blk.add(Q6_K_D + 1),
+                ]) as i32)));
+                let dw = _mm_set1_ps(dw);
                 for n in 0..2 {
                     let ql0 = _mm256_loadu_si256(blk.add(64 * n) as *const __m256i);
                     let ql1 = _mm256_loadu_si256(blk.add(64 * n + 32) as *const __m256i);
@@ -145,29 +132,30 @@ pub mod avx2 {
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
                         ),
                     ];
-                    for (k, &c) in codes.iter().enumerate() {
-                        let g = 4 * n + k;
-                        let b = i * BLOCKS + g;
-                        v[g] = block_lanes(c, qp.add(b * QK), scales_of(blk, g));
-                    }
+                    let q = qp.add((i * BLOCKS + 4 * n) * QK);
+                    let v: [__m256i; 4] =
+                        std::array::from_fn(|k| block_lanes(codes[k], q.add(k * QK)));
+                    // Low 128 bits: sub-blocks 0, 2, 4, 6 of the half (each
+                    // block's first), high: 1, 3, 5, 7.
+                    let subs = _mm256_hadd_epi32(
+                        _mm256_hadd_epi32(v[0], v[1]),
+                        _mm256_hadd_epi32(v[2], v[3]),
+                    );
+                    let sc = _mm256_cvtepi8_epi32(if n == 0 {
+                        scales
+                    } else {
+                        _mm_unpackhi_epi64(scales, scales)
+                    });
+                    let scaled = _mm256_mullo_epi32(subs, sc);
+                    let sums = _mm_cvtepi32_ps(_mm_add_epi32(
+                        _mm256_castsi256_si128(scaled),
+                        _mm256_extracti128_si256::<1>(scaled),
+                    ));
+                    let d = _mm_mul_ps(dw, _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n)));
+                    // Blocks 8i + 4n .. + 4 into lanes 0..4: block order
+                    // within each lane.
+                    acc = _mm_fmadd_ps(d, sums, acc);
                 }
-                let sums = _mm256_cvtepi32_ps(reduce8(v));
-                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
-                    *blk.add(Q6_K_D),
-                    *blk.add(Q6_K_D + 1),
-                ]) as i32)));
-                let d = _mm256_mul_ps(
-                    _mm256_set1_ps(dw),
-                    _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)),
-                );
-                // Blocks 8i..8i+4 into lanes 0..4, then 8i+4..8i+8: block
-                // order within each lane.
-                acc = _mm_fmadd_ps(_mm256_castps256_ps128(d), _mm256_castps256_ps128(sums), acc);
-                acc = _mm_fmadd_ps(
-                    _mm256_extractf128_ps(d, 1),
-                    _mm256_extractf128_ps(sums, 1),
-                    acc,
-                );
             }
             // (a0 + a2) + (a1 + a3), as `tree4`.
             let h2 = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
