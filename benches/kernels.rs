@@ -62,7 +62,9 @@ use colibri_model::kernels::{
     kernels, matmul, matvec, matvecs, q4_0_tiles, q4_0_tiles_run_here, quads16, quads16_run_here,
     read_bandwidth,
 };
-use colibri_model::quant::{quantize_q4_0, quantize_q6_k, quantize_q8_0};
+use colibri_model::quant::{
+    quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k, quantize_q8_0,
+};
 use colibri_model::tensor::{Bytes, QMatrix};
 use rand::{Rng, SeedableRng};
 
@@ -94,6 +96,8 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) ->
         WeightFormat::Q8_0 => Bytes::from_vec(quantize_q8_0(&vals).expect("cols % 32 == 0")),
         WeightFormat::Q4_0 => Bytes::from_vec(quantize_q4_0(&vals).expect("cols % 32 == 0")),
         WeightFormat::Q6K => Bytes::from_vec(quantize_q6_k(&vals).expect("cols % 256 == 0")),
+        WeightFormat::Q4K => Bytes::from_vec(quantize_q4_k(&vals).expect("cols % 256 == 0")),
+        WeightFormat::Q5K => Bytes::from_vec(quantize_q5_k(&vals).expect("cols % 256 == 0")),
         other => panic!("bench does not build {other:?}"),
     };
     QMatrix::new("bench", rows, cols, format, data, None).expect("matrix")
@@ -493,6 +497,8 @@ fn main() {
         (WeightFormat::Q4_0, false),
         (WeightFormat::Q4_0, true),
         (WeightFormat::Q6K, false),
+        (WeightFormat::Q4K, false),
+        (WeightFormat::Q5K, false),
     ] {
         let here = if format == WeightFormat::Q4_0 {
             tiles

@@ -70,6 +70,16 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         WeightFormat::Q6K | WeightFormat::Q6KQ8 => b
             .chunks_exact_mut(210)
             .for_each(|blk| blk[208..].copy_from_slice(&scale)),
+        // d and dmin (each sub-block's 6-bit scale and min come from the
+        // random bytes).
+        WeightFormat::Q4K | WeightFormat::Q4KQ8 => b.chunks_exact_mut(144).for_each(|blk| {
+            blk[..2].copy_from_slice(&scale);
+            blk[2..4].copy_from_slice(&scale);
+        }),
+        WeightFormat::Q5K | WeightFormat::Q5KQ8 => b.chunks_exact_mut(176).for_each(|blk| {
+            blk[..2].copy_from_slice(&scale);
+            blk[2..4].copy_from_slice(&scale);
+        }),
         // bf16 with exponent bits forced into [2^-8, 2^0): finite, non-zero.
         WeightFormat::Bf16 | WeightFormat::F16 => b
             .chunks_exact_mut(2)

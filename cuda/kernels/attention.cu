@@ -349,6 +349,25 @@ __device__ __forceinline__ float weight_elem(const u8* __restrict__ w, u32 fmt, 
             const float sc = (float)(signed char)b[192 + e / 16];
             return __fmul_rn(__fmul_rn(d, sc), (float)((int)(nib | (hi << 4)) - 32));
         }
+        case FMT_Q4_K:
+        case FMT_Q5_K: {
+            // ggml's layouts (model/src/quant.rs `q4_k_code`, `q5_k_code`,
+            // `k4_scale_min`): (d · sc) · code is exact in f32, and the
+            // subtraction of dmin · m rounds once, as the CPU's does.
+            const bool five = fmt == FMT_Q5_K;
+            const u32 size = five ? 176 : 144;
+            const u8* b = w + row * (cols / 256) * size + (col / 256) * size;
+            const u32 e = col % 256, j = e / 32, l = e % 32;
+            const u32 byte = b[(five ? 48 : 16) + 32 * (j / 2) + l];
+            u32 code = j % 2 ? (byte >> 4) : (byte & 15u);
+            if (five) code |= ((b[16 + l] >> j) & 1u) << 4;
+            const u8* s = b + 4;
+            const u32 sc = j < 4 ? (s[j] & 63u) : ((s[j + 4] & 15u) | ((s[j - 4] >> 6) << 4));
+            const u32 m = j < 4 ? (s[j + 4] & 63u) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+            const float d = f16_bits_to_f32((u32)b[0] | ((u32)b[1] << 8));
+            const float dmin = f16_bits_to_f32((u32)b[2] | ((u32)b[3] << 8));
+            return fmaf(__fmul_rn(d, (float)sc), (float)code, -__fmul_rn(dmin, (float)m));
+        }
         default: {
             const u8* b = w + row * (cols / 32) * 18 + (col / 32) * 18;
             const float d = f16_bits_to_f32(*(const u16*)b);

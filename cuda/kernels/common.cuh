@@ -34,6 +34,15 @@ typedef unsigned long long u64;
 #define FMT_Q6_K 8
 // Q6_K weights with 8-bit activations (the CPU tier's `dot_q6_k_q8`).
 #define FMT_Q6_K_Q8 9
+// ggml Q4_K (super-blocks of 256 in 144 bytes: 8 sub-blocks of 32, each
+// with a 6-bit scale and min), exact dequantized product.
+#define FMT_Q4_K 10
+// Q4_K weights with 8-bit activations (the CPU tier's `dot_q4_k_q8`).
+#define FMT_Q4_K_Q8 11
+// ggml Q5_K (Q4_K with a fifth bit per element: 176 bytes), exact.
+#define FMT_Q5_K 12
+// Q5_K weights with 8-bit activations (the CPU tier's `dot_q5_k_q8`).
+#define FMT_Q5_K_Q8 13
 
 // Programmatic dependent launch (sm_90 and later; nothing before). The
 // host launches every kernel with programmatic stream serialization

@@ -44,16 +44,19 @@
 #define MV_THREADS (MV_WARPS * 32)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
-// q4_0, fp8, q6_k with 8-bit activations; f16/bf16 where matvec_core_f takes GroupHalfReg): its lanes
+// q4_0, fp8, q6_k, q4_k and q5_k with 8-bit activations; f16/bf16 where
+// matvec_core_f takes GroupHalfReg): its lanes
 // then own two groups of a tile and load both before using either (twice
 // the loads in flight, half the barriers). Either way lane l meets its
 // groups in increasing order. (f32 groups, and the other f16/bf16 ones,
 // load as they are used; two of them per lane made ptxas spill, as did
-// two exact Q6_K groups in its one-token table launch on sm_90.)
+// two exact Q6_K groups in its one-token table launch on sm_90, and two
+// exact Q5_K groups in its q/k/v launch there.)
 #define MV_TILE_FOR(FMT, NT) \
     (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
                     (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3 ||                         \
-                    (FMT) == FMT_Q6_K_Q8)) ? 2048 : 1024)
+                    (FMT) == FMT_Q6_K_Q8 || (FMT) == FMT_Q4_K_Q8 ||                        \
+                    (FMT) == FMT_Q5_K_Q8)) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -359,6 +362,64 @@ template <> struct Group<FMT_Q6_K> {
     }
 };
 
+// ggml Q4_K and Q5_K: super-blocks of 256 elements (f16 d, f16 dmin, 12
+// bytes of packed 6-bit sub-block scales and mins, then Q5_K's qh[32],
+// then qs[128]; 144 or 176 bytes, 2-byte aligned), read as groups of 32:
+// group g is sub-block j = g mod 8 of super-block g / 8, whose element l
+// (< 32) is nibble j mod 2 of qs[32 (j / 2) + l] (Q5_K: under bit j of
+// qh[l]), with scale sc and min m from ggml's get_scale_min_k4
+// (model/src/quant.rs `k4_scale_min`, `q4_k_code`, `q5_k_code`). q holds
+// the 32 codes (0..15 or 0..31) as bytes. Element = (d · sc) · code −
+// dmin · m: both products and d · sc · code are exact in f32, so the one
+// rounding is the subtraction's, as the CPU's dequantization rounds it.
+template <u32 SB, bool FIVE> struct GroupK4 {
+    u32 q[8];
+    float d, dmin;
+    int sc, m;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = row + (u64)(g / 8) * SB;
+        const u32 j = g % 8;
+        // The header: word 0 holds d and dmin, words 1..3 the scale bytes
+        // 0..3, 4..7 and 8..11.
+        u32 h[4], lo[8];
+        load_realigned<4>(b, h, 16);
+        load_realigned<8>(b + (FIVE ? 48 : 16) + 32 * (j / 2), lo, 32);
+        d = f16_bits_to_f32(h[0] & 0xffffu);
+        dmin = f16_bits_to_f32(h[0] >> 16);
+        const u32 sh = 8 * (j % 4);
+        const u32 s0 = h[1] >> sh, s4 = h[2] >> sh, s8 = h[3] >> sh;  // bytes j%4, +4, +8
+        sc = (int)(j < 4 ? (s0 & 63u) : ((s8 & 15u) | ((s0 >> 6 & 3u) << 4)));
+        m = (int)(j < 4 ? (s4 & 63u) : ((s8 >> 4 & 15u) | ((s4 >> 6 & 3u) << 4)));
+        const u32 ns = 4 * (j % 2);
+        if (FIVE) {
+            u32 hi[8];
+            load_realigned<8>(b + 16, hi, 32);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                q[i] = ((lo[i] >> ns) & 0x0f0f0f0fu) | (((hi[i] >> j) & 0x01010101u) << 4);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q[i] = (lo[i] >> ns) & 0x0f0f0f0fu;
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0;
+        d = dmin = 0.0f;
+        sc = m = 0;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const float d1 = __fmul_rn(d, (float)sc), m1 = __fmul_rn(dmin, (float)m);
+        const u32 v = q[sub];
+        return make_float4(fmaf(d1, magic_byte(v, 0) - 8388608.0f, -m1),
+                           fmaf(d1, magic_byte(v, 1) - 8388608.0f, -m1),
+                           fmaf(d1, magic_byte(v, 2) - 8388608.0f, -m1),
+                           fmaf(d1, magic_byte(v, 3) - 8388608.0f, -m1));
+    }
+};
+template <> struct Group<FMT_Q4_K> : GroupK4<144, false> {};
+template <> struct Group<FMT_Q5_K> : GroupK4<176, true> {};
+
 template <int FMT>
 __device__ __forceinline__ u64 row_bytes(u32 cols) {
     switch (FMT) {
@@ -368,6 +429,8 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
         case FMT_F8E4M3: return (u64)cols;
         case FMT_Q8_0: return (u64)(cols / 32) * 34;
         case FMT_Q6_K: return (u64)(cols / 256) * 210;
+        case FMT_Q4_K: return (u64)(cols / 256) * 144;
+        case FMT_Q5_K: return (u64)(cols / 256) * 176;
         default: return (u64)(cols / 32) * 18;
     }
 }
@@ -475,7 +538,8 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
     // overlaps the staging (what EARLY does for a plain launch's first
     // tile). f16/bf16 groups load as they are used; FP8's GLU launch
     // spilled (ptxas) with its groups live across the staging.
-    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || FMT == FMT_Q6_K || REG);
+    constexpr bool LOAD_FIRST = NT == 1 && (FMT == FMT_Q8_0 || FMT == FMT_Q4_0 || FMT == FMT_Q6_K ||
+                                            FMT == FMT_Q4_K || FMT == FMT_Q5_K || REG);
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
         __syncthreads();
         if (LOAD_FIRST && (!EARLY || c0 != 0))
@@ -560,8 +624,12 @@ __device__ __forceinline__ void matvec_core_f(u32 bx, const u8* __restrict__ w0,
 //     (b mod A, k), blocks in increasing order: Q4_0 has A = 4, and its
 //     result is (a0 + a2) + (a1 + a3); Q8_0 has A = 2, and its result is
 //     hsum8 of the eight lanes acc[0][k] + acc[1][k].
+//   * Q4_K and Q5_K (FMT_Q4_K_Q8, FMT_Q5_K_Q8; q4_k.rs) have a min as well
+//     as a scale per block: their Q8Dot forms block b's finished f32 term
+//     t_b itself (Q8DotK4), and the chain adds it with one rounded
+//     addition, as the CPU's acc[b mod 4] += t_b does (A = 4, K = 1).
 //
-// The lanes form (d_b, s_{b,k}) for their groups in parallel as the float
+// The lanes form (d_b, s_{b,k}) (or t_b) for their groups in parallel as the float
 // path does; the C = A·K accumulator chains of a token then run in lanes
 // C·j + K·a + k (j: the token within a pass of 32 / C tokens) over the
 // round's 32 groups, read back through shared memory; a butterfly over
@@ -662,12 +730,17 @@ __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __res
 
 // How the integer path meets one storage format: constructed from a
 // lane's weight group (once per round, shared by the tokens), `sums`
-// gives block b's K integer sums with token t's quants.
+// gives block b's K integer sums with token t's quants, which the core
+// scales by d_b = G.d · x.d_b. A format whose block value is more than one
+// scale times integers (TERM: Q4_K and Q5_K, whose min adds a second
+// term) gives the finished f32 value of block b instead (`term`, K = 1),
+// which the core adds into its chain as the CPU does.
 template <int FMT> struct Q8Dot;
 
 // Q4_0: one sum per block, accumulators by b mod 4 (`dot_q4_0_q8`).
 template <> struct Q8Dot<FMT_Q4_0_Q8> {
     static constexpr int WFMT = FMT_Q4_0, A = 4, K = 1;
+    static constexpr bool TERM = false;
     u32 lo[4], hi[4];  // the low and high nibbles, one per byte
     __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q4_0>& g) {
 #pragma unroll
@@ -699,6 +772,7 @@ template <> struct Q8Dot<FMT_Q4_0_Q8> {
 // does word i of the tile's `lo` (i < 4) or `hi` (i ≥ 4).
 template <> struct Q8Dot<FMT_Q8_0_Q8> {
     static constexpr int WFMT = FMT_Q8_0, A = 2, K = 8;
+    static constexpr bool TERM = false;
     u32 q[8];
     __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q8_0>& g) {
 #pragma unroll
@@ -724,6 +798,7 @@ template <> struct Q8Dot<FMT_Q8_0_Q8> {
 // − 32, bytewise) by DP4A, each half of 16 times its sub-block scale.
 template <> struct Q8Dot<FMT_Q6_K_Q8> {
     static constexpr int WFMT = FMT_Q6_K, A = 4, K = 1;
+    static constexpr bool TERM = false;
     u32 q[8];
     int sc[2];
     __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q6_K>& g) {
@@ -747,6 +822,52 @@ template <> struct Q8Dot<FMT_Q6_K_Q8> {
         v = dp4a_s8(q[7], xh.w, v);
         s[0] = sc[0] * u + sc[1] * v;
     }
+};
+
+// Q4_K and Q5_K (`dot_q4_k_q8`, `dot_q5_k_q8` of model/src/kernels/q4_k.rs):
+// block b (sub-block b mod 8 of super-block b / 8) gives the exact
+// integers A_b = sc · Σ code · q (DP4A: the codes are below 32, so the same
+// as signed bytes) and B_b = m · Σ q (the tile's z is 8 · Σ q, exact), and
+// t_b = fmaf(d · x.d_b, A_b, −((dmin · x.d_b) · B_b)) (both integers are
+// below 2^24: exact in f32), added into accumulator b mod 4; the result is
+// (a0 + a2) + (a1 + a3), as Q4_0's.
+template <int WF> struct Q8DotK4 {
+    static constexpr int WFMT = WF, A = 4, K = 1;
+    static constexpr bool TERM = true;
+    u32 q[8];
+    float d, dmin;
+    // sc | m << 16: one register fewer than two (q4_kq8_table_t2 spilled
+    // 8 bytes on sm_90 with sc and m apart).
+    u32 scm;
+    __device__ __forceinline__ explicit Q8DotK4(const Group<WF>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i];
+        d = g.d;
+        dmin = g.dmin;
+        scm = (u32)g.sc | (u32)g.m << 16;
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ float term(const Q8Tile<NT, TILE>& xs, u32 t, u32 b) const {
+        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+        int u = dp4a_s8(q[0], xl.x, 0);
+        u = dp4a_s8(q[1], xl.y, u);
+        u = dp4a_s8(q[2], xl.z, u);
+        u = dp4a_s8(q[3], xl.w, u);
+        u = dp4a_s8(q[4], xh.x, u);
+        u = dp4a_s8(q[5], xh.y, u);
+        u = dp4a_s8(q[6], xh.z, u);
+        u = dp4a_s8(q[7], xh.w, u);
+        const float xd = xs.d[t][b];
+        const int ia = (int)(scm & 0xffffu) * u, ib = (int)(scm >> 16) * (xs.z[t][b] / 8);
+        return fmaf(__fmul_rn(d, xd), (float)ia, -__fmul_rn(__fmul_rn(dmin, xd), (float)ib));
+    }
+};
+template <> struct Q8Dot<FMT_Q4_K_Q8> : Q8DotK4<FMT_Q4_K> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q4_K>& g) : Q8DotK4<FMT_Q4_K>(g) {}
+};
+template <> struct Q8Dot<FMT_Q5_K_Q8> : Q8DotK4<FMT_Q5_K> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q5_K>& g) : Q8DotK4<FMT_Q5_K>(g) {}
 };
 
 // The final sum of C accumulator chains held by C consecutive lanes (C a
@@ -787,6 +908,7 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
                                                u64 ahead_bytes) {
     using Dot = Q8Dot<FMT>;
     constexpr int WFMT = Dot::WFMT, A = Dot::A, K = Dot::K;
+    static_assert(!Dot::TERM || K == 1, "a finished term per block");
     constexpr int C = A * K;                   // chains per token
     constexpr int L = 32 / A;                  // a chain's groups per round
     constexpr int TP = NT < 32 / C ? NT : 32 / C;  // tokens per pass
@@ -861,11 +983,15 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
 #pragma unroll 4
                         for (int j = 0; j < TP; ++j) {
                             const u32 t = p * TP + j;
-                            int si[K];
-                            dot.sums(xs, t, b, si);
-                            cd[warp][j][slot] = __fmul_rn(G.d, xs.d[t][b]);
+                            if constexpr (Dot::TERM) {
+                                cs[warp][j][slot] = dot.term(xs, t, b);
+                            } else {
+                                int si[K];
+                                dot.sums(xs, t, b, si);
+                                cd[warp][j][slot] = __fmul_rn(G.d, xs.d[t][b]);
 #pragma unroll
-                            for (int k = 0; k < K; ++k) cs[warp][j][k * 32 + slot] = (float)si[k];
+                                for (int k = 0; k < K; ++k) cs[warp][j][k * 32 + slot] = (float)si[k];
+                            }
                         }
                         __syncwarp();
                         if (lane < C * TP) {
@@ -878,13 +1004,22 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
                             const int n = (int)ngroups - (int)(g0 + ca);
 #pragma unroll
                             for (int i = 0; i < L; i += 4) {
-                                const float4 d4 = *(const float4*)(dp + i);
-                                const float4 s4 = *(const float4*)(sp + i);
-                                const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
-                                const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
+                                if constexpr (Dot::TERM) {
+                                    // The CPU's acc += t_b (one rounding).
+                                    const float4 s4 = *(const float4*)(sp + i);
+                                    const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
 #pragma unroll
-                                for (int e = 0; e < 4; ++e)
-                                    if (A * (i + e) < n) a = fmaf(dv[e], sv[e], a);
+                                    for (int e = 0; e < 4; ++e)
+                                        if (A * (i + e) < n) a = __fadd_rn(a, sv[e]);
+                                } else {
+                                    const float4 d4 = *(const float4*)(dp + i);
+                                    const float4 s4 = *(const float4*)(sp + i);
+                                    const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
+                                    const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                                    for (int e = 0; e < 4; ++e)
+                                        if (A * (i + e) < n) a = fmaf(dv[e], sv[e], a);
+                                }
                             }
                             acc[m][r][p] = a;
                         }
@@ -922,7 +1057,8 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt, const u8* ahead = nullptr,
                                             u64 ahead_bytes = 0) {
-    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8 || FMT == FMT_Q6_K_Q8) {
+    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8 || FMT == FMT_Q6_K_Q8 ||
+                  FMT == FMT_Q4_K_Q8 || FMT == FMT_Q5_K_Q8) {
         matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
                                                rows, cols, nt, ahead, ahead_bytes);
     } else {
@@ -1268,3 +1404,7 @@ MATVEC_FORMAT(matvec_q4_0q8, FMT_Q4_0_Q8)
 MATVEC_FORMAT(matvec_q8_0q8, FMT_Q8_0_Q8)
 MATVEC_FORMAT(matvec_q6_k, FMT_Q6_K)
 MATVEC_FORMAT(matvec_q6_kq8, FMT_Q6_K_Q8)
+MATVEC_FORMAT(matvec_q4_k, FMT_Q4_K)
+MATVEC_FORMAT(matvec_q4_kq8, FMT_Q4_K_Q8)
+MATVEC_FORMAT(matvec_q5_k, FMT_Q5_K)
+MATVEC_FORMAT(matvec_q5_kq8, FMT_Q5_K_Q8)

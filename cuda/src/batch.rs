@@ -68,7 +68,7 @@ pub struct MatvecTable<'a> {
 }
 
 fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 10] = [
+    const NAMES: [[&str; 4]; 14] = [
         [
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
@@ -129,8 +129,32 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
             "matvec_q6_kq8_table_t4",
             "matvec_q6_kq8_table_t8",
         ],
+        [
+            "matvec_q4_k_table_t1",
+            "matvec_q4_k_table_t2",
+            "matvec_q4_k_table_t4",
+            "matvec_q4_k_table_t8",
+        ],
+        [
+            "matvec_q4_kq8_table_t1",
+            "matvec_q4_kq8_table_t2",
+            "matvec_q4_kq8_table_t4",
+            "matvec_q4_kq8_table_t8",
+        ],
+        [
+            "matvec_q5_k_table_t1",
+            "matvec_q5_k_table_t2",
+            "matvec_q5_k_table_t4",
+            "matvec_q5_k_table_t8",
+        ],
+        [
+            "matvec_q5_kq8_table_t1",
+            "matvec_q5_kq8_table_t2",
+            "matvec_q5_kq8_table_t4",
+            "matvec_q5_kq8_table_t8",
+        ],
     ];
-    const GLU_NAMES: [[&str; 2]; 10] = [
+    const GLU_NAMES: [[&str; 2]; 14] = [
         ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
         ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
         ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
@@ -141,6 +165,10 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
         ["matvec_q8_0q8_table_glu_t1", "matvec_q8_0q8_table_glu_t2"],
         ["matvec_q6_k_table_glu_t1", "matvec_q6_k_table_glu_t2"],
         ["matvec_q6_kq8_table_glu_t1", "matvec_q6_kq8_table_glu_t2"],
+        ["matvec_q4_k_table_glu_t1", "matvec_q4_k_table_glu_t2"],
+        ["matvec_q4_kq8_table_glu_t1", "matvec_q4_kq8_table_glu_t2"],
+        ["matvec_q5_k_table_glu_t1", "matvec_q5_k_table_glu_t2"],
+        ["matvec_q5_kq8_table_glu_t1", "matvec_q5_kq8_table_glu_t2"],
     ];
     let i = match nt {
         1 => 0,

@@ -42,6 +42,19 @@ pub enum WeightFormat {
     /// Q6_K storage with the CPU tier's default arithmetic (`dot_q6_k_q8`
     /// of colibri-model).
     Q6KQ8,
+    /// ggml Q4_K: super-blocks of 256 elements in 144 bytes (8 sub-blocks
+    /// of 32 with 6-bit scales and mins; llama.cpp's Q4_K_M files), the
+    /// exact dequantized product.
+    Q4K,
+    /// Q4_K storage with the CPU tier's default arithmetic (`dot_q4_k_q8`
+    /// of colibri-model).
+    Q4KQ8,
+    /// ggml Q5_K: Q4_K with a fifth bit per element, 176 bytes per
+    /// super-block, the exact dequantized product.
+    Q5K,
+    /// Q5_K storage with the CPU tier's default arithmetic (`dot_q5_k_q8`
+    /// of colibri-model).
+    Q5KQ8,
 }
 
 impl WeightFormat {
@@ -61,6 +74,12 @@ impl WeightFormat {
             WeightFormat::Q6K | WeightFormat::Q6KQ8 => {
                 cols.is_multiple_of(256).then(|| cols / 256 * 210)
             }
+            WeightFormat::Q4K | WeightFormat::Q4KQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 144)
+            }
+            WeightFormat::Q5K | WeightFormat::Q5KQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 176)
+            }
         }
     }
 
@@ -72,6 +91,8 @@ impl WeightFormat {
             WeightFormat::Q4_0Q8 => WeightFormat::Q4_0,
             WeightFormat::Q8_0Q8 => WeightFormat::Q8_0,
             WeightFormat::Q6KQ8 => WeightFormat::Q6K,
+            WeightFormat::Q4KQ8 => WeightFormat::Q4K,
+            WeightFormat::Q5KQ8 => WeightFormat::Q5K,
             f => f,
         }
     }
@@ -89,6 +110,10 @@ impl WeightFormat {
             WeightFormat::Q8_0Q8 => 7,
             WeightFormat::Q6K => 8,
             WeightFormat::Q6KQ8 => 9,
+            WeightFormat::Q4K => 10,
+            WeightFormat::Q4KQ8 => 11,
+            WeightFormat::Q5K => 12,
+            WeightFormat::Q5KQ8 => 13,
         }
     }
 
@@ -163,6 +188,30 @@ impl WeightFormat {
                 "matvec_q6_kq8_t4",
                 "matvec_q6_kq8_t8",
             ],
+            WeightFormat::Q4K => [
+                "matvec_q4_k_t1",
+                "matvec_q4_k_t2",
+                "matvec_q4_k_t4",
+                "matvec_q4_k_t8",
+            ],
+            WeightFormat::Q4KQ8 => [
+                "matvec_q4_kq8_t1",
+                "matvec_q4_kq8_t2",
+                "matvec_q4_kq8_t4",
+                "matvec_q4_kq8_t8",
+            ],
+            WeightFormat::Q5K => [
+                "matvec_q5_k_t1",
+                "matvec_q5_k_t2",
+                "matvec_q5_k_t4",
+                "matvec_q5_k_t8",
+            ],
+            WeightFormat::Q5KQ8 => [
+                "matvec_q5_kq8_t1",
+                "matvec_q5_kq8_t2",
+                "matvec_q5_kq8_t4",
+                "matvec_q5_kq8_t8",
+            ],
         }
     }
 }
@@ -191,6 +240,10 @@ impl WeightFormat {
             WeightFormat::Q8_0Q8 => "matvec_q8_0q8_seg_t1",
             WeightFormat::Q6K => "matvec_q6_k_seg_t1",
             WeightFormat::Q6KQ8 => "matvec_q6_kq8_seg_t1",
+            WeightFormat::Q4K => "matvec_q4_k_seg_t1",
+            WeightFormat::Q4KQ8 => "matvec_q4_kq8_seg_t1",
+            WeightFormat::Q5K => "matvec_q5_k_seg_t1",
+            WeightFormat::Q5KQ8 => "matvec_q5_kq8_seg_t1",
         }
     }
 }
@@ -1785,6 +1838,10 @@ mod tests {
         assert_eq!(WeightFormat::Q8_0Q8.row_bytes(48), None);
         assert_eq!(WeightFormat::Q4_0.row_bytes(64), Some(36));
         assert_eq!(WeightFormat::Q4_0.row_bytes(48), None);
+        assert_eq!(WeightFormat::Q4K.row_bytes(512), Some(288));
+        assert_eq!(WeightFormat::Q4KQ8.row_bytes(320), None);
+        assert_eq!(WeightFormat::Q5K.row_bytes(512), Some(352));
+        assert_eq!(WeightFormat::Q5KQ8.row_bytes(256), Some(176));
         assert_eq!(WeightFormat::F32.row_bytes(usize::MAX), None);
     }
 

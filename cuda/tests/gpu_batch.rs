@@ -132,8 +132,8 @@ fn glu_table_matvec_equals_three_launches() {
     let g = gpu();
     for (fi, &fmt) in FORMATS.iter().enumerate() {
         for max_tok in [1usize, 2] {
-            // 320 columns: a partial round; Q6_K rows are whole
-            // super-blocks of 256.
+            // 320 columns: a partial round; k-quant (Q6_K, Q4_K, Q5_K)
+            // rows are whole super-blocks of 256.
             let cols = if fmt.row_bytes(320).is_some() {
                 320
             } else {

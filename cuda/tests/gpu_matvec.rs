@@ -82,6 +82,8 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
         WeightFormat::Q4_0Q8 => Some((dot_q4_0_q8_ref, "dot_q4_0_q8")),
         WeightFormat::Q8_0Q8 => Some((dot_q8_0_q8_ref, "dot_q8_0_q8")),
         WeightFormat::Q6KQ8 => Some((dot_q6_k_q8_ref, "dot_q6_k_q8")),
+        WeightFormat::Q4KQ8 => Some((dot_q4_k_q8_ref, "dot_q4_k_q8")),
+        WeightFormat::Q5KQ8 => Some((dot_q5_k_q8_ref, "dot_q5_k_q8")),
         _ => None,
     };
     if let Some((dot, dot_name)) = int_dot {
@@ -250,6 +252,53 @@ fn matvec_q6_k_q8_activations() {
     check(WeightFormat::Q6KQ8, 7, 256, 68);
     check(WeightFormat::Q6KQ8, 45, 2304, 69);
     check(WeightFormat::Q6KQ8, 130, 2560, 71);
+}
+
+/// Q4_K (llama.cpp's Q4_K_M files), exact: the dequantized twin's bits;
+/// rows of 1, 3, 9 and 17 super-blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_k() {
+    check(WeightFormat::Q4K, 301, 768, 110);
+    check(WeightFormat::Q4K, 7, 256, 111);
+    check(WeightFormat::Q4K, 45, 2304, 112);
+    check(WeightFormat::Q4K, 33, 4352, 113);
+}
+
+/// Q4_K with 8-bit activations: the CPU's `dot_q4_k_q8` bits, for rows of
+/// 8, 24, 72, 80 and 136 blocks (one or two rounds of a tile, partial
+/// rounds and tiles).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_k_q8_activations() {
+    check(WeightFormat::Q4KQ8, 301, 768, 114);
+    check(WeightFormat::Q4KQ8, 7, 256, 115);
+    check(WeightFormat::Q4KQ8, 45, 2304, 116);
+    check(WeightFormat::Q4KQ8, 130, 2560, 117);
+    check(WeightFormat::Q4KQ8, 33, 4352, 118);
+}
+
+/// Q5_K, exact: the dequantized twin's bits; rows of 1, 3, 9 and 17
+/// super-blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q5_k() {
+    check(WeightFormat::Q5K, 301, 768, 120);
+    check(WeightFormat::Q5K, 7, 256, 121);
+    check(WeightFormat::Q5K, 45, 2304, 122);
+    check(WeightFormat::Q5K, 33, 4352, 123);
+}
+
+/// Q5_K with 8-bit activations: the CPU's `dot_q5_k_q8` bits, for rows of
+/// 8, 24, 72, 80 and 136 blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q5_k_q8_activations() {
+    check(WeightFormat::Q5KQ8, 301, 768, 124);
+    check(WeightFormat::Q5KQ8, 7, 256, 125);
+    check(WeightFormat::Q5KQ8, 45, 2304, 126);
+    check(WeightFormat::Q5KQ8, 130, 2560, 127);
+    check(WeightFormat::Q5KQ8, 33, 4352, 128);
 }
 
 /// Three q4_0 matrices at an odd stride, each with its own 3 tokens, in one

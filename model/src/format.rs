@@ -29,6 +29,15 @@ pub enum WeightFormat {
     /// [`crate::quant::dequantize_q6_k`].
     #[serde(rename = "q6_k")]
     Q6K,
+    /// ggml Q4_K: super-blocks of 256 × 4-bit in 8 sub-blocks of 32, each
+    /// with a 6-bit scale and a 6-bit min, and f16 `d` and `dmin` (144
+    /// bytes); see [`crate::quant::dequantize_q4_k`].
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// ggml Q5_K: Q4_K with a fifth bit per element (176 bytes); see
+    /// [`crate::quant::dequantize_q5_k`].
+    #[serde(rename = "q5_k")]
+    Q5K,
 }
 
 impl WeightFormat {
@@ -52,12 +61,13 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => Ok(cols),
             WeightFormat::Q8_0 => block(crate::quant::Q8_0_BLOCK_BYTES),
             WeightFormat::Q4_0 => block(crate::quant::Q4_0_BLOCK_BYTES),
-            WeightFormat::Q6K => {
+            WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
                 if cols.is_multiple_of(crate::quant::QK_K) {
-                    Ok(cols / crate::quant::QK_K * crate::quant::Q6_K_BLOCK_BYTES)
+                    Ok(cols / crate::quant::QK_K * self.super_block_bytes())
                 } else {
                     Err(ModelError::Invalid(format!(
-                        "q6_k: a row of {cols} elements is not a multiple of the {}-element super-block",
+                        "{}: a row of {cols} elements is not a multiple of the {}-element super-block",
+                        self.name(),
                         crate::quant::QK_K
                     )))
                 }
@@ -74,6 +84,27 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_0 => "q4_0",
             WeightFormat::Q6K => "q6_k",
+            WeightFormat::Q4K => "q4_k",
+            WeightFormat::Q5K => "q5_k",
+        }
+    }
+
+    /// Whether this is one of ggml's k-quants (rows of 256-element
+    /// super-blocks).
+    pub fn is_k_quant(self) -> bool {
+        matches!(
+            self,
+            WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K
+        )
+    }
+
+    /// Bytes of one super-block of a k-quant (0 for the other formats).
+    pub fn super_block_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q6K => crate::quant::Q6_K_BLOCK_BYTES,
+            WeightFormat::Q4K => crate::quant::Q4_K_BLOCK_BYTES,
+            WeightFormat::Q5K => crate::quant::Q5_K_BLOCK_BYTES,
+            _ => 0,
         }
     }
 }

@@ -15,8 +15,10 @@
 //! `q` at most 8), so dequantizing never rounds and a quantized model
 //! computes the same function as its dequantized f32 twin.
 //!
-//! Q6_K, the k-quant llama.cpp gives a model's output matrix (and, in its
-//! `_M` mixes, some others), is read too: see [`dequantize_q6_k`].
+//! ggml's k-quants that llama.cpp's most downloaded files are made of are
+//! read too: Q6_K, which it gives a model's output matrix (and, in its
+//! `_M` mixes, some others), see [`dequantize_q6_k`]; Q4_K, the bulk of a
+//! Q4_K_M file, and Q5_K (of the Q5_K mixes), see [`dequantize_q4_k`].
 
 use crate::error::{ModelError, Result};
 use crate::format::f16_to_f32;
@@ -236,6 +238,187 @@ pub fn quantize_q6_k(x: &[f32]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Bytes of one Q4_K super-block: f16 `d`, f16 `dmin`, 12 bytes of
+/// packed 6-bit sub-block scales and mins, then 128 bytes of nibbles.
+pub const Q4_K_BLOCK_BYTES: usize = 4 + K_SCALE_BYTES + QK_K / 2;
+/// Bytes of one Q5_K super-block: Q4_K's with 32 bytes of fifth bits
+/// (`qh`) between the scales and the nibbles.
+pub const Q5_K_BLOCK_BYTES: usize = 4 + K_SCALE_BYTES + QK_K / 8 + QK_K / 2;
+/// Bytes of the packed scales and mins of a Q4_K/Q5_K super-block.
+pub const K_SCALE_BYTES: usize = 12;
+/// Where the packed scales of a Q4_K/Q5_K super-block begin.
+pub const K_SCALES: usize = 4;
+/// Where a Q4_K super-block's nibbles begin.
+pub const Q4_K_QS: usize = K_SCALES + K_SCALE_BYTES;
+/// Where a Q5_K super-block's fifth bits and nibbles begin.
+pub const Q5_K_QH: usize = K_SCALES + K_SCALE_BYTES;
+pub const Q5_K_QS: usize = Q5_K_QH + QK_K / 8;
+
+/// The f16 `d` and `dmin` of a Q4_K/Q5_K super-block.
+#[inline(always)]
+pub fn k4_d_dmin(blk: &[u8]) -> (f32, f32) {
+    (
+        f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])),
+        f16_to_f32(u16::from_le_bytes([blk[2], blk[3]])),
+    )
+}
+
+/// Sub-block `j`'s (< 8) 6-bit scale and min from a Q4_K/Q5_K
+/// super-block's 12 packed bytes `s` (ggml's `get_scale_min_k4`): for
+/// `j < 4` the low 6 bits of `s[j]` and `s[j + 4]`; for `j ≥ 4` the
+/// nibbles of `s[j + 4]` under the top 2 bits of `s[j − 4]` and `s[j]`.
+#[inline(always)]
+pub fn k4_scale_min(s: &[u8], j: usize) -> (i32, i32) {
+    if j < 4 {
+        ((s[j] & 63) as i32, (s[j + 4] & 63) as i32)
+    } else {
+        (
+            ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4)) as i32,
+            ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as i32,
+        )
+    }
+}
+
+/// Element `e` (< 256) of a Q4_K super-block as its code (0..=15): each
+/// 64 elements take 32 bytes, element `l` (< 32) of them the low nibble
+/// of byte `l`, element `32 + l` its high nibble. It is in sub-block
+/// `e / 32`.
+#[inline(always)]
+pub fn q4_k_code(blk: &[u8], e: usize) -> i32 {
+    let byte = blk[Q4_K_QS + 32 * (e / 64) + e % 32];
+    (if (e / 32).is_multiple_of(2) {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    }) as i32
+}
+
+/// Element `e` (< 256) of a Q5_K super-block as its code (0..=31): Q4_K's
+/// nibble (from `qs`) with bit `e / 32` of `qh[e mod 32]` above it.
+#[inline(always)]
+pub fn q5_k_code(blk: &[u8], e: usize) -> i32 {
+    let byte = blk[Q5_K_QS + 32 * (e / 64) + e % 32];
+    let low = if (e / 32).is_multiple_of(2) {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    };
+    let high = (blk[Q5_K_QH + e % 32] >> (e / 32)) & 1;
+    (low | (high << 4)) as i32
+}
+
+/// Dequantizes a whole Q4_K row as ggml's `dequantize_row_q4_K` (and
+/// gguf-py): element = `d·sc · q − dmin·m`. `d·sc` and `dmin·m` are exact
+/// (11 + 6 significant bits) and so is `d·sc · q` (4 more); the one
+/// rounding is the subtraction's, which ggml's code and a fused
+/// multiply-add round alike. model/tests/k_quants.rs checks it against
+/// gguf-py bit for bit.
+pub fn dequantize_q4_k(bytes: &[u8], out: &mut [f32]) {
+    dequantize_k4(bytes, out, Q4_K_BLOCK_BYTES, q4_k_code);
+}
+
+/// Dequantizes a whole Q5_K row as ggml's `dequantize_row_q5_K`: Q4_K's
+/// arithmetic on 5-bit codes (`d·sc · q` stays exact: 11 + 6 + 5 bits).
+pub fn dequantize_q5_k(bytes: &[u8], out: &mut [f32]) {
+    dequantize_k4(bytes, out, Q5_K_BLOCK_BYTES, q5_k_code);
+}
+
+fn dequantize_k4(bytes: &[u8], out: &mut [f32], size: usize, code: fn(&[u8], usize) -> i32) {
+    for (blk, o) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = k4_d_dmin(blk);
+        let scales = &blk[K_SCALES..K_SCALES + K_SCALE_BYTES];
+        for (j, sub) in o.chunks_exact_mut(QK).enumerate() {
+            let (sc, m) = k4_scale_min(scales, j);
+            let (d1, m1) = (d * sc as f32, dmin * m as f32);
+            for (l, v) in sub.iter_mut().enumerate() {
+                *v = d1 * code(blk, QK * j + l) as f32 - m1;
+            }
+        }
+    }
+}
+
+/// Quantizes a row (`len % 256 == 0`) to Q4_K. Each sub-block of 32 takes
+/// the step `(max − min) / 15` and the min `−min(min, 0)`; `d` and `dmin`
+/// are the largest of them / 63, the 6-bit scales and mins round to them
+/// and each code is `round((x + dmin·m) / (d·sc))` clamped to 0..=15. Not
+/// ggml's quantizer (which searches for the error-minimizing scales):
+/// colibri reads Q4_K files and writes Q4_K only for synthetic models and
+/// tests, where any valid encoding serves.
+pub fn quantize_q4_k(x: &[f32]) -> Result<Vec<u8>> {
+    quantize_k4(x, false)
+}
+
+/// Quantizes a row to Q5_K, as [`quantize_q4_k`] with 31 steps.
+pub fn quantize_q5_k(x: &[f32]) -> Result<Vec<u8>> {
+    quantize_k4(x, true)
+}
+
+fn quantize_k4(x: &[f32], five: bool) -> Result<Vec<u8>> {
+    let (name, size, levels) = if five {
+        ("q5_k", Q5_K_BLOCK_BYTES, 31.0f32)
+    } else {
+        ("q4_k", Q4_K_BLOCK_BYTES, 15.0f32)
+    };
+    if !x.len().is_multiple_of(QK_K) {
+        return Err(ModelError::Invalid(format!(
+            "{name}: a row of {} elements is not a multiple of the {QK_K}-element super-block",
+            x.len()
+        )));
+    }
+    let mut out = vec![0u8; x.len() / QK_K * size];
+    for (xs, blk) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(size)) {
+        let (mut steps, mut mins) = ([0.0f32; 8], [0.0f32; 8]);
+        for (j, sub) in xs.chunks_exact(QK).enumerate() {
+            let lo = sub.iter().fold(0.0f32, |m, &v| m.min(v));
+            let hi = sub.iter().fold(lo, |m, &v| m.max(v));
+            steps[j] = (hi - lo) / levels;
+            mins[j] = -lo;
+        }
+        let top =
+            |v: &[f32; 8]| half::f16::from_f32(v.iter().fold(0.0f32, |m, &s| m.max(s)) / 63.0);
+        let (d, dmin) = (top(&steps), top(&mins));
+        blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        blk[2..4].copy_from_slice(&dmin.to_bits().to_le_bytes());
+        let (d, dmin) = (d.to_f32(), dmin.to_f32());
+        let six = |v: f32, by: f32| {
+            if by > 0.0 {
+                (v / by).round().clamp(0.0, 63.0) as u8
+            } else {
+                0
+            }
+        };
+        let s = &mut blk[K_SCALES..K_SCALES + K_SCALE_BYTES];
+        for j in 0..8 {
+            let (sc, m) = (six(steps[j], d), six(mins[j], dmin));
+            if j < 4 {
+                s[j] |= sc;
+                s[j + 4] |= m;
+            } else {
+                s[j + 4] = (sc & 0x0f) | ((m & 0x0f) << 4);
+                s[j - 4] |= (sc >> 4) << 6;
+                s[j] |= (m >> 4) << 6;
+            }
+        }
+        let scales: [u8; K_SCALE_BYTES] = std::array::from_fn(|i| s[i]);
+        for (e, &v) in xs.iter().enumerate() {
+            let (sc, m) = k4_scale_min(&scales, e / QK);
+            let step = d * sc as f32;
+            let q = if step > 0.0 {
+                ((v + dmin * m as f32) / step).round().clamp(0.0, levels) as u8
+            } else {
+                0
+            };
+            let (c, l, high) = (e / 64, e % 32, (e / 32) % 2 == 1);
+            let qs = if five { Q5_K_QS } else { Q4_K_QS };
+            blk[qs + 32 * c + l] |= if high { (q & 0x0f) << 4 } else { q & 0x0f };
+            if five {
+                blk[Q5_K_QH + l] |= (q >> 4) << (e / 32);
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,6 +462,56 @@ mod tests {
         assert_eq!(&z[..2], &[0, 0x80]);
         assert!(z[2..].iter().all(|&b| b == 0x88));
         assert!(quantize_q8_0(&[1.0; 33]).is_err());
+    }
+
+    #[test]
+    fn k4_round_trips_are_close() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + if i % 64 < 32 { 0.3 } else { -0.2 })
+            .collect();
+        for (five, size) in [(false, Q4_K_BLOCK_BYTES), (true, Q5_K_BLOCK_BYTES)] {
+            let q = if five {
+                quantize_q5_k(&x)
+            } else {
+                quantize_q4_k(&x)
+            }
+            .unwrap();
+            assert_eq!(q.len(), 2 * size);
+            let mut y = vec![0.0f32; 512];
+            if five {
+                dequantize_q5_k(&q, &mut y);
+            } else {
+                dequantize_q4_k(&q, &mut y);
+            }
+            // Half a step of the widest sub-block (its range / 15 or 31),
+            // plus the 6-bit rounding of scale and min.
+            let bound = if five { 0.06 } else { 0.12 };
+            for (a, b) in x.iter().zip(&y) {
+                assert!((a - b).abs() < bound, "{five}: {a} against {b}");
+            }
+        }
+        assert!(quantize_q4_k(&x[..100]).is_err());
+    }
+
+    #[test]
+    fn k4_scales_unpack_as_ggml_packs_them() {
+        // Sub-block j's scale j + 1 and min 62 − j, six bits each.
+        let mut s = [0u8; K_SCALE_BYTES];
+        for j in 0..8u8 {
+            let (sc, m) = (j + 1 + 40 * (j / 4), 62 - j);
+            if j < 4 {
+                s[j as usize] |= sc;
+                s[j as usize + 4] |= m;
+            } else {
+                s[j as usize + 4] = (sc & 15) | ((m & 15) << 4);
+                s[j as usize - 4] |= (sc >> 4) << 6;
+                s[j as usize] |= (m >> 4) << 6;
+            }
+        }
+        for j in 0..8 {
+            let want = ((j + 1 + 40 * (j / 4)) as i32, (62 - j) as i32);
+            assert_eq!(k4_scale_min(&s, j), want, "sub-block {j}");
+        }
     }
 
     #[test]

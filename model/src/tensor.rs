@@ -282,9 +282,12 @@ impl QMatrix {
             WeightFormat::F32 => data.aligned(4),
             WeightFormat::F16 | WeightFormat::Bf16 => data.aligned(2),
             // Block formats are read byte-wise (scales via from_le_bytes).
-            WeightFormat::F8E4M3 | WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q6K => {
-                data
-            }
+            WeightFormat::F8E4M3
+            | WeightFormat::Q8_0
+            | WeightFormat::Q4_0
+            | WeightFormat::Q6K
+            | WeightFormat::Q4K
+            | WeightFormat::Q5K => data,
         };
         match (&scales, format) {
             (None, WeightFormat::F8E4M3) => {

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 10] = [
+pub const FORMATS: [WeightFormat; 14] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
@@ -22,6 +22,10 @@ pub const FORMATS: [WeightFormat; 10] = [
     WeightFormat::Q8_0Q8,
     WeightFormat::Q6K,
     WeightFormat::Q6KQ8,
+    WeightFormat::Q4K,
+    WeightFormat::Q4KQ8,
+    WeightFormat::Q5K,
+    WeightFormat::Q5KQ8,
 ];
 
 pub struct Gpu {
@@ -191,8 +195,72 @@ pub fn random_weights(
                 w.bytes.extend_from_slice(&blk);
             }
         }
+        WeightFormat::Q4K | WeightFormat::Q4KQ8 | WeightFormat::Q5K | WeightFormat::Q5KQ8 => {
+            assert!(cols.is_multiple_of(256));
+            let five = matches!(fmt, WeightFormat::Q5K | WeightFormat::Q5KQ8);
+            let size = if five { 176 } else { 144 };
+            for _ in 0..rows * cols / 256 {
+                // Random codes, scales and mins (never a zero scale), d and
+                // dmin of both signs.
+                let mut blk: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+                for at in [0, 2] {
+                    let v = rng.random_range(0.0001f32..0.001);
+                    let v = if rng.random::<bool>() { v } else { -v };
+                    blk[at..at + 2]
+                        .copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                }
+                for j in 0..8 {
+                    if k4_scale_min(&blk, j).0 == 0 {
+                        // Bit 0 of sub-block j's scale (and of nothing else).
+                        blk[4 + if j < 4 { j } else { j + 4 }] |= 1;
+                    }
+                }
+                w.f32.extend((0..256).map(|e| k4_value(&blk, e, five)));
+                w.bytes.extend_from_slice(&blk);
+            }
+        }
     }
     w
+}
+
+/// The f16 `d` and `dmin` of a Q4_K/Q5_K super-block.
+pub fn k4_d_dmin(blk: &[u8]) -> (f32, f32) {
+    let h = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+    (h(0), h(2))
+}
+
+/// Sub-block `j`'s 6-bit scale and min in a Q4_K/Q5_K super-block (ggml's
+/// `get_scale_min_k4`; colibri-model's `quant::k4_scale_min`).
+pub fn k4_scale_min(blk: &[u8], j: usize) -> (i32, i32) {
+    let s = &blk[4..16];
+    if j < 4 {
+        ((s[j] & 63) as i32, (s[j + 4] & 63) as i32)
+    } else {
+        (
+            ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4)) as i32,
+            ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as i32,
+        )
+    }
+}
+
+/// The code of element `e` of a Q4_K (0..=15) or Q5_K (`five`: 0..=31)
+/// super-block: the nibble `(e / 32) mod 2` of `qs[32 (e / 64) + e mod
+/// 32]`, Q5_K's under bit `e / 32` of `qh[e mod 32]`.
+pub fn k4_code(blk: &[u8], e: usize, five: bool) -> i32 {
+    let qs = if five { 48 } else { 16 };
+    let byte = blk[qs + 32 * (e / 64) + e % 32];
+    let low = (byte >> (4 * ((e / 32) % 2))) & 15;
+    let high = u8::from(five) * ((blk[16 + e % 32] >> (e / 32)) & 1);
+    (low | (high << 4)) as i32
+}
+
+/// Element `e` of a Q4_K/Q5_K super-block as ggml dequantizes it: `(d ·
+/// sc) · code − dmin · m`, whose products are exact and whose subtraction
+/// rounds once (colibri-model's `quant::dequantize_q4_k`/`_q5_k`).
+pub fn k4_value(blk: &[u8], e: usize, five: bool) -> f32 {
+    let (d, dmin) = k4_d_dmin(blk);
+    let (sc, m) = k4_scale_min(blk, e / 32);
+    d * sc as f32 * k4_code(blk, e, five) as f32 - dmin * m as f32
 }
 
 /// Element `e` of a Q6_K super-block, as ggml dequantizes it: `d · sc ·
@@ -279,6 +347,39 @@ pub fn dot_q6_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
         }
     }
     (acc[0] + acc[2]) + (acc[1] + acc[3])
+}
+
+/// colibri-model's `dot_q4_k_q8` / `dot_q5_k_q8`, written out: block b
+/// (sub-block b mod 8 of super-block b / 8) gives the exact integers `A =
+/// sc · Σ code · q` and `B = m · Σ q`, and the term `fma(d · x.d, A,
+/// −((dmin · x.d) · B))` is added into accumulator b mod 4, reduced as
+/// Q4_0's.
+pub fn dot_k4_q8_ref(row: &[u8], x: &Q8Ref, five: bool) -> f32 {
+    let size = if five { 176 } else { 144 };
+    let mut acc = [0.0f32; 4];
+    for (i, blk) in row.chunks_exact(size).enumerate() {
+        let (d, dmin) = k4_d_dmin(blk);
+        for j in 0..8 {
+            let b = 8 * i + j;
+            let q = &x.q[b * 32..(b + 1) * 32];
+            let (sc, m) = k4_scale_min(blk, j);
+            let dot: i32 = (0..32)
+                .map(|l| k4_code(blk, 32 * j + l, five) * q[l] as i32)
+                .sum();
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            let xd = x.d[b];
+            acc[b % 4] += (d * xd).mul_add((sc * dot) as f32, -((dmin * xd) * (m * sum) as f32));
+        }
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3])
+}
+
+pub fn dot_q4_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
+    dot_k4_q8_ref(row, x, false)
+}
+
+pub fn dot_q5_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
+    dot_k4_q8_ref(row, x, true)
 }
 
 /// colibri-model's `dot_q8_0_q8`, written out: block b's eight exact

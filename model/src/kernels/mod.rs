@@ -15,6 +15,7 @@ pub mod neon;
 pub mod pool;
 pub mod q4_0;
 pub mod q4_0_tiles;
+pub mod q4_k;
 pub mod q6_k;
 pub mod q8act;
 pub mod quads16;
@@ -123,6 +124,10 @@ pub struct KernelSet {
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
     /// A Q6_K row against one activation ([`q6_k`]).
     pub dot_q6_k_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// A Q4_K row against one activation ([`q4_k`]).
+    pub dot_q4_k_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// A Q5_K row against one activation ([`q4_k`]).
+    pub dot_q5_k_q8: fn(&[u8], &Q8Activation) -> f32,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
     pub dot_q8_0_q8_multi: MultiDot,
@@ -273,6 +278,8 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
     dot_q6_k_q8: q6_k::dot_q6_k_q8,
+    dot_q4_k_q8: q4_k::dot_q4_k_q8,
+    dot_q5_k_q8: q4_k::dot_q5_k_q8,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
@@ -341,6 +348,24 @@ mod avx2_wrappers {
             "an activation of the row's length"
         );
         unsafe { super::q6_k::avx2::dot_q6_k_q8(w, x) }
+    }
+    /// Also checks the lengths the kernels' contract asks for.
+    pub fn dot_q4_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        k4_lengths(w.len() / crate::quant::Q4_K_BLOCK_BYTES, x);
+        unsafe { super::q4_k::avx2::dot_q4_k_q8(w, x) }
+    }
+    pub fn dot_q5_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        k4_lengths(w.len() / crate::quant::Q5_K_BLOCK_BYTES, x);
+        unsafe { super::q4_k::avx2::dot_q5_k_q8(w, x) }
+    }
+    fn k4_lengths(supers: usize, x: &super::Q8Activation) {
+        let blocks = supers * crate::quant::QK_K / crate::quant::QK;
+        assert!(
+            x.quants.len() >= blocks * crate::quant::QK
+                && x.scales.len() >= blocks
+                && x.bsums8.len() >= blocks,
+            "an activation of the row's length"
+        );
     }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&super::Q8Activation], out: &mut [f32]) {
         unsafe { super::q8act::avx2::dot_q8_0_q8_multi(w, xs, out) }
@@ -445,6 +470,8 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: avx2_wrappers::dot_q6_k_q8,
+    dot_q4_k_q8: avx2_wrappers::dot_q4_k_q8,
+    dot_q5_k_q8: avx2_wrappers::dot_q5_k_q8,
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
@@ -625,6 +652,14 @@ mod neon_wrappers {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q6_k_q8(w, x) }
     }
+    pub fn dot_q4_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q4_k_q8(w, x) }
+    }
+    pub fn dot_q5_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_q5_k_q8(w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q8_0_q8_multi(w, xs, out) }
@@ -662,6 +697,8 @@ pub const NEON: KernelSet = KernelSet {
     dot_q8_0_q8: neon_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: neon_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: neon_wrappers::dot_q6_k_q8,
+    dot_q4_k_q8: neon_wrappers::dot_q4_k_q8,
+    dot_q5_k_q8: neon_wrappers::dot_q5_k_q8,
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -689,6 +726,14 @@ mod dotprod_wrappers {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q6_k_q8(w, x) }
     }
+    pub fn dot_q4_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q4_k_q8(w, x) }
+    }
+    pub fn dot_q5_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_q5_k_q8(w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q8_0_q8_multi(w, xs, out) }
@@ -707,6 +752,8 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     dot_q8_0_q8: dotprod_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: dotprod_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: dotprod_wrappers::dot_q6_k_q8,
+    dot_q4_k_q8: dotprod_wrappers::dot_q4_k_q8,
+    dot_q5_k_q8: dotprod_wrappers::dot_q5_k_q8,
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
     ..NEON
@@ -873,13 +920,16 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
             let rb = c / QK * Q4_0_BLOCK_BYTES;
             (k.dot_q4_0)(&bytes[r * rb..(r + 1) * rb], x)
         }
-        // The exact product is the dequantized row's (every Q6_K element
-        // is exact in f32), through the f32 kernel.
-        WeightFormat::Q6K => DEQUANTIZED.with_borrow_mut(|row| {
-            row.resize(c, 0.0);
-            row_to_f32(w, r, row);
-            (k.dot_f32)(row, x)
-        }),
+        // The exact product is the dequantized row's (ggml's own
+        // dequantization: every Q6_K element is exact in f32, a Q4_K/Q5_K
+        // element one rounding), through the f32 kernel.
+        WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
+            DEQUANTIZED.with_borrow_mut(|row| {
+                row.resize(c, 0.0);
+                row_to_f32(w, r, row);
+                (k.dot_f32)(row, x)
+            })
+        }
     }
 }
 
@@ -940,9 +990,14 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
             let rb = c / QK * Q4_0_BLOCK_BYTES;
             quant::dequantize_q4_0(&bytes[r * rb..(r + 1) * rb], out);
         }
-        WeightFormat::Q6K => {
-            let rb = c / quant::QK_K * quant::Q6_K_BLOCK_BYTES;
-            quant::dequantize_q6_k(&bytes[r * rb..(r + 1) * rb], out);
+        WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
+            let rb = c / quant::QK_K * w.format.super_block_bytes();
+            let row = &bytes[r * rb..(r + 1) * rb];
+            match w.format {
+                WeightFormat::Q6K => quant::dequantize_q6_k(row, out),
+                WeightFormat::Q4K => quant::dequantize_q4_k(row, out),
+                _ => quant::dequantize_q5_k(row, out),
+            }
         }
     }
 }
@@ -1075,7 +1130,11 @@ impl<'a> Input<'a> {
 fn int_format(f: WeightFormat) -> bool {
     matches!(
         f,
-        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q6K
+        WeightFormat::Q8_0
+            | WeightFormat::Q4_0
+            | WeightFormat::Q6K
+            | WeightFormat::Q4K
+            | WeightFormat::Q5K
     )
 }
 
@@ -1096,9 +1155,14 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
                     let rb = blocks * Q8_0_BLOCK_BYTES;
                     (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
                 }
-                WeightFormat::Q6K => {
-                    let rb = w.cols / quant::QK_K * quant::Q6_K_BLOCK_BYTES;
-                    (k.dot_q6_k_q8)(&bytes[r * rb..(r + 1) * rb], a)
+                WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
+                    let rb = w.cols / quant::QK_K * w.format.super_block_bytes();
+                    let row = &bytes[r * rb..(r + 1) * rb];
+                    match w.format {
+                        WeightFormat::Q6K => (k.dot_q6_k_q8)(row, a),
+                        WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
+                        _ => (k.dot_q5_k_q8)(row, a),
+                    }
                 }
                 _ => {
                     let rb = blocks * Q4_0_BLOCK_BYTES;

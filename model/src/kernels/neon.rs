@@ -21,8 +21,9 @@
 //!   references' arithmetic exactly (exact integer lane sums, one fused
 //!   multiply-add per block into the reference's lane, its reduction), so
 //!   they equal [`super::q8act::dot_q8_0_q8`] and
-//!   [`super::q4_0::dot_q4_0_q8`] bit for bit; likewise `dot_q6_k_q8` and
-//!   [`super::q6_k::dot_q6_k_q8`].
+//!   [`super::q4_0::dot_q4_0_q8`] bit for bit; likewise `dot_q6_k_q8`,
+//!   `dot_q4_k_q8` and `dot_q5_k_q8` and their references in
+//!   [`super::q6_k`] and [`super::q4_k`].
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
@@ -37,7 +38,8 @@ use std::arch::asm;
 use super::q8act::{MULTI, Q8Activation};
 use crate::format::{bf16_to_f32, f16_to_f32};
 use crate::quant::{
-    Q4_0_BLOCK_BYTES, Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0_BLOCK_BYTES, QK, QK_K,
+    K_SCALES, Q4_0_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q4_K_QS, Q5_K_BLOCK_BYTES, Q5_K_QH, Q5_K_QS,
+    Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0_BLOCK_BYTES, QK, QK_K,
 };
 
 // Every `unsafe` call of a NEON intrinsic below relies on this.
@@ -670,6 +672,172 @@ unsafe fn q6_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) 
     }
 }
 
+/// A Q4_K/Q5_K super-block's 8 sub-block scales (bytes 0..8) and mins
+/// (bytes 8..16) from its 12 packed bytes at `s`, as
+/// `crate::quant::k4_scale_min` gives them one at a time (ggml's
+/// `get_scale_min_k4`, four sub-blocks per 32-bit word): sub-block
+/// `j < 4` takes the low 6 bits of `s[j]` (scale) and `s[j + 4]` (min);
+/// `j ≥ 4` the low (scale) or high (min) nibble of `s[j + 4]` under the
+/// top 2 bits of `s[j − 4]` (scale) or `s[j]` (min).
+///
+/// # Safety
+/// `s` readable for 12 bytes.
+#[inline(always)]
+unsafe fn k4_scales_mins(s: *const u8) -> uint8x16_t {
+    // SAFETY: 12 bytes at `s` (caller), read as three unaligned words;
+    // the vector load reads the local array.
+    unsafe {
+        let word = |k: usize| u32::from_le_bytes((s.add(4 * k) as *const [u8; 4]).read_unaligned());
+        let (w0, w1, w2) = (word(0), word(1), word(2));
+        let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+        let words = [
+            w0 & low6,
+            (w2 & low4) | (((w0 >> 6) & top2) << 4),
+            w1 & low6,
+            ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4),
+        ];
+        let mut bytes = [0u8; 16];
+        for (b, w) in bytes.chunks_exact_mut(4).zip(words) {
+            b.copy_from_slice(&w.to_le_bytes());
+        }
+        vld1q_u8(bytes.as_ptr())
+    }
+}
+
+/// Blocks `2g` and `2g + 1` of a Q4_K or (`Q5`) Q5_K super-block as their
+/// codes, each block as two 16-byte halves in activation order, from the
+/// 32 nibble bytes of their 64 elements at `qs`: element `l` of block
+/// `2g` is the low nibble of `qs[l]`, of block `2g + 1` its high nibble
+/// (`crate::quant::q4_k_code`); for Q5_K, bits 0 and 1 of `hb[l]` (the
+/// super-block's `qh[l] >> 2g`, as two halves) go above them as bit 4
+/// (`crate::quant::q5_k_code`). The codes (0..=15, 0..=31) are positive
+/// as signed bytes.
+///
+/// # Safety
+/// `qs` readable for 32 bytes.
+#[inline(always)]
+unsafe fn k4_pair<const Q5: bool>(
+    qs: *const u8,
+    hb: [uint8x16_t; 2],
+) -> [(int8x16_t, int8x16_t); 2] {
+    // SAFETY: 32 bytes at `qs` (caller); register arithmetic.
+    unsafe {
+        let (m4, bit4) = (vdupq_n_u8(0x0f), vdupq_n_u8(0x10));
+        let raw = [vld1q_u8(qs), vld1q_u8(qs.add(16))];
+        let code = |h: usize, high: bool| {
+            let nibble = if high {
+                vshrq_n_u8::<4>(raw[h])
+            } else {
+                vandq_u8(raw[h], m4)
+            };
+            let c = if Q5 {
+                let fifth = if high {
+                    vshlq_n_u8::<3>(hb[h])
+                } else {
+                    vshlq_n_u8::<4>(hb[h])
+                };
+                vorrq_u8(nibble, vandq_u8(fifth, bit4))
+            } else {
+                nibble
+            };
+            vreinterpretq_s8_u8(c)
+        };
+        [
+            (code(0, false), code(1, false)),
+            (code(0, true), code(1, true)),
+        ]
+    }
+}
+
+/// A Q4_K or (`Q5`) Q5_K row (`supers` super-blocks of `bytes` bytes) ·
+/// activation, `q4_k::dot_q4_k_q8`'s (`dot_q5_k_q8`'s) arithmetic: per
+/// half of a super-block (its blocks `4n..4n + 4`), the 4 block sums
+/// `Σ code · q` (exact: lanes of 4 products, each |·| ≤ 31 · 128) and
+/// `A_b = sc · Σ code · q`, `B_b = m · Σ q` (`Σ q = x.bsums8[b] / 8`, an
+/// exact shift), exact as i32 and as f32 (|·| < 2²⁴); then, lane `k`
+/// for block `b = 8i + 4n + k`, `t_b = fma(d · x.d_b, A_b, −((dmin ·
+/// x.d_b) · B_b))` (`q4_k::term`: the same four roundings, the negation
+/// exact) added (not fused) into lane `k = b % 4`, blocks in order;
+/// reduced as `q4_0::tree4`.
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `w` at least `supers · bytes` long,
+/// `x.quants` at least `supers · 256` and `x.scales` and `x.bsums8`
+/// `supers · 8`.
+#[inline(always)]
+unsafe fn k4_row<const SDOT: bool, const Q5: bool>(
+    w: &[u8],
+    x: &Q8Activation,
+    supers: usize,
+) -> f32 {
+    let (bytes, qs_at) = if Q5 {
+        (Q5_K_BLOCK_BYTES, Q5_K_QS)
+    } else {
+        (Q4_K_BLOCK_BYTES, Q4_K_QS)
+    };
+    let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+    let (sp, bp) = (x.scales.as_ptr(), x.bsums8.as_ptr());
+    // SAFETY: super-block i < supers of w (its scales, qh and nibbles
+    // within its `bytes`), and the activation's quants [256i..256i + 256],
+    // scales and bsums8 [8i..8i + 8], are in bounds (caller); SDOT only
+    // when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let mut acc = vdupq_n_f32(0.0);
+        for i in 0..supers {
+            let blk = wp.add(i * bytes);
+            let d = vdupq_n_f32(f16_to_f32_hw(u16::from_le_bytes([*blk, *blk.add(1)])));
+            let dmin = vdupq_n_f32(f16_to_f32_hw(u16::from_le_bytes([
+                *blk.add(2),
+                *blk.add(3),
+            ])));
+            let sm = k4_scales_mins(blk.add(K_SCALES));
+            let (sc16, m16) = (vmovl_u8(vget_low_u8(sm)), vmovl_high_u8(sm));
+            // The fifth bits of Q5_K, shifted right by 2 per pair of
+            // blocks (unused for Q4_K).
+            let mut hb = if Q5 {
+                let qh = blk.add(Q5_K_QH);
+                [vld1q_u8(qh), vld1q_u8(qh.add(16))]
+            } else {
+                [vdupq_n_u8(0); 2]
+            };
+            let qs = blk.add(qs_at);
+            for n in 0..2 {
+                // v[k]: block 8i + 4n + k's 4 lane sums.
+                let mut v = [zero; 4];
+                for h in 0..2 {
+                    let g = 2 * n + h;
+                    let pair = k4_pair::<Q5>(qs.add(32 * g), hb);
+                    hb = hb.map(|b| vshrq_n_u8::<2>(b));
+                    for (k, &(lo, hi)) in pair.iter().enumerate() {
+                        let q = qp.add((8 * i + 2 * g + k) * QK);
+                        let p = dot4::<SDOT>(zero, lo, vld1q_s8(q));
+                        v[2 * h + k] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(16)));
+                    }
+                }
+                let (sc, m) = if n == 0 {
+                    (vmovl_u16(vget_low_u16(sc16)), vmovl_u16(vget_low_u16(m16)))
+                } else {
+                    (vmovl_high_u16(sc16), vmovl_high_u16(m16))
+                };
+                let (sc, m) = (vreinterpretq_s32_u32(sc), vreinterpretq_s32_u32(m));
+                // Lane k: block 8i + 4n + k's A_b and B_b.
+                let dots = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+                let a = vcvtq_f32_s32(vmulq_s32(sc, dots));
+                let sums = vshrq_n_s32::<3>(vld1q_s32(bp.add(8 * i + 4 * n)));
+                let b = vcvtq_f32_s32(vmulq_s32(m, sums));
+                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
+                let min_term = vmulq_f32(vmulq_f32(dmin, xd), b);
+                let t = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d, xd), a);
+                acc = vaddq_f32(acc, t);
+            }
+        }
+        // (a0 + a2) + (a1 + a3), as `tree4`.
+        let u = vaddq_f32(acc, vextq_f32::<2>(acc, acc));
+        vgetq_lane_f32::<0>(u) + vgetq_lane_f32::<1>(u)
+    }
+}
+
 /// Runs `kernel::<N>` for `N = xs.len()` (at most [`MULTI`]).
 macro_rules! by_count {
     ($kernel:ident, $sdot:expr, $w:expr, $xs:expr, $out:expr) => {{
@@ -770,6 +938,43 @@ macro_rules! integer_kernels {
                 // quants and scales they meet are in bounds (checked);
                 // this function has the features the kernel's build needs.
                 unsafe { q6_k_row::<$sdot>(w, x, supers) }
+            }
+
+            /// A Q4_K row (whole super-blocks of 144 bytes; a partial one
+            /// at the end is ignored, as by the reference) · activation;
+            /// equals `q4_k::dot_q4_k_q8` bit for bit. Panics if `x` is
+            /// shorter than the row.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q4_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+                let supers = w.len() / Q4_K_BLOCK_BYTES;
+                check_acts(&[x], supers * (QK_K / QK));
+                // SAFETY: the row's super-blocks and the activation's
+                // quants, scales and bsums8 they meet are in bounds
+                // (checked); this function has the features the kernel's
+                // build needs.
+                unsafe { k4_row::<$sdot, false>(w, x, supers) }
+            }
+
+            /// A Q5_K row (whole super-blocks of 176 bytes; a partial one
+            /// at the end is ignored, as by the reference) · activation;
+            /// equals `q4_k::dot_q5_k_q8` bit for bit. Panics if `x` is
+            /// shorter than the row.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_q5_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+                let supers = w.len() / Q5_K_BLOCK_BYTES;
+                check_acts(&[x], supers * (QK_K / QK));
+                // SAFETY: as in dot_q4_k_q8.
+                unsafe { k4_row::<$sdot, true>(w, x, supers) }
             }
         }
     };

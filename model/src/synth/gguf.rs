@@ -333,6 +333,17 @@ struct Tensor {
     data: Data,
 }
 
+/// The formats a GGUF file stores some tensors in instead of `quant`'s, as
+/// llama.cpp's mixes do (its Q4_0 and k-quant files keep the output head in
+/// Q6_K; a Q4_K_M file's experts are mostly Q4_K).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GgufMix {
+    /// The output head's format.
+    pub head: Option<WeightFormat>,
+    /// The routed experts' format.
+    pub experts: Option<WeightFormat>,
+}
+
 fn ggml(f: WeightFormat) -> Result<GgmlType> {
     Ok(match f {
         WeightFormat::F32 => GgmlType::F32,
@@ -341,6 +352,8 @@ fn ggml(f: WeightFormat) -> Result<GgmlType> {
         WeightFormat::Q8_0 => GgmlType::Q8_0,
         WeightFormat::Q4_0 => GgmlType::Q4_0,
         WeightFormat::Q6K => GgmlType::Q6_K,
+        WeightFormat::Q4K => GgmlType::Q4_K,
+        WeightFormat::Q5K => GgmlType::Q5_K,
         WeightFormat::F8E4M3 => return Err(cannot("fp8 tensors")),
     })
 }
@@ -351,15 +364,10 @@ fn llama_row(s: usize, hd: usize) -> usize {
     h * hd + (rem % 2) * (hd / 2) + rem / 2
 }
 
-/// Every tensor of the GGUF file, in file order.
-/// The tensors of the file: `quant`'s formats, the output head in `head`
-/// when given (llama.cpp stores it as Q6_K in its Q4_0 and k-quant mixes).
-fn tensors(
-    spec: &ModelSpec,
-    quant: Quant,
-    head: Option<WeightFormat>,
-    seed: u64,
-) -> Result<Vec<Tensor>> {
+/// Every tensor of the GGUF file, in file order: `quant`'s formats but
+/// where `mix` names another.
+fn tensors(spec: &ModelSpec, quant: Quant, mix: GgufMix, seed: u64) -> Result<Vec<Tensor>> {
+    let head = mix.head;
     if let Some(h) = head {
         h.row_bytes(spec.hidden_size)?;
     }
@@ -459,7 +467,13 @@ fn tensors(
                     .into_iter()
                     .enumerate()
             {
-                let format = target_format(quant, Role::RoutedExpert, WeightFormat::Bf16, cols).0;
+                let format = match mix.experts {
+                    Some(f) => {
+                        f.row_bytes(cols)?;
+                        f
+                    }
+                    None => target_format(quant, Role::RoutedExpert, WeightFormat::Bf16, cols).0,
+                };
                 out.push(Tensor {
                     name: format!("blk.{i}.ffn_{name}_exps.weight"),
                     ne: vec![cols as u64, rows as u64, n as u64],
@@ -503,12 +517,8 @@ pub struct GgufOutcome {
 }
 
 /// Bytes of the file `write` would produce, and of one expert's matrices.
-pub fn planned_bytes(
-    spec: &ModelSpec,
-    quant: Quant,
-    head: Option<WeightFormat>,
-) -> Result<(u64, u64)> {
-    let ts = tensors(spec, quant, head, 0)?;
+pub fn planned_bytes(spec: &ModelSpec, quant: Quant, mix: GgufMix) -> Result<(u64, u64)> {
+    let ts = tensors(spec, quant, mix, 0)?;
     let meta = metadata(spec)?;
     let headers: Vec<_> = ts
         .iter()
@@ -545,18 +555,18 @@ fn first_moe_layer(spec: &ModelSpec) -> Option<usize> {
 }
 
 /// Writes the synthetic model of `spec` (values from `seed`) to `out`,
-/// the output head in `head` when given.
+/// in `quant` but where `mix` says otherwise.
 pub fn write(
     spec: &ModelSpec,
     quant: Quant,
-    head: Option<WeightFormat>,
+    mix: GgufMix,
     seed: u64,
     out: &Path,
     progress: &dyn Progress,
 ) -> Result<GgufOutcome> {
     let t0 = Instant::now();
     let mem = PeakMemory::new();
-    let ts = tensors(spec, quant, head, seed)?;
+    let ts = tensors(spec, quant, mix, seed)?;
     let meta = metadata(spec)?;
     let infos: Vec<(String, Vec<u64>, GgmlType)> = ts
         .iter()

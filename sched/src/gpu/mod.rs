@@ -185,6 +185,8 @@ pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
         WeightFormat::Q4_0 if int => DevFormat::Q4_0Q8,
         WeightFormat::Q8_0 if int => DevFormat::Q8_0Q8,
         WeightFormat::Q6K if int => DevFormat::Q6KQ8,
+        WeightFormat::Q4K if int => DevFormat::Q4KQ8,
+        WeightFormat::Q5K if int => DevFormat::Q5KQ8,
         WeightFormat::F32 => DevFormat::F32,
         WeightFormat::F16 => DevFormat::F16,
         WeightFormat::Bf16 => DevFormat::Bf16,
@@ -192,6 +194,8 @@ pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
         WeightFormat::Q8_0 => DevFormat::Q8_0,
         WeightFormat::Q4_0 => DevFormat::Q4_0,
         WeightFormat::Q6K => DevFormat::Q6K,
+        WeightFormat::Q4K => DevFormat::Q4K,
+        WeightFormat::Q5K => DevFormat::Q5K,
     }
 }
 

@@ -201,11 +201,13 @@ impl GgufFile {
             GgmlType::Q8_0 => WeightFormat::Q8_0,
             GgmlType::Q4_0 => WeightFormat::Q4_0,
             GgmlType::Q6_K => WeightFormat::Q6K,
+            GgmlType::Q4_K => WeightFormat::Q4K,
+            GgmlType::Q5_K => WeightFormat::Q5K,
             other => {
                 return Err(ModelError::UnsupportedDtype {
                     name: format!("{}: {}", self.path.display(), t.name),
                     dtype: other.name().to_string(),
-                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q6_K",
+                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
                 });
             }
         })
