@@ -31,6 +31,20 @@ pub enum HeadArg {
     Q6K,
 }
 
+/// The routed experts' format, when not `--quant`'s.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExpertsArg {
+    /// ggml Q4_K, the bulk of llama.cpp's Q4_K_M files.
+    #[value(name = "q4_k")]
+    Q4K,
+    /// ggml Q5_K (llama.cpp's Q5_K mixes).
+    #[value(name = "q5_k")]
+    Q5K,
+    /// ggml Q6_K.
+    #[value(name = "q6_k")]
+    Q6K,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum FormatArg {
     /// A packed expert store (a directory).
@@ -57,6 +71,12 @@ pub struct SynthArgs {
     /// with `--quant q4_0` gives llama.cpp's Q4_0 file layout.
     #[arg(long, value_enum)]
     pub head: Option<HeadArg>,
+    /// Store the routed experts in this format instead (GGUF only):
+    /// `--experts q4_k --head q6_k` gives the bulk of llama.cpp's Q4_K_M
+    /// layout. (The k-quants are written by a plain quantizer, not
+    /// llama.cpp's error-minimizing one: the weights are noise anyway.)
+    #[arg(long, value_enum)]
+    pub experts: Option<ExpertsArg>,
     /// Output format.
     #[arg(long, value_enum, default_value = "packed")]
     pub format: FormatArg,
@@ -135,6 +155,13 @@ pub fn main(args: SynthArgs) -> Result<()> {
     let mut source = SynthSource::new(config, args.seed).context("the model's config")?;
     if let Some(HeadArg::Q6K) = args.head {
         source = source.with_head(WeightFormat::Q6K);
+    }
+    if let Some(experts) = args.experts {
+        source = source.with_experts(match experts {
+            ExpertsArg::Q4K => WeightFormat::Q4K,
+            ExpertsArg::Q5K => WeightFormat::Q5K,
+            ExpertsArg::Q6K => WeightFormat::Q6K,
+        });
     }
     let quant = match args.quant {
         SynthQuant::F32 => Quant::F32,

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use colibri_model::convert::cast::Quant;
 use colibri_model::convert::{ConvertOptions, Silent, convert};
+use colibri_model::format::WeightFormat;
 use colibri_model::source::PackedStore;
 use colibri_model::source::gguf::GgufFile;
 use colibri_model::synth::{self, SynthFormat, SynthSource, presets};
@@ -289,7 +290,7 @@ fn a_q6_k_head_gives_llama_cpp_layout() {
     let plain = SynthSource::new(config.clone(), 42).unwrap();
     let mixed = SynthSource::new(config, 42)
         .unwrap()
-        .with_head(colibri_model::format::WeightFormat::Q6K);
+        .with_head(WeightFormat::Q6K);
     let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
     synth::write(&plain, Quant::Q4_0, SynthFormat::Gguf, &a, &Silent).unwrap();
     let sb = synth::write(&mixed, Quant::Q4_0, SynthFormat::Gguf, &b, &Silent).unwrap();
@@ -328,4 +329,136 @@ fn a_q6_k_head_gives_llama_cpp_layout() {
         bits(&logits(&c, &tokens)) == bits(&lb),
         "converted store differs"
     );
+}
+
+/// A synthetic model whose experts are in `format` (and head in Q6_K),
+/// its other matrices Q4_0: llama.cpp's k-quant layout. Returns the file.
+fn k_quant_file(dir: &Path, format: WeightFormat) -> std::path::PathBuf {
+    // k-quant rows are whole super-blocks of 256, a down projection's too.
+    let mut config = small("qwen3-30b-a3b");
+    config["hidden_size"] = json!(256);
+    config["moe_intermediate_size"] = json!(256);
+    let source = SynthSource::new(config, 42)
+        .unwrap()
+        .with_experts(format)
+        .with_head(WeightFormat::Q6K);
+    let path = dir.join(format!("{}.gguf", format.name()));
+    let done = synth::write(&source, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
+    let planned = synth::plan(&source, Quant::Q4_0, SynthFormat::Gguf, &path).unwrap();
+    assert_eq!(planned.file_bytes, done.file_bytes);
+    path
+}
+
+#[test]
+fn k_quant_experts_give_llama_cpp_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 250, 17, 99, 4];
+    for (format, ty) in [(WeightFormat::Q4K, "Q4_K"), (WeightFormat::Q5K, "Q5_K")] {
+        let b = k_quant_file(dir.path(), format);
+        let file = GgufFile::open(&b).unwrap();
+        let mut experts = 0;
+        for t in &file.header().tensors {
+            let want = if t.name.contains("_exps.") {
+                experts += 1;
+                ty
+            } else if t.name == "output.weight" {
+                "Q6_K"
+            } else if t.ne.len() == 1 {
+                "F32"
+            } else if t.name == "token_embd.weight" || t.name.contains("ffn_gate_inp") {
+                "BF16"
+            } else {
+                "Q4_0"
+            };
+            assert_eq!(t.ty.name(), want, "{}", t.name);
+        }
+        assert_eq!(experts, 6, "gate, up and down of both layers");
+        let lb = logits(&b, &tokens);
+        assert!(lb.iter().all(|v| v.is_finite()));
+        // `colibri convert` keeps the experts' bytes: the same model, now
+        // from 4 KiB-aligned expert records.
+        let c = dir.path().join(format!("{ty}.packed"));
+        convert(&b, &c, &ConvertOptions::new(Quant::Keep), &Silent).unwrap();
+        assert!(
+            bits(&logits(&c, &tokens)) == bits(&lb),
+            "{ty}: converted store differs"
+        );
+    }
+    // A row that is not whole super-blocks is refused, with the format.
+    let mut odd = small("qwen3-30b-a3b");
+    odd["hidden_size"] = json!(256);
+    odd["moe_intermediate_size"] = json!(96);
+    let bad = SynthSource::new(odd, 42)
+        .unwrap()
+        .with_experts(WeightFormat::Q4K);
+    let Err(err) = synth::plan(
+        &bad,
+        Quant::Q4_0,
+        SynthFormat::Gguf,
+        &dir.path().join("x.gguf"),
+    ) else {
+        panic!("96 columns are not a super-block");
+    };
+    assert!(err.to_string().contains("q4_k"), "{err}");
+}
+
+/// With the exact kernels (`COLIBRI_EXACT_QUANT=1`, run in a child
+/// process) a model with Q4_K/Q5_K experts and a Q6_K head computes its
+/// dequantized f32 twin's logits bit for bit: the k-quant products are
+/// the dequantized rows' (ggml's dequantization, checked against gguf-py
+/// in k_quants.rs). With the default 8-bit activations they are close.
+#[test]
+fn k_quant_experts_equal_their_dequantized_twins() {
+    let exact = std::env::var_os("COLIBRI_EXACT_QUANT").is_some();
+    if !exact {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("COLIBRI_EXACT_QUANT", "1")
+            .args([
+                "k_quant_experts_equal_their_dequantized_twins",
+                "--test-threads",
+                "1",
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("test result: ok. 1 passed"), "{text}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 250, 17, 99, 4, 120];
+    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        let b = k_quant_file(dir.path(), format);
+        let twin = dir.path().join(format!("{}.f32", format.name()));
+        convert(&b, &twin, &ConvertOptions::new(Quant::F32), &Silent).unwrap();
+        let (lb, lt) = (logits(&b, &tokens), logits(&twin, &tokens));
+        if exact {
+            assert!(
+                bits(&lb) == bits(&lt),
+                "{}: not the twin's bits",
+                format.name()
+            );
+        } else {
+            // 8-bit activations move a random model's logits a little
+            // (model/tests/gguf.rs measures how much for Q4_0); the argmax
+            // of most positions stays.
+            let spread = lt.iter().copied().fold(f32::MIN, f32::max)
+                - lt.iter().copied().fold(f32::MAX, f32::min);
+            let mean =
+                lb.iter().zip(&lt).map(|(a, b)| (a - b).abs()).sum::<f32>() / lb.len() as f32;
+            assert!(
+                bits(&lb) != bits(&lt),
+                "{}: 8-bit activations changed nothing",
+                format.name()
+            );
+            assert!(
+                mean < 0.05 * spread,
+                "{}: mean |Δ| {mean}, spread {spread}",
+                format.name()
+            );
+        }
+    }
 }

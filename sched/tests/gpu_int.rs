@@ -232,6 +232,47 @@ fn q6_k_products_have_the_cpu_kernel_bits() {
     });
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn q4_k_and_q5_k_products_have_the_cpu_kernel_bits() {
+    use colibri_model::kernels::q4_k;
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    for (format, seed) in [(DevFormat::Q4KQ8, 0x0d4b), (DevFormat::Q5KQ8, 0x0d5b)] {
+        let five = format == DevFormat::Q5KQ8;
+        let size = format.row_bytes(256).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // 97 rows of 9 super-blocks (72 blocks: chains of 18, two tiles for
+        // one token), 6 tokens; every code, scale, min and fifth-bit byte.
+        let (rows, cols, ntok) = (97usize, 2304usize, 6usize);
+        let mut w = Vec::with_capacity(rows * cols / 256 * size);
+        for _ in 0..rows * cols / 256 {
+            // f16 d and dmin of either sign between 2^-13 and 2^-9
+            // (exponent fields 2..6).
+            for _ in 0..2 {
+                let sign: u16 = if rng.random() { 0x8000 } else { 0 };
+                let v: u16 = rng.random_range(0x0800..0x1800) | sign;
+                w.extend_from_slice(&v.to_le_bytes());
+            }
+            w.extend((4..size).map(|_| rng.random::<u8>()));
+        }
+        let x = random_tokens(&mut rng, ntok, cols);
+        let cpu = colibri_model::kernels::kernels();
+        assert_cpu_bits(format, &w, rows, cols, &x, |row, a| {
+            let (simd, scalar) = if five {
+                ((cpu.dot_q5_k_q8)(row, a), q4_k::dot_q5_k_q8(row, a))
+            } else {
+                ((cpu.dot_q4_k_q8)(row, a), q4_k::dot_q4_k_q8(row, a))
+            };
+            assert_eq!(
+                simd.to_bits(),
+                scalar.to_bits(),
+                "{format:?}: CPU kernels disagree"
+            );
+            simd
+        });
+    }
+}
+
 /// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_0 files are (the
 /// output head in Q6_K): the GPU tier equals the CPU tier on it.
 #[test]
@@ -263,4 +304,42 @@ fn a_q6_k_head_matches_the_cpu_tier() {
     let mut rng = ChaCha8Rng::seed_from_u64(0x6b);
     let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
     model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
+}
+
+/// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_K_M and Q5_K files
+/// mostly are (experts in Q4_K or Q5_K, the output head in Q6_K): the GPU
+/// tier equals the CPU tier on it.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn k_quant_experts_match_the_cpu_tier() {
+    use colibri_model::convert::{Silent, cast::Quant};
+    use colibri_model::format::WeightFormat;
+    use colibri_model::synth::{self, SynthFormat, SynthSource};
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let mut config = synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
+    for (k, v) in [
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("moe_intermediate_size", 256),
+        ("num_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 64),
+        ("vocab_size", 1024),
+    ] {
+        config[k] = serde_json::json!(v);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x4b);
+    let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
+    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        let src = SynthSource::new(config.clone(), 11)
+            .unwrap()
+            .with_experts(format)
+            .with_head(WeightFormat::Q6K);
+        let path = dir.path().join(format!("{}.gguf", format.name()));
+        synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
+        model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
+    }
 }

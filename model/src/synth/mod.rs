@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+pub use self::gguf::GgufMix;
 use self::random::SynthMatrix;
 use crate::config::{AttentionSpec, FfnKind, ModelSpec};
 use crate::convert::cast::{Quant, RowSource};
@@ -54,8 +55,8 @@ pub struct SynthSource {
     spec: ModelSpec,
     config: Value,
     seed: u64,
-    /// The output head's format in a GGUF file, when not `quant`'s.
-    head: Option<WeightFormat>,
+    /// The formats of a GGUF file's head and experts, when not `quant`'s.
+    mix: GgufMix,
 }
 
 impl SynthSource {
@@ -70,14 +71,21 @@ impl SynthSource {
             spec,
             config,
             seed,
-            head: None,
+            mix: GgufMix::default(),
         })
     }
 
     /// The output head stored as `head` in a GGUF file (llama.cpp's Q4_0
     /// and k-quant files store it as Q6_K) instead of in bf16.
     pub fn with_head(mut self, head: WeightFormat) -> SynthSource {
-        self.head = Some(head);
+        self.mix.head = Some(head);
+        self
+    }
+
+    /// The routed experts stored as `experts` in a GGUF file (a Q4_K_M
+    /// file's are mostly Q4_K) instead of in `quant`'s format.
+    pub fn with_experts(mut self, experts: WeightFormat) -> SynthSource {
+        self.mix.experts = Some(experts);
         self
     }
 
@@ -295,11 +303,11 @@ pub fn plan(
     out: &Path,
 ) -> Result<SynthSummary> {
     let (file_bytes, expert_bytes) = match format {
-        SynthFormat::Gguf => gguf::planned_bytes(&source.spec, quant, source.head)?,
-        SynthFormat::Packed if source.head.is_some() => {
+        SynthFormat::Gguf => gguf::planned_bytes(&source.spec, quant, source.mix)?,
+        SynthFormat::Packed if source.mix != GgufMix::default() => {
             return Err(ModelError::Invalid(
-                "a packed store keeps the output head in the checkpoint's format: \
-                 choose the head's format for GGUF output only"
+                "a packed store keeps the output head and experts in `--quant`'s format: \
+                 choose other formats for them in GGUF output only"
                     .into(),
             ));
         }
@@ -344,7 +352,7 @@ pub fn write(
             s.peak_rss_anon_bytes = c.peak_rss_anon_bytes;
         }
         SynthFormat::Gguf => {
-            let g = gguf::write(&source.spec, quant, source.head, source.seed, out, progress)?;
+            let g = gguf::write(&source.spec, quant, source.mix, source.seed, out, progress)?;
             s.file_bytes = g.file_bytes;
             s.seconds = g.seconds;
             s.bytes_per_second = g.file_bytes as f64 / g.seconds.max(1e-9);

@@ -249,3 +249,78 @@ fn grouped_and_one_by_one_experts_decode_the_same_bits() {
         }
     }
 }
+
+/// llama.cpp's k-quant layout (experts in Q4_K or Q5_K, the head in Q6_K,
+/// a synthetic Qwen3-MoE GGUF): streamed through the tier at every budget,
+/// with either reader and thread count, the logits are the memory-mapped
+/// oracle's bit for bit.
+#[test]
+fn k_quant_experts_stream_with_identical_logits() {
+    use colibri_model::convert::{Silent, cast::Quant};
+    use colibri_model::format::WeightFormat;
+    use colibri_model::source::ExpertLocator;
+    use colibri_model::synth::{self, SynthFormat, SynthSource};
+    use colibri_model::{Model, ResidentExperts};
+    use colibri_sched::tier::{Footprint, TierSetup};
+
+    let mut config = synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
+    for (k, v) in [
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("moe_intermediate_size", 256),
+        ("num_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 64),
+        ("vocab_size", 1024),
+    ] {
+        config[k] = serde_json::json!(v);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1024).collect();
+    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        let src = SynthSource::new(config.clone(), 9)
+            .unwrap()
+            .with_experts(format)
+            .with_head(WeightFormat::Q6K);
+        let path = dir.path().join(format!("{}.gguf", format.name()));
+        synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
+        let oracle = {
+            let (model, ck) = Model::load(&path).unwrap();
+            let experts = ResidentExperts::load(&model.spec, &ck).unwrap();
+            logits_all(&engine_with(model, Arc::new(experts), 1), &tokens)
+        };
+        let open = |budget: u64, io| {
+            let (model, ck) = Model::load(&path).unwrap();
+            let locator: Arc<dyn ExpertLocator> = Arc::from(ck.locator(&model.spec).unwrap());
+            let setup = TierSetup {
+                options: options(budget, io),
+                footprint: Footprint::of(&model.spec, &model.weights, 0),
+                config_json: b"{}".to_vec(),
+            };
+            let tier = Arc::new(TierCache::open(&model.spec, locator, &setup).unwrap());
+            (model, tier)
+        };
+        let all = open(0, IoBackendChoice::Auto).1.plan().all_experts_bytes;
+        for budget in [0, all / 3, 1 << 40] {
+            for io in [IoBackendChoice::Uring, IoBackendChoice::Pread] {
+                for threads in [1, 2] {
+                    let what = format!(
+                        "{} budget {budget} of {all} {io} {threads} threads",
+                        format.name()
+                    );
+                    let (model, tier) = open(budget, io);
+                    let engine = engine_with(model, tier.clone(), threads);
+                    assert!(
+                        logits_all(&engine, &tokens) == oracle,
+                        "{what}: logits differ"
+                    );
+                    let stats = tier.stats();
+                    assert!(stats.demand_reads > 0, "{what}: nothing was read");
+                    assert_eq!(tier.reader_counters().requests_failed, 0, "{what}");
+                }
+            }
+        }
+    }
+}
