@@ -273,19 +273,14 @@ fn q4_k_and_q5_k_products_have_the_cpu_kernel_bits() {
     }
 }
 
-/// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_0 files are (the
-/// output head in Q6_K): the GPU tier equals the CPU tier on it.
-#[test]
-#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
-fn a_q6_k_head_matches_the_cpu_tier() {
-    use colibri_model::convert::{Silent, cast::Quant};
-    use colibri_model::synth::{self, SynthFormat, SynthSource};
-    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
-    let mut config = synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
+/// A 2-layer Qwen3-MoE geometry for synthetic GGUF files: hidden 256 (a
+/// k-quant super-block), 8 experts of width `moe_intermediate`, top 2.
+fn small_qwen3_moe(moe_intermediate: usize) -> serde_json::Value {
+    let mut config = colibri_model::synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
     for (k, v) in [
         ("hidden_size", 256),
         ("intermediate_size", 512),
-        ("moe_intermediate_size", 64),
+        ("moe_intermediate_size", moe_intermediate),
         ("num_experts", 8),
         ("num_experts_per_tok", 2),
         ("num_attention_heads", 4),
@@ -295,6 +290,18 @@ fn a_q6_k_head_matches_the_cpu_tier() {
     ] {
         config[k] = serde_json::json!(v);
     }
+    config
+}
+
+/// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_0 files are (the
+/// output head in Q6_K): the GPU tier equals the CPU tier on it.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn a_q6_k_head_matches_the_cpu_tier() {
+    use colibri_model::convert::{Silent, cast::Quant};
+    use colibri_model::synth::{self, SynthFormat, SynthSource};
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    let config = small_qwen3_moe(64);
     let src = SynthSource::new(config, 7)
         .unwrap()
         .with_head(colibri_model::format::WeightFormat::Q6K);
@@ -316,20 +323,7 @@ fn k_quant_experts_match_the_cpu_tier() {
     use colibri_model::format::WeightFormat;
     use colibri_model::synth::{self, SynthFormat, SynthSource};
     colibri_model::kernels::set_exact_quant(EXACT_QUANT);
-    let mut config = synth::config(Some("qwen3-30b-a3b"), None, Some(2)).unwrap();
-    for (k, v) in [
-        ("hidden_size", 256),
-        ("intermediate_size", 512),
-        ("moe_intermediate_size", 256),
-        ("num_experts", 8),
-        ("num_experts_per_tok", 2),
-        ("num_attention_heads", 4),
-        ("num_key_value_heads", 2),
-        ("head_dim", 64),
-        ("vocab_size", 1024),
-    ] {
-        config[k] = serde_json::json!(v);
-    }
+    let config = small_qwen3_moe(256);
     let dir = tempfile::tempdir().unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(0x4b);
     let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
