@@ -43,6 +43,11 @@ pub enum ExpertsArg {
     /// ggml Q6_K.
     #[value(name = "q6_k")]
     Q6K,
+    /// As llama.cpp's Q4_K_M files: Q4_K, with the down projections of
+    /// the first and last eighth of the layers and every third between in
+    /// Q6_K.
+    #[value(name = "q4_k_m")]
+    Q4KM,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -72,7 +77,7 @@ pub struct SynthArgs {
     #[arg(long, value_enum)]
     pub head: Option<HeadArg>,
     /// Store the routed experts in this format instead (GGUF only):
-    /// `--experts q4_k --head q6_k` gives the bulk of llama.cpp's Q4_K_M
+    /// `--experts q4_k_m --head q6_k` gives the bulk of llama.cpp's Q4_K_M
     /// layout. (The k-quants are written by a plain quantizer, not
     /// llama.cpp's error-minimizing one: the weights are noise anyway.)
     #[arg(long, value_enum)]
@@ -156,13 +161,13 @@ pub fn main(args: SynthArgs) -> Result<()> {
     if let Some(HeadArg::Q6K) = args.head {
         source = source.with_head(WeightFormat::Q6K);
     }
-    if let Some(experts) = args.experts {
-        source = source.with_experts(match experts {
-            ExpertsArg::Q4K => WeightFormat::Q4K,
-            ExpertsArg::Q5K => WeightFormat::Q5K,
-            ExpertsArg::Q6K => WeightFormat::Q6K,
-        });
-    }
+    source = match args.experts {
+        None => source,
+        Some(ExpertsArg::Q4KM) => source.with_q4_k_m_experts(),
+        Some(ExpertsArg::Q4K) => source.with_experts(WeightFormat::Q4K),
+        Some(ExpertsArg::Q5K) => source.with_experts(WeightFormat::Q5K),
+        Some(ExpertsArg::Q6K) => source.with_experts(WeightFormat::Q6K),
+    };
     let quant = match args.quant {
         SynthQuant::F32 => Quant::F32,
         SynthQuant::Bf16 => Quant::Bf16,

@@ -400,6 +400,33 @@ fn k_quant_experts_give_llama_cpp_layouts() {
         panic!("96 columns are not a super-block");
     };
     assert!(err.to_string().contains("q4_k"), "{err}");
+    // Q4_K_M: llama.cpp's `use_more_bits` layers (of 8: 0, 3, 6, 7) keep
+    // their down projections in Q6_K.
+    let mut eight = small("qwen3-30b-a3b");
+    eight["hidden_size"] = json!(256);
+    eight["moe_intermediate_size"] = json!(256);
+    eight["num_hidden_layers"] = json!(8);
+    let km = SynthSource::new(eight, 42)
+        .unwrap()
+        .with_q4_k_m_experts()
+        .with_head(WeightFormat::Q6K);
+    let path = dir.path().join("km.gguf");
+    synth::write(&km, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    for layer in 0..8 {
+        for (m, want) in [("gate", "Q4_K"), ("up", "Q4_K"), ("down", "Q6_K")] {
+            let want = if m == "down" && ![0, 3, 6, 7].contains(&layer) {
+                "Q4_K"
+            } else {
+                want
+            };
+            let t = file
+                .tensor(&format!("blk.{layer}.ffn_{m}_exps.weight"))
+                .unwrap();
+            assert_eq!(t.ty.name(), want, "layer {layer} {m}");
+        }
+    }
+    assert!(logits(&path, &[3, 250, 17]).iter().all(|v| v.is_finite()));
 }
 
 /// With the exact kernels (`COLIBRI_EXACT_QUANT=1`, run in a child

@@ -327,12 +327,19 @@ fn k_quant_experts_match_the_cpu_tier() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(0x4b);
     let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
-    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
-        let src = SynthSource::new(config.clone(), 11)
-            .unwrap()
-            .with_experts(format)
-            .with_head(WeightFormat::Q6K);
-        let path = dir.path().join(format!("{}.gguf", format.name()));
+    // Q4_K_M: layer 1's down projections in Q6_K.
+    for (name, format) in [
+        ("q4_k", Some(WeightFormat::Q4K)),
+        ("q5_k", Some(WeightFormat::Q5K)),
+        ("q4_k_m", None),
+    ] {
+        let src = SynthSource::new(config.clone(), 11).unwrap();
+        let src = match format {
+            Some(f) => src.with_experts(f),
+            None => src.with_q4_k_m_experts(),
+        }
+        .with_head(WeightFormat::Q6K);
+        let path = dir.path().join(format!("{name}.gguf"));
         synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
         model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
     }

@@ -342,6 +342,15 @@ pub struct GgufMix {
     pub head: Option<WeightFormat>,
     /// The routed experts' format.
     pub experts: Option<WeightFormat>,
+    /// The experts' down projections in Q6_K in the layers llama.cpp's
+    /// `_M` mixes give more bits (its `use_more_bits`: the first and last
+    /// eighth of the layers and every third one between).
+    pub more_bits_down: bool,
+}
+
+/// llama.cpp's `use_more_bits(layer, layers)`.
+fn more_bits(layer: usize, layers: usize) -> bool {
+    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
 }
 
 fn ggml(f: WeightFormat) -> Result<GgmlType> {
@@ -467,13 +476,15 @@ fn tensors(spec: &ModelSpec, quant: Quant, mix: GgufMix, seed: u64) -> Result<Ve
                     .into_iter()
                     .enumerate()
             {
+                let more = mix.more_bits_down && name == "down" && more_bits(i, spec.layers.len());
                 let format = match mix.experts {
-                    Some(f) => {
-                        f.row_bytes(cols)?;
-                        f
-                    }
+                    _ if more => WeightFormat::Q6K,
+                    Some(f) => f,
                     None => target_format(quant, Role::RoutedExpert, WeightFormat::Bf16, cols).0,
                 };
+                if mix.experts.is_some() || more {
+                    format.row_bytes(cols)?;
+                }
                 out.push(Tensor {
                     name: format!("blk.{i}.ffn_{name}_exps.weight"),
                     ne: vec![cols as u64, rows as u64, n as u64],

@@ -89,6 +89,14 @@ impl SynthSource {
         self
     }
 
+    /// The routed experts as a Q4_K_M file stores them: Q4_K, but the
+    /// down projections of llama.cpp's `use_more_bits` layers in Q6_K.
+    pub fn with_q4_k_m_experts(mut self) -> SynthSource {
+        self.mix.experts = Some(WeightFormat::Q4K);
+        self.mix.more_bits_down = true;
+        self
+    }
+
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
     }

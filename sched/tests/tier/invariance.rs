@@ -279,12 +279,20 @@ fn k_quant_experts_stream_with_identical_logits() {
     }
     let dir = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1024).collect();
-    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
-        let src = SynthSource::new(config.clone(), 9)
-            .unwrap()
-            .with_experts(format)
-            .with_head(WeightFormat::Q6K);
-        let path = dir.path().join(format!("{}.gguf", format.name()));
+    // Q4_K_M: layer 1's down projections in Q6_K, so the layers' experts
+    // differ in size and an expert mixes formats.
+    for (name, format) in [
+        ("q4_k", Some(WeightFormat::Q4K)),
+        ("q5_k", Some(WeightFormat::Q5K)),
+        ("q4_k_m", None),
+    ] {
+        let src = SynthSource::new(config.clone(), 9).unwrap();
+        let src = match format {
+            Some(f) => src.with_experts(f),
+            None => src.with_q4_k_m_experts(),
+        }
+        .with_head(WeightFormat::Q6K);
+        let path = dir.path().join(format!("{name}.gguf"));
         synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
         let oracle = {
             let (model, ck) = Model::load(&path).unwrap();
@@ -306,10 +314,7 @@ fn k_quant_experts_stream_with_identical_logits() {
         for budget in [0, all / 3, 1 << 40] {
             for io in [IoBackendChoice::Uring, IoBackendChoice::Pread] {
                 for threads in [1, 2] {
-                    let what = format!(
-                        "{} budget {budget} of {all} {io} {threads} threads",
-                        format.name()
-                    );
+                    let what = format!("{name} budget {budget} of {all} {io} {threads} threads");
                     let (model, tier) = open(budget, io);
                     let engine = engine_with(model, tier.clone(), threads);
                     assert!(
