@@ -68,13 +68,16 @@ pub trait ExpertSource: Send + Sync {
     fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
 
     /// The input of MoE layer `layer` exists: `h` holds the normed hidden
-    /// state of each of the step's `rows` rows (`rows × hidden`). Called by
-    /// the forward pass just before it fetches that layer's experts, so a
-    /// source that predicts later layers' experts from it (by applying their
-    /// routers) can start reading them while this layer computes. A hint
+    /// state of each of the step's `rows` rows (`rows × hidden`) and
+    /// `logits` the layer's router logits for them (`rows × experts`, before
+    /// any softmax, sigmoid or selection bias). Called by the forward pass
+    /// just before it fetches that layer's experts, so a source that
+    /// predicts later layers' experts from `h` (by applying their routers)
+    /// can start reading them while this layer computes, and one that
+    /// learns which experts the routers favour can read those ahead. A hint
     /// only: it must not change what any fetch delivers. The default
     /// ignores it.
-    fn moe_input(&self, _layer: usize, _h: &[f32], _rows: usize) {}
+    fn moe_input(&self, _layer: usize, _h: &[f32], _logits: &[f32], _rows: usize) {}
 
     /// Expert `expert` of `layer` if the source holds it in pinned memory
     /// right now, without reading, waiting or counting a request: for a

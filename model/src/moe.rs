@@ -226,21 +226,11 @@ pub fn route_with(
     }
 }
 
-/// Routes every row of `h` (`n × hidden`).
-pub(crate) fn route_rows(
-    pool: &Pool,
-    moe: &MoeSpec,
-    w: &MoeWeights,
-    h: &[f32],
-    n: usize,
-) -> Vec<Routing> {
-    let e = moe.num_experts;
-    let mut logits = vec![0.0f32; n * e];
+/// The router logits of every row of `h` (`n × hidden`): `n × experts`.
+fn router_logits(pool: &Pool, moe: &MoeSpec, w: &MoeWeights, h: &[f32], n: usize) -> Vec<f32> {
+    let mut logits = vec![0.0f32; n * moe.num_experts];
     matmul(pool, &w.router, h, n, &mut logits);
     logits
-        .chunks_exact(e)
-        .map(|l| route(moe, l, w.selection_bias.as_deref()))
-        .collect()
 }
 
 /// The MoE block for `n` rows of normed hidden states.
@@ -254,7 +244,11 @@ pub(crate) fn moe_rows(
     n: usize,
 ) -> Result<(Vec<f32>, Vec<Routing>)> {
     let hidden = h.len() / n;
-    let routing = route_rows(pool, moe, w, h, n);
+    let logits = router_logits(pool, moe, w, h, n);
+    let routing: Vec<Routing> = logits
+        .chunks_exact(moe.num_experts)
+        .map(|l| route(moe, l, w.selection_bias.as_deref()))
+        .collect();
     // Which (row, slot) pairs each expert serves.
     let mut users: std::collections::BTreeMap<usize, Vec<(usize, usize)>> = Default::default();
     for (row, r) in routing.iter().enumerate() {
@@ -334,7 +328,7 @@ pub(crate) fn moe_rows(
     };
     // Before fetching: a prefetching source submits its reads of later
     // layers' predicted experts together with this layer's demand reads.
-    experts.moe_input(layer, h, n);
+    experts.moe_input(layer, h, &logits, n);
     experts.fetch_groups(layer, &ids, &mut apply)?;
     if let Some(missing) = ids.iter().find(|&&e| !done[e]) {
         return Err(ModelError::Expert {

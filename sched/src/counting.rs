@@ -83,8 +83,8 @@ impl ExpertSource for CountingExperts {
         self.inner.peek(layer, expert)
     }
 
-    fn moe_input(&self, layer: usize, h: &[f32], rows: usize) {
-        self.inner.moe_input(layer, h, rows)
+    fn moe_input(&self, layer: usize, h: &[f32], logits: &[f32], rows: usize) {
+        self.inner.moe_input(layer, h, logits, rows)
     }
 
     fn stats(&self) -> colibri_model::experts::SourceStats {

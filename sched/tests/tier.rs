@@ -1,6 +1,6 @@
 //! The RAM tier against the fixtures: exactness across budgets, backends and
 //! thread counts; cache mechanics; faults; usage history; the planner;
-//! the prefetcher.
+//! the prefetcher; filling the cache ahead of need.
 
 #[path = "tier/common.rs"]
 mod common;
@@ -9,6 +9,8 @@ mod common;
 mod cache;
 #[path = "tier/faults.rs"]
 mod faults;
+#[path = "tier/fill.rs"]
+mod fill;
 #[path = "tier/invariance.rs"]
 mod invariance;
 #[path = "tier/plan.rs"]

@@ -10,6 +10,8 @@
 //! - [`source`]: the [`Prefetcher`], an [`colibri_model::ExpertSource`] over
 //!   the RAM tier driven by the forward pass's
 //!   [`moe_input`](colibri_model::ExpertSource::moe_input) hint.
+//! - [`fill`]: fills the cache's free room while the engine is idle, with
+//!   the experts the routers favour ([`IdleFiller`], [`FillScores`]).
 //! - [`throttle`]: pauses reading ahead while the reads go mostly unused.
 //! - [`trace`]: routing traces recorded from real runs.
 //! - [`replay`]: traces replayed through the real tier and prefetch logic
@@ -20,6 +22,7 @@
 //! scores here say how good the guesses were as sets, for every predictor
 //! at once when evaluating (one extra router product per layer).
 
+pub mod fill;
 pub mod logic;
 pub mod replay;
 pub mod router;
@@ -31,6 +34,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+pub use self::fill::{FillScores, IdleFiller};
 pub use self::logic::{Predictor, PredictorScore, PrefetchLogic};
 pub use self::router::RouterSet;
 pub use self::source::Prefetcher;
@@ -51,6 +55,11 @@ pub struct PrefetchOptions {
     pub trace: Option<PathBuf>,
     /// Names the model in a trace's header.
     pub model_name: String,
+    /// Reads kept in flight by the [`IdleFiller`], which fills the RAM
+    /// cache's free room while no forward pass runs; 0 turns it off. The
+    /// default is `COLIBRI_FILL` when set, else
+    /// [`fill::DEFAULT_FILL_IN_FLIGHT`].
+    pub fill_in_flight: usize,
 }
 
 impl Default for PrefetchOptions {
@@ -61,6 +70,7 @@ impl Default for PrefetchOptions {
             evaluate: false,
             trace: None,
             model_name: String::new(),
+            fill_in_flight: fill::fill_in_flight_setting(),
         }
     }
 }

@@ -16,6 +16,10 @@
 //!    are leased or have theirs. The reads of L+1's experts thus overlap L's
 //!    expert compute.
 //!
+//! Each layer's router logits also teach an [`IdleFiller`], which fills the
+//! cache's free room with the experts the routers favour most while no
+//! forward pass runs ([`PrefetchOptions::fill_in_flight`] reads at a time).
+//!
 //! Nothing here changes what is computed: the tier delivers the same bytes
 //! whether an expert was prefetched, cached or read on demand.
 
@@ -23,9 +27,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use colibri_model::config::RouterKind;
 use colibri_model::experts::{ExpertGroup, ExpertSource, ExpertWeights, SourceStats};
 use colibri_model::{Model, ModelError, Pool};
 
+use super::fill::IdleFiller;
 use super::logic::{PredictorScore, PrefetchLogic};
 use super::router::RouterSet;
 use super::throttle::PrefetchThrottle;
@@ -62,6 +68,9 @@ pub struct Prefetcher {
     guess_ns: AtomicU64,
     guesses: AtomicU64,
     stale_dropped: AtomicU64,
+    /// Fills the cache's free room while idle (`None`: filling off).
+    filler: Option<IdleFiller>,
+    router: RouterKind,
 }
 
 impl Prefetcher {
@@ -77,6 +86,28 @@ impl Prefetcher {
         let routers = RouterSet::of(model).ok_or_else(|| {
             ModelError::Invalid("prefetch: the model has no routed experts".into())
         })?;
+        let router = match &model.spec.moe {
+            Some(moe) => moe.router.clone(),
+            None => {
+                return Err(ModelError::Invalid(
+                    "prefetch: the model has no routed experts".into(),
+                ));
+            }
+        };
+        let filler = match options.fill_in_flight {
+            0 => None,
+            in_flight => {
+                let per_pass = tier.layout().base.iter().flatten().count();
+                let started = IdleFiller::start(Arc::clone(&tier), per_pass, in_flight);
+                match started {
+                    Ok(filler) => Some(filler),
+                    Err(error) => {
+                        tracing::warn!("not filling the expert cache while idle: {error}");
+                        None
+                    }
+                }
+            }
+        };
         let moe_layers = routers.moe_layers();
         let evaluate = options.evaluate || options.trace.is_some();
         let logic = PrefetchLogic::new(
@@ -103,7 +134,6 @@ impl Prefetcher {
             None => None,
         };
         Ok(Prefetcher {
-            tier,
             routers,
             pool,
             inner: Mutex::new(Inner {
@@ -117,6 +147,9 @@ impl Prefetcher {
             guess_ns: AtomicU64::new(0),
             guesses: AtomicU64::new(0),
             stale_dropped: AtomicU64::new(0),
+            filler,
+            router,
+            tier,
         })
     }
 
@@ -126,6 +159,14 @@ impl Prefetcher {
         self.inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Learns layer `layer`'s router probabilities for filling.
+    fn learn(&self, layer: usize, logits: &[f32], rows: usize) {
+        let layout = self.tier.layout();
+        if let (Some(filler), Some(first)) = (&self.filler, layout.entry(layer, 0)) {
+            filler.learn(&self.router, first, layout.experts_per_layer, logits, rows);
+        }
     }
 
     /// The tier behind.
@@ -196,10 +237,13 @@ impl Drop for Prefetcher {
 }
 
 impl ExpertSource for Prefetcher {
-    fn moe_input(&self, layer: usize, h: &[f32], rows: usize) {
+    fn moe_input(&self, layer: usize, h: &[f32], logits: &[f32], rows: usize) {
         // With every expert resident no guess can be read, so the router
         // products are skipped unless something records them.
         let all_resident = self.tier.all_resident();
+        if !all_resident {
+            self.learn(layer, logits, rows);
+        }
         let (t1, t2, want1, want2) = {
             let inner = self.lock();
             let logic = &inner.logic;
@@ -240,6 +284,7 @@ impl ExpertSource for Prefetcher {
         ids: &[usize],
         ready: &mut dyn FnMut(usize, Arc<ExpertWeights>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
+        let _busy = self.filler.as_ref().map(IdleFiller::fetching);
         let guesses = self.before_fetch(layer, ids);
         self.tier.fetch_with_prefetch(layer, ids, &guesses, ready)
     }
@@ -250,6 +295,7 @@ impl ExpertSource for Prefetcher {
         ids: &[usize],
         ready: &mut dyn FnMut(ExpertGroup) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
+        let _busy = self.filler.as_ref().map(IdleFiller::fetching);
         let guesses = self.before_fetch(layer, ids);
         self.tier
             .fetch_groups_with_prefetch(layer, ids, &guesses, ready)

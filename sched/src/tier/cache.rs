@@ -166,6 +166,8 @@ struct Loading {
     cancelled: bool,
     /// A demand has used this prefetch (counted once).
     used: bool,
+    /// A fill read ([`TierCache::fill`]): lands in the class's filled list.
+    fill: bool,
 }
 
 impl Loading {
@@ -181,6 +183,7 @@ impl Loading {
             promote_pending: false,
             cancelled: false,
             used: false,
+            fill: false,
         }
     }
 }
@@ -225,6 +228,8 @@ pub struct ClassOccupancy {
     pub idle: usize,
     /// Prefetched experts not yet used.
     pub unclaimed: usize,
+    /// Experts a fill brought in, not yet used.
+    pub filled: usize,
     pub leased: usize,
     pub loading: usize,
 }
@@ -233,6 +238,12 @@ struct ClassState {
     arena: Arc<PinnedArena>,
     order: EvictionOrder,
     unclaimed: ListId,
+    /// Experts read into free cache room by [`TierCache::fill`], not yet
+    /// used; newest (least favoured) at the front. They count against
+    /// `cache_slots` and are the first to go when a slot is needed.
+    filled: ListId,
+    /// Fill reads of this class in flight.
+    fill_loading: usize,
     cache_slots: usize,
     staging_slots: usize,
     /// Free slots prefetch leaves to demand reads.
@@ -355,7 +366,13 @@ impl State {
     fn evict(&mut self, layout: &ExpertLayout, counters: &Counters, e: u32) {
         let class = self.class_of(layout, e);
         let list = self.lists.remove(e);
-        if list == Some(self.classes[class].unclaimed) {
+        if list == Some(self.classes[class].filled) {
+            bump(&counters.fill_unused, 1);
+            bump(
+                &counters.fill_unused_bytes,
+                layout.records[e as usize].read_bytes,
+            );
+        } else if list == Some(self.classes[class].unclaimed) {
             bump(&counters.prefetch_unused, 1);
             bump(&counters.prefetch_wasted, 1);
             bump(
@@ -384,17 +401,34 @@ impl State {
         let class = self.class_of(layout, e);
         let order = self.classes[class].order;
         order.insert(&mut self.lists, e, reused);
-        while order.len(&self.lists) > self.classes[class].cache_slots {
-            let Some(victim) = order.victim(&self.lists) else {
+        self.trim(layout, counters, class);
+        self.wake();
+    }
+
+    /// Idle cached experts of `class`, filled ones included.
+    fn cached(&self, class: usize) -> usize {
+        let c = &self.classes[class];
+        c.order.len(&self.lists) + self.lists.len(c.filled)
+    }
+
+    /// Keeps `class` within its cache slots: the least favoured filled
+    /// expert goes first, then the eviction order's victim.
+    fn trim(&mut self, layout: &ExpertLayout, counters: &Counters, class: usize) {
+        while self.cached(class) > self.classes[class].cache_slots {
+            let c = &self.classes[class];
+            let Some(victim) = self
+                .lists
+                .front(c.filled)
+                .or_else(|| c.order.victim(&self.lists))
+            else {
                 break;
             };
             self.evict(layout, counters, victim);
         }
-        self.wake();
     }
 
-    /// A slot for a demand read: free, else by evicting an idle expert,
-    /// else the oldest unused prefetch.
+    /// A slot for a demand read: free, else by evicting the least favoured
+    /// filled expert, else an idle expert, else the oldest unused prefetch.
     fn demand_slot(
         &mut self,
         layout: &ExpertLayout,
@@ -406,9 +440,10 @@ impl State {
             if let Some(slot) = c.arena.try_acquire() {
                 return Some(slot);
             }
-            let victim = c
-                .order
-                .victim(&self.lists)
+            let victim = self
+                .lists
+                .front(c.filled)
+                .or_else(|| c.order.victim(&self.lists))
                 .or_else(|| self.lists.back(c.unclaimed))?;
             self.evict(layout, counters, victim);
         }
@@ -429,6 +464,7 @@ impl State {
     ) -> Claim {
         let class = self.class_of(layout, e);
         let unclaimed = self.classes[class].unclaimed;
+        let filled = self.classes[class].filled;
         let read_bytes = layout.records[e as usize].read_bytes;
         match &mut self.entries[e as usize] {
             Entry::Resident(r) => {
@@ -437,6 +473,11 @@ impl State {
                         bump(&counters.prefetch_hits, 1);
                         bump(&counters.prefetch_used, 1);
                         bump(&counters.prefetch_used_bytes, read_bytes);
+                    }
+                    // Its first use: what brought it in was the fill.
+                    Some(list) if list == filled => {
+                        bump(&counters.fill_hits, 1);
+                        bump(&counters.fill_used_bytes, read_bytes);
                     }
                     _ => r.reused = true,
                 }
@@ -449,13 +490,24 @@ impl State {
             Entry::Loading(l) if l.cancelled => Claim::Busy,
             Entry::Loading(l) => {
                 l.waiters.push(waiter.clone());
+                let first_use = !std::mem::replace(&mut l.used, true);
                 match l.origin {
                     Priority::Demand => bump(&counters.joined_demand, 1),
-                    Priority::Prefetch => bump(&counters.joined_prefetch, 1),
-                }
-                if l.origin == Priority::Prefetch && !std::mem::replace(&mut l.used, true) {
-                    bump(&counters.prefetch_used, 1);
-                    bump(&counters.prefetch_used_bytes, read_bytes);
+                    Priority::Prefetch if l.fill => {
+                        if first_use {
+                            bump(&counters.fill_joined, 1);
+                            bump(&counters.fill_used_bytes, read_bytes);
+                        } else {
+                            bump(&counters.joined_demand, 1);
+                        }
+                    }
+                    Priority::Prefetch => {
+                        bump(&counters.joined_prefetch, 1);
+                        if first_use {
+                            bump(&counters.prefetch_used, 1);
+                            bump(&counters.prefetch_used_bytes, read_bytes);
+                        }
+                    }
                 }
                 if l.priority == Priority::Prefetch && !l.pin {
                     // Compute now waits for it: it must not wait behind
@@ -508,10 +560,11 @@ impl State {
 
     /// Fails a loading entry (its read could not be submitted or failed):
     /// back to absent, every waiter told why.
-    fn fail_loading(&mut self, e: u32, reason: &str) {
+    fn fail_loading(&mut self, layout: &ExpertLayout, e: u32, reason: &str) {
         let entry = std::mem::replace(&mut self.entries[e as usize], Entry::Absent);
         match entry {
             Entry::Loading(loading) => {
+                self.loaded(layout, e, &loading);
                 for waiter in loading.waiters {
                     let _ = waiter.send(Msg::Failed {
                         entry: e,
@@ -520,6 +573,16 @@ impl State {
                 }
             }
             other => self.entries[e as usize] = other,
+        }
+    }
+
+    /// Bookkeeping of a read of entry `e` that is over (landed, failed or
+    /// cancelled).
+    fn loaded(&mut self, layout: &ExpertLayout, e: u32, loading: &Loading) {
+        if loading.fill {
+            let class = self.class_of(layout, e);
+            let c = &mut self.classes[class];
+            c.fill_loading = c.fill_loading.saturating_sub(1);
         }
     }
 }
@@ -632,6 +695,7 @@ impl Shared {
                     return;
                 }
             };
+            st.loaded(&self.layout, e, &loading);
             let record = &self.layout.records[e as usize];
             if loading.cancelled {
                 // A stale prediction (nobody can have joined it): whatever
@@ -680,7 +744,13 @@ impl Shared {
                     let idle = matches!(&st.entries[e as usize],
                         Entry::Resident(r) if r.leases == 0 && !r.pinned);
                     if idle {
-                        if loading.origin == Priority::Prefetch {
+                        if loading.fill {
+                            let class = st.class_of(&self.layout, e);
+                            let filled = st.classes[class].filled;
+                            st.lists.push_front(filled, e);
+                            st.trim(&self.layout, &self.counters, class);
+                            st.wake();
+                        } else if loading.origin == Priority::Prefetch {
                             let class = st.class_of(&self.layout, e);
                             let unclaimed = st.classes[class].unclaimed;
                             st.lists.push_front(unclaimed, e);
@@ -781,11 +851,13 @@ impl TierCache {
             let arena = PinnedArena::with_pages(slot_bytes, slots, true)?;
             arena.populate_in_background();
             arenas.push(Arc::clone(&arena));
-            let base = (c * 3) as ListId;
+            let base = (c * 4) as ListId;
             classes.push(ClassState {
                 arena,
                 order: EvictionOrder::new(options.policy, base, base + 1, class.cache_slots),
                 unclaimed: base + 2,
+                filled: base + 3,
+                fill_loading: 0,
                 cache_slots: class.cache_slots,
                 staging_slots: class.staging_slots,
                 // Half of the demand staging stays free for demand reads
@@ -806,7 +878,7 @@ impl TierCache {
         )?;
         let backend = reader.backend().clone();
         let entries = layout.len();
-        let lists = IntrusiveLists::new(entries, classes.len() * 3);
+        let lists = IntrusiveLists::new(entries, classes.len() * 4);
         let record_usage = usage_dir.is_some();
         let usage = if record_usage {
             history.or_else(|| Some(UsageHistory::empty(&model_key, &layout)))
@@ -941,7 +1013,7 @@ impl TierCache {
                 let reason = error.to_string();
                 let mut st = self.shared.lock();
                 for &e in &tags {
-                    st.fail_loading(e, &reason);
+                    st.fail_loading(&self.shared.layout, e, &reason);
                 }
                 st.wake();
                 let r = &self.shared.layout.records[tags[0] as usize];
@@ -1146,10 +1218,18 @@ impl TierCache {
             if !matches!(st.entries[e as usize], Entry::Resident(_)) {
                 return None;
             }
-            let unclaimed = st.classes[st.class_of(&sh.layout, e)].unclaimed;
+            let class = &st.classes[st.class_of(&sh.layout, e)];
+            let (unclaimed, filled) = (class.unclaimed, class.filled);
             match st.lists.list_of(e) {
                 Some(list) if list == unclaimed => return None,
-                Some(_) => {
+                Some(list) => {
+                    if list == filled {
+                        bump(&sh.counters.fill_hits, 1);
+                        bump(
+                            &sh.counters.fill_used_bytes,
+                            sh.layout.records[e as usize].read_bytes,
+                        );
+                    }
                     st.lists.remove(e);
                 }
                 None => {}
@@ -1174,6 +1254,7 @@ impl TierCache {
                 staging_slots: c.staging_slots,
                 idle: c.order.len(&st.lists),
                 unclaimed: st.lists.len(c.unclaimed),
+                filled: st.lists.len(c.filled),
                 ..ClassOccupancy::default()
             })
             .collect();

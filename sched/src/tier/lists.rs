@@ -138,6 +138,12 @@ impl IntrusiveLists {
         Some(link.list)
     }
 
+    /// The most recently linked entry of `list`.
+    pub fn front(&self, list: ListId) -> Option<u32> {
+        let head = self.lists[list as usize].head;
+        (head != NIL).then_some(head)
+    }
+
     /// The least recently linked entry of `list`.
     pub fn back(&self, list: ListId) -> Option<u32> {
         let tail = self.lists[list as usize].tail;
@@ -266,6 +272,8 @@ mod tests {
         l.push_front(1, 5);
         assert_eq!(l.iter(0).collect::<Vec<_>>(), vec![2, 1, 0]);
         assert_eq!(l.back(0), Some(0));
+        assert_eq!(l.front(0), Some(2));
+        assert_eq!(l.front(1), Some(5));
         assert_eq!(l.remove(1), Some(0));
         assert_eq!(l.iter(0).collect::<Vec<_>>(), vec![2, 0]);
         assert_eq!(l.remove(1), None);

@@ -41,6 +41,13 @@ pub(crate) struct Counters {
     pub prefetch_cancelled: AtomicU64,
     pub prefetch_cancelled_unissued: AtomicU64,
     pub prefetch_stale_evicted: AtomicU64,
+    pub fill_reads: AtomicU64,
+    pub fill_read_bytes: AtomicU64,
+    pub fill_hits: AtomicU64,
+    pub fill_joined: AtomicU64,
+    pub fill_used_bytes: AtomicU64,
+    pub fill_unused: AtomicU64,
+    pub fill_unused_bytes: AtomicU64,
     pub evictions: AtomicU64,
     pub read_errors: AtomicU64,
     pub slot_waits: AtomicU64,
@@ -95,6 +102,20 @@ pub struct TierStats {
     pub prefetch_cancelled_unissued: u64,
     /// Stale predictions that had landed and were evicted unused.
     pub prefetch_stale_evicted: u64,
+    /// Reads that filled free cache room with the experts the routers
+    /// favoured most so far ([`TierCache::fill`](super::TierCache::fill)),
+    /// and their aligned bytes.
+    pub fill_reads: u64,
+    pub fill_read_bytes: u64,
+    /// Requested experts a fill had brought in, at their first use (hits).
+    pub fill_hits: u64,
+    /// Misses joined to a fill read still in flight.
+    pub fill_joined: u64,
+    /// Aligned bytes of the fill reads that were used.
+    pub fill_used_bytes: u64,
+    /// Filled experts evicted before any use, and their aligned bytes.
+    pub fill_unused: u64,
+    pub fill_unused_bytes: u64,
     /// Cached experts evicted.
     pub evictions: u64,
     /// Reads that failed.
@@ -133,6 +154,13 @@ impl Counters {
             prefetch_cancelled: g(&self.prefetch_cancelled),
             prefetch_cancelled_unissued: g(&self.prefetch_cancelled_unissued),
             prefetch_stale_evicted: g(&self.prefetch_stale_evicted),
+            fill_reads: g(&self.fill_reads),
+            fill_read_bytes: g(&self.fill_read_bytes),
+            fill_hits: g(&self.fill_hits),
+            fill_joined: g(&self.fill_joined),
+            fill_used_bytes: g(&self.fill_used_bytes),
+            fill_unused: g(&self.fill_unused),
+            fill_unused_bytes: g(&self.fill_unused_bytes),
             evictions: g(&self.evictions),
             read_errors: g(&self.read_errors),
             slot_waits: g(&self.slot_waits),
@@ -167,6 +195,13 @@ impl TierStats {
             prefetch_cancelled_unissued: self.prefetch_cancelled_unissued
                 - earlier.prefetch_cancelled_unissued,
             prefetch_stale_evicted: self.prefetch_stale_evicted - earlier.prefetch_stale_evicted,
+            fill_reads: self.fill_reads - earlier.fill_reads,
+            fill_read_bytes: self.fill_read_bytes - earlier.fill_read_bytes,
+            fill_hits: self.fill_hits - earlier.fill_hits,
+            fill_joined: self.fill_joined - earlier.fill_joined,
+            fill_used_bytes: self.fill_used_bytes - earlier.fill_used_bytes,
+            fill_unused: self.fill_unused - earlier.fill_unused,
+            fill_unused_bytes: self.fill_unused_bytes - earlier.fill_unused_bytes,
             evictions: self.evictions - earlier.evictions,
             read_errors: self.read_errors - earlier.read_errors,
             slot_waits: self.slot_waits - earlier.slot_waits,
@@ -210,9 +245,14 @@ impl TierStats {
             .then(|| self.prefetch_wasted_bytes as f64 / self.prefetch_used_bytes as f64)
     }
 
-    /// Aligned bytes read from disk (demand + prefetch).
+    /// Aligned bytes read from disk (demand + prefetch + fill).
     pub fn read_bytes(&self) -> u64 {
-        self.demand_read_bytes + self.prefetch_read_bytes
+        self.demand_read_bytes + self.prefetch_read_bytes + self.fill_read_bytes
+    }
+
+    /// Fill reads a fetch used (at first use, landed or joined in flight).
+    pub fn fill_used(&self) -> u64 {
+        self.fill_hits + self.fill_joined
     }
 
     /// Time `fetch` was blocked on I/O.

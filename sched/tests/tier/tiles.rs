@@ -246,3 +246,61 @@ fn an_engine_with_dense_cpu_layouts_computes_the_same_bits() {
         );
     }
 }
+
+#[test]
+fn filled_experts_are_tiled_too_and_compute_the_oracles_bits() {
+    let path = gguf("qwen3_moe.q4_0.gguf");
+    let tokens = [3, 1, 4, 1, 5, 9, 2];
+    let (oracle, oracle_steps) = {
+        let (model, src) = Model::load(&path).unwrap();
+        let experts = ResidentExperts::load(&model.spec, &src).unwrap();
+        let engine = engine_with(model, Arc::new(experts), 2);
+        (
+            logits_all(&engine, &tokens),
+            logits_stepwise(&engine, &tokens),
+        )
+    };
+    let (model, tier) = tier_over(&path, tiles(true, 1 << 30));
+    let layout = tier.layout().clone();
+    // Every odd expert of every layer arrives by a fill read; the even
+    // ones on demand.
+    let ranked: Vec<u32> = (0..layout.len() as u32)
+        .filter(|&e| layout.records[e as usize].expert % 2 == 1)
+        .collect();
+    let mut cursor = 0;
+    while cursor < ranked.len() {
+        assert!(tier.fill(&ranked, &mut cursor, 4) > 0, "room for all");
+        while tier.occupancy().iter().any(|o| o.loading > 0) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    assert_eq!(tier.stats().fill_reads, ranked.len() as u64);
+    let layer = first_moe_layer(&model);
+    let kept = fetch_keep(tier.as_ref(), layer, &[0, 1]);
+    for (e, w) in &kept {
+        for m in [&w.gate, &w.up, &w.down] {
+            assert_eq!(m.is_tiled(), tier.tiles_q4_0(), "expert {e}");
+        }
+    }
+    drop(kept);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for threads in [1, 3] {
+        let engine = engine_with(
+            Model::load(&path).unwrap().0,
+            tier.clone() as Arc<dyn ExpertSource>,
+            threads,
+        );
+        assert_eq!(
+            bits(&logits_all(&engine, &tokens)),
+            bits(&oracle),
+            "{threads} threads"
+        );
+        assert_eq!(
+            bits(&logits_stepwise(&engine, &tokens)),
+            bits(&oracle_steps),
+            "{threads} threads, stepwise"
+        );
+    }
+    let s = tier.stats();
+    assert!(s.fill_hits > 0, "{s:?}");
+}

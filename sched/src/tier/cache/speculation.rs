@@ -170,6 +170,7 @@ impl State {
         match &mut self.entries[e as usize] {
             Entry::Loading(l)
                 if l.origin == Priority::Prefetch
+                    && !l.fill
                     && l.priority == Priority::Prefetch
                     && l.waiters.is_empty()
                     && !l.pin
@@ -190,7 +191,107 @@ impl State {
     }
 }
 
+impl State {
+    /// How many fill reads `class` can take now: cache slots that no
+    /// cached expert (idle, filled or in use) and no read in flight will
+    /// occupy, and only free slots beyond the demand reserve. The arena
+    /// holds pinned, cache and staging slots, so the slots free beyond the
+    /// staging area's, counting unused prefetches (they live in staging)
+    /// as free, are the cache's room.
+    fn fill_room(&self, class: usize) -> usize {
+        let c = &self.classes[class];
+        let free = c.arena.free_slots();
+        let cache_room = (free + self.lists.len(c.unclaimed)).saturating_sub(c.staging_slots);
+        cache_room.min(free.saturating_sub(c.prefetch_reserve))
+    }
+
+    /// Starts up to `want` fill reads, of the absent entries of `ranked`
+    /// (best first) from `*cursor` on, where their class has room; moves
+    /// the cursor past every entry it looked at.
+    fn issue_fills(
+        &mut self,
+        layout: &ExpertLayout,
+        counters: &Counters,
+        ranked: &[u32],
+        cursor: &mut usize,
+        want: usize,
+    ) -> Vec<(ReadRequest, IssuedPrefetch)> {
+        let mut room: Vec<usize> = (0..self.classes.len()).map(|c| self.fill_room(c)).collect();
+        let mut out = Vec::new();
+        if want == 0 || room.iter().all(|&r| r == 0) {
+            return out;
+        }
+        while out.len() < want && room.iter().any(|&r| r > 0) {
+            let Some(&e) = ranked.get(*cursor) else {
+                break;
+            };
+            *cursor += 1;
+            let Some(record) = layout.records.get(e as usize) else {
+                continue;
+            };
+            let class = record.class;
+            if !matches!(self.entries[e as usize], Entry::Absent) || room[class] == 0 {
+                continue;
+            }
+            let Some(slot) = self.classes[class].arena.try_acquire() else {
+                room[class] = 0;
+                continue;
+            };
+            room[class] -= 1;
+            self.classes[class].fill_loading += 1;
+            let read_id = self.new_read_id();
+            let mut loading = Loading::new(Priority::Prefetch, Vec::new(), read_id, false);
+            loading.fill = true;
+            self.entries[e as usize] = Entry::Loading(loading);
+            bump(&counters.fill_reads, 1);
+            bump(&counters.fill_read_bytes, record.read_bytes);
+            out.push((
+                ReadRequest {
+                    slot,
+                    extents: record.reads.clone(),
+                    priority: Priority::Prefetch,
+                    tag: u64::from(e),
+                },
+                IssuedPrefetch { entry: e, read_id },
+            ));
+        }
+        out
+    }
+}
+
 impl TierCache {
+    /// Fills free cache room ahead of need: reads the absent entries of
+    /// `ranked` (entries of [`layout`](Self::layout), most wanted first),
+    /// from `*cursor` on, keeping at most `in_flight` such reads
+    /// outstanding; the cursor moves past every entry looked at, so a
+    /// caller walks its ranking once however often it calls. Fill reads
+    /// have prefetch priority (every demand read overtakes them; a fetch
+    /// that wants one in flight joins and promotes it). Fill never evicts:
+    /// it takes only cache slots that no cached expert or read in flight
+    /// will occupy and free slots beyond the demand reserve, and a filled
+    /// expert not yet used is the first to go when a slot is needed, the
+    /// one filled last first. Returns how many reads it started.
+    pub fn fill(&self, ranked: &[u32], cursor: &mut usize, in_flight: usize) -> usize {
+        let sh = &self.shared;
+        let issued = {
+            let mut st = sh.lock();
+            let flying: usize = st.classes.iter().map(|c| c.fill_loading).sum();
+            let want = in_flight.saturating_sub(flying);
+            st.issue_fills(&sh.layout, &sh.counters, ranked, cursor, want)
+        };
+        let started = issued.len();
+        if started == 0 {
+            return 0;
+        }
+        match self.submit_with_prefetch(Vec::new(), issued) {
+            Ok(()) => started,
+            Err(error) => {
+                tracing::warn!("cache fill not submitted: {error}");
+                0
+            }
+        }
+    }
+
     /// Starts prefetch reads of `predictions` (nearest layer first) on
     /// their own.
     pub(super) fn prefetch_batch(&self, predictions: &[(usize, Vec<usize>)]) {
