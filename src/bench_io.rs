@@ -125,6 +125,17 @@ pub struct BenchIoArgs {
     /// roofline instead of the disk.
     #[arg(long, conflicts_with = "compare_prefetch")]
     pub warm: bool,
+    /// --model: leave the engine idle this many seconds after the first
+    /// token, as between a server's requests, before the decode (the idle
+    /// filler reads favoured experts into free RAM meanwhile; the decode's
+    /// figures and the time to first token leave the pause out).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 0.0,
+        conflicts_with = "warm"
+    )]
+    pub idle: f64,
     /// --warm: bytes of the memory bandwidth measurement (well above the
     /// last-level cache).
     #[arg(long, value_name = "SIZE", default_value = "512MiB")]
@@ -192,6 +203,7 @@ fn raw(args: &BenchIoArgs, file: &Path) -> Result<()> {
 }
 
 /// Per-phase measurements of the decode run.
+#[derive(Clone)]
 struct Phase {
     at: Instant,
     stats: TierStats,
@@ -255,6 +267,8 @@ struct DecodeRun {
     decode: TierStats,
     prefill: TierStats,
     prefill_disk_bytes: u64,
+    /// --idle: what the tier did during the pause.
+    idle: TierStats,
     prefetcher: Option<PrefetcherStats>,
     /// What the kernel counted as read from the model's block device
     /// during the decode (None where /proc/diskstats does not say).
@@ -418,9 +432,17 @@ fn decode_run(
     let mut first: Option<Phase> = None;
     let mut gpu_first = None;
     let mut generated = 0usize;
+    let idle = Duration::try_from_secs_f64(args.idle)
+        .with_context(|| format!("--idle {}: not a number of seconds", args.idle))?;
+    // --idle: the prompt's end, before the pause.
+    let mut prompt_end: Option<Phase> = None;
     engine.generate(&mut seq, |_| {
         generated += 1;
         if first.is_none() {
+            if !idle.is_zero() {
+                prompt_end = Some(snapshot());
+                std::thread::sleep(idle);
+            }
             first = Some(snapshot());
             gpu_first = gpu_stats();
             // Latencies from here on are the decode's.
@@ -450,7 +472,9 @@ fn decode_run(
         .as_secs_f64()
         .max(1e-9);
     let decode = end.stats.since(&first.stats);
-    let prefill = first.stats.since(&start.stats);
+    let prompt_end = prompt_end.unwrap_or_else(|| first.clone());
+    let prefill = prompt_end.stats.since(&start.stats);
+    let idle_stats = first.stats.since(&prompt_end.stats);
     let decode_bytes = end.bytes_read - first.bytes_read;
     let time = TimeSplit::of(
         decode_s,
@@ -463,7 +487,7 @@ fn decode_run(
         predictor,
         tokens: generated,
         tok_s: (generated - 1) as f64 / decode_s,
-        ttft_s: first.at.duration_since(start.at).as_secs_f64(),
+        ttft_s: prompt_end.at.duration_since(start.at).as_secs_f64(),
         disk_bytes_per_token: decode_bytes as f64 / decode_tokens,
         disk_read_mb_s: decode_bytes as f64 / decode_s / 1e6,
         ram_hit_rate: decode.hit_rate(),
@@ -475,7 +499,8 @@ fn decode_run(
         read_latency_us: tier.read_latency(false),
         decode,
         prefill,
-        prefill_disk_bytes: first.bytes_read - start.bytes_read,
+        prefill_disk_bytes: prompt_end.bytes_read - start.bytes_read,
+        idle: idle_stats,
         prefetcher: engine.prefetcher.as_ref().map(|p| p.stats()),
         kernel_decode_bytes: match (first.kernel_bytes, end.kernel_bytes) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
@@ -731,7 +756,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         .map(|r| r.tok_s);
 
     if args.json {
-        let v = json!({
+        let mut v = json!({
             "model": dir.display().to_string(),
             "compute": run.compute,
             "prompt_tokens": prompt_len,
@@ -776,6 +801,8 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
                 k as f64 / (run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64).max(1.0)
             }),
         });
+        // Beside the rest (one json! of all of it nests too deep).
+        v["idle"] = json!({ "seconds": args.idle, "tier": run.idle });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -907,6 +934,21 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
             }
         }
         None => println!("prefetch off"),
+    }
+    let (i, d) = (&run.idle, &run.decode);
+    if i.fill_reads + d.fill_reads > 0 {
+        println!(
+            "filled while idle (free cache room, the experts the routers favour): {} reads \
+             ({}) before the decode, {} during it; {} used by the decode ({} hits, {} joined \
+             in flight), {} evicted unused",
+            i.fill_reads,
+            ByteSize(i.fill_read_bytes),
+            d.fill_reads,
+            d.fill_used(),
+            d.fill_hits,
+            d.fill_joined,
+            d.fill_unused
+        );
     }
     println!(
         "raw disk {:.1} MB/s ({} blocks of {}, queue depth {}, {}): decode used {:.1}% of it",
