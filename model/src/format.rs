@@ -38,6 +38,16 @@ pub enum WeightFormat {
     /// [`crate::quant::dequantize_q5_k`].
     #[serde(rename = "q5_k")]
     Q5K,
+    /// ggml Q4_1: blocks of 32 × 4-bit with an f16 scale and an f16 min
+    /// (20 bytes); see [`crate::quant::dequantize_q4_1`]. Like Q5_0 and
+    /// Q5_1, what llama.cpp writes for a k-quant's tensor whose rows are
+    /// not whole 256-element super-blocks. Read only, through the exact
+    /// product.
+    Q4_1,
+    /// ggml Q5_0: blocks of 32 × 5-bit with an f16 scale (22 bytes).
+    Q5_0,
+    /// ggml Q5_1: blocks of 32 × 5-bit with an f16 scale and min (24 bytes).
+    Q5_1,
 }
 
 impl WeightFormat {
@@ -61,6 +71,9 @@ impl WeightFormat {
             WeightFormat::F8E4M3 => Ok(cols),
             WeightFormat::Q8_0 => block(crate::quant::Q8_0_BLOCK_BYTES),
             WeightFormat::Q4_0 => block(crate::quant::Q4_0_BLOCK_BYTES),
+            WeightFormat::Q4_1 => block(crate::quant::Q4_1_BLOCK_BYTES),
+            WeightFormat::Q5_0 => block(crate::quant::Q5_0_BLOCK_BYTES),
+            WeightFormat::Q5_1 => block(crate::quant::Q5_1_BLOCK_BYTES),
             WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
                 if cols.is_multiple_of(crate::quant::QK_K) {
                     Ok(cols / crate::quant::QK_K * self.super_block_bytes())
@@ -86,6 +99,9 @@ impl WeightFormat {
             WeightFormat::Q6K => "q6_k",
             WeightFormat::Q4K => "q4_k",
             WeightFormat::Q5K => "q5_k",
+            WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q5_1 => "q5_1",
         }
     }
 

@@ -134,6 +134,78 @@ pub fn dequantize_q4_0(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Bytes of one Q4_1 block: f16 `d`, f16 `m`, 32 nibbles.
+pub const Q4_1_BLOCK_BYTES: usize = 4 + QK / 2;
+/// Bytes of one Q5_0 block: f16 `d`, 32 fifth bits (`qh`, a little-endian
+/// u32), 32 nibbles.
+pub const Q5_0_BLOCK_BYTES: usize = 2 + 4 + QK / 2;
+/// Bytes of one Q5_1 block: f16 `d`, f16 `m`, `qh`, 32 nibbles.
+pub const Q5_1_BLOCK_BYTES: usize = 4 + 4 + QK / 2;
+
+/// The second f16 of a block (`m` of Q4_1 and Q5_1).
+#[inline(always)]
+fn block_min(block: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([block[2], block[3]]))
+}
+
+/// Element `j` (< 32) of a 5-bit block as its unsigned code (0..=31):
+/// the nibble of `qs` (low nibbles are elements 0..16, high ones 16..32)
+/// with bit `j` of `qh` above it, as ggml's `dequantize_row_q5_0`.
+#[inline(always)]
+fn q5_code(qh: u32, qs: &[u8], j: usize) -> u32 {
+    let nibble = if j < QK / 2 {
+        qs[j] & 0x0f
+    } else {
+        qs[j - QK / 2] >> 4
+    };
+    u32::from(nibble) | (((qh >> j) & 1) << 4)
+}
+
+/// Dequantizes Q4_1 blocks as ggml's `dequantize_row_q4_1`: element `q·d +
+/// m` (a product, then a sum: two roundings).
+pub fn dequantize_q4_1(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes
+        .chunks_exact(Q4_1_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK))
+    {
+        let (d, m) = (block_scale(b), block_min(b));
+        for (j, &q) in b[4..].iter().enumerate() {
+            o[j] = f32::from(q & 0x0f) * d + m;
+            o[j + QK / 2] = f32::from(q >> 4) * d + m;
+        }
+    }
+}
+
+/// Dequantizes Q5_0 blocks as ggml's `dequantize_row_q5_0`: element
+/// `(code − 16)·d`.
+pub fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes
+        .chunks_exact(Q5_0_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK))
+    {
+        let d = block_scale(b);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        for (j, v) in o.iter_mut().enumerate() {
+            *v = (q5_code(qh, &b[6..], j) as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+/// Dequantizes Q5_1 blocks as ggml's `dequantize_row_q5_1`: element
+/// `code·d + m`.
+pub fn dequantize_q5_1(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes
+        .chunks_exact(Q5_1_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK))
+    {
+        let (d, m) = (block_scale(b), block_min(b));
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        for (j, v) in o.iter_mut().enumerate() {
+            *v = q5_code(qh, &b[8..], j) as f32 * d + m;
+        }
+    }
+}
+
 /// Elements per super-block of ggml's k-quants.
 pub const QK_K: usize = 256;
 /// Bytes of one Q6_K super-block: `ql` (128: the low 4 bits), `qh` (64:

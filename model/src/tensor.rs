@@ -287,7 +287,10 @@ impl QMatrix {
             | WeightFormat::Q4_0
             | WeightFormat::Q6K
             | WeightFormat::Q4K
-            | WeightFormat::Q5K => data,
+            | WeightFormat::Q5K
+            | WeightFormat::Q4_1
+            | WeightFormat::Q5_0
+            | WeightFormat::Q5_1 => data,
         };
         match (&scales, format) {
             (None, WeightFormat::F8E4M3) => {

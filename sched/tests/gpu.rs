@@ -153,6 +153,78 @@ fn several_devices_without_a_gpu_run_on_the_cpu_tier_or_fail() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn formats_without_device_kernels_run_on_the_cpu_tier() {
+    // Q4_1/Q5_0/Q5_1 (llama.cpp's fallbacks for rows that are not whole
+    // k-quant super-blocks) have no device kernels: `auto` says so and
+    // computes on the CPU, `cuda` fails with the reason.
+    let model = fixtures().join("gguf/qwen3_moe.legacy.gguf");
+    let load = || {
+        Engine::load(
+            &model,
+            &EngineOptions {
+                threads: 2,
+                ctx: 64,
+                tier: tier(None),
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let mut e = load();
+    let want = {
+        let mut cpu = load();
+        attach(
+            &mut cpu,
+            &GpuOptions {
+                device: DeviceChoice::Cpu,
+                ..GpuOptions::default()
+            },
+        )
+        .unwrap();
+        let mut cache = KvCache::new(&cpu.model.spec, 64);
+        cpu.forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &[3, 1, 4, 1, 5],
+            logits: Logits::All,
+        }])
+        .unwrap()
+        .remove(0)
+    };
+    match attach(&mut e, &GpuOptions::default()).unwrap() {
+        Attached::Cpu { reason: Some(why) } => {
+            assert!(why.contains("no device kernels for"), "{why}")
+        }
+        _ => panic!("expected the CPU tier with a reason"),
+    }
+    assert!(e.gpu.is_none());
+    let mut cache = KvCache::new(&e.model.spec, 64);
+    let got = e
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &[3, 1, 4, 1, 5],
+            logits: Logits::All,
+        }])
+        .unwrap()
+        .remove(0);
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    let err = match attach(
+        &mut load(),
+        &GpuOptions {
+            device: DeviceChoice::Cuda,
+            ..GpuOptions::default()
+        },
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("--device cuda must fail on formats it has no kernels for"),
+    };
+    assert!(err.contains("no device kernels for"), "{err}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn gpu_matches_the_cpu_tier_on_every_fixture() {
     let mut worst = 0.0f64;
     for model in models() {

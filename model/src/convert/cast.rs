@@ -185,10 +185,11 @@ fn encode_row(x: &[f32], to: WeightFormat, out: &mut [u8]) -> Result<bool> {
         WeightFormat::Q6K => out.copy_from_slice(&crate::quant::quantize_q6_k(x)?),
         WeightFormat::Q4K => out.copy_from_slice(&crate::quant::quantize_q4_k(x)?),
         WeightFormat::Q5K => out.copy_from_slice(&crate::quant::quantize_q5_k(x)?),
-        WeightFormat::F8E4M3 => {
-            return Err(ModelError::Invalid(
-                "fp8-e4m3 is a source format only: colibri does not quantize to it".into(),
-            ));
+        WeightFormat::F8E4M3 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            return Err(ModelError::Invalid(format!(
+                "{} is a source format only: colibri does not quantize to it",
+                to.name()
+            )));
         }
     }
     Ok(rounded)

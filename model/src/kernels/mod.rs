@@ -922,14 +922,18 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
         }
         // The exact product is the dequantized row's (ggml's own
         // dequantization: every Q6_K element is exact in f32, a Q4_K/Q5_K
-        // element one rounding), through the f32 kernel.
-        WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
-            DEQUANTIZED.with_borrow_mut(|row| {
-                row.resize(c, 0.0);
-                row_to_f32(w, r, row);
-                (k.dot_f32)(row, x)
-            })
-        }
+        // element one rounding, a Q4_1/Q5_1 element two), through the f32
+        // kernel.
+        WeightFormat::Q6K
+        | WeightFormat::Q4K
+        | WeightFormat::Q5K
+        | WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1 => DEQUANTIZED.with_borrow_mut(|row| {
+            row.resize(c, 0.0);
+            row_to_f32(w, r, row);
+            (k.dot_f32)(row, x)
+        }),
     }
 }
 
@@ -997,6 +1001,15 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
                 WeightFormat::Q6K => quant::dequantize_q6_k(row, out),
                 WeightFormat::Q4K => quant::dequantize_q4_k(row, out),
                 _ => quant::dequantize_q5_k(row, out),
+            }
+        }
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let rb = w.format.row_bytes(c).unwrap_or(0);
+            let row = &bytes[r * rb..(r + 1) * rb];
+            match w.format {
+                WeightFormat::Q4_1 => quant::dequantize_q4_1(row, out),
+                WeightFormat::Q5_0 => quant::dequantize_q5_0(row, out),
+                _ => quant::dequantize_q5_1(row, out),
             }
         }
     }

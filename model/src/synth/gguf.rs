@@ -363,6 +363,9 @@ fn ggml(f: WeightFormat) -> Result<GgmlType> {
         WeightFormat::Q6K => GgmlType::Q6_K,
         WeightFormat::Q4K => GgmlType::Q4_K,
         WeightFormat::Q5K => GgmlType::Q5_K,
+        WeightFormat::Q4_1 => GgmlType::Q4_1,
+        WeightFormat::Q5_0 => GgmlType::Q5_0,
+        WeightFormat::Q5_1 => GgmlType::Q5_1,
         WeightFormat::F8E4M3 => return Err(cannot("fp8 tensors")),
     })
 }

@@ -65,24 +65,24 @@ pub struct MatShape {
 }
 
 impl MatShape {
-    fn of_matrix(m: &QMatrix) -> MatShape {
-        MatShape {
-            format: cuda_format(m.format),
+    fn of_matrix(m: &QMatrix) -> Result<MatShape, GpuError> {
+        Ok(MatShape {
+            format: cuda_format(m.format)?,
             rows: m.rows,
             cols: m.cols,
             bytes: m.stored_bytes(),
             scales: m.scales().map(|s| (s.block, s.scales.len())),
-        }
+        })
     }
 
-    fn of_location(m: &MatrixLocation) -> MatShape {
-        MatShape {
-            format: cuda_format(m.format),
+    fn of_location(m: &MatrixLocation) -> Result<MatShape, GpuError> {
+        Ok(MatShape {
+            format: cuda_format(m.format)?,
             rows: m.rows,
             cols: m.cols,
             bytes: m.extent.len as usize,
             scales: m.scales.as_ref().map(|s| (s.block, s.scales.len())),
-        }
+        })
     }
 }
 
@@ -123,12 +123,17 @@ impl ExpertShape {
         }
     }
 
-    fn of_weights(w: &ExpertWeights) -> ExpertShape {
-        ExpertShape::new([
-            MatShape::of_matrix(&w.gate),
-            MatShape::of_matrix(&w.up),
-            MatShape::of_matrix(&w.down),
-        ])
+    fn of_weights(w: &ExpertWeights) -> Result<ExpertShape, GpuError> {
+        Ok(ExpertShape::new([
+            MatShape::of_matrix(&w.gate)?,
+            MatShape::of_matrix(&w.up)?,
+            MatShape::of_matrix(&w.down)?,
+        ]))
+    }
+
+    /// Whether `w` is stored as `self` describes.
+    fn holds(&self, w: &ExpertWeights) -> bool {
+        ExpertShape::of_weights(w).is_ok_and(|got| got.mats == self.mats)
     }
 }
 
@@ -191,10 +196,11 @@ impl Classes {
 
 fn uniform(
     layer: usize,
-    shapes: impl Iterator<Item = ExpertShape>,
+    shapes: impl Iterator<Item = Result<ExpertShape, GpuError>>,
 ) -> Result<Option<ExpertShape>, GpuError> {
     let mut first: Option<ExpertShape> = None;
     for s in shapes {
+        let s = s?;
         match first {
             None => first = Some(s),
             Some(f) if f == s => {}
@@ -225,11 +231,11 @@ pub(crate) fn shapes_from_layout(
                 l,
                 recs.iter().map(|r| {
                     let m = r.location.matrices();
-                    ExpertShape::new([
-                        MatShape::of_location(m[0]),
-                        MatShape::of_location(m[1]),
-                        MatShape::of_location(m[2]),
-                    ])
+                    Ok(ExpertShape::new([
+                        MatShape::of_location(m[0])?,
+                        MatShape::of_location(m[1])?,
+                        MatShape::of_location(m[2])?,
+                    ]))
                 }),
             )
         })
@@ -254,9 +260,9 @@ pub(crate) fn shapes_from_locator(
             let e = loc.locate(l, 0)?;
             let m = e.matrices();
             Ok(Some(ExpertShape::new([
-                MatShape::of_location(m[0]),
-                MatShape::of_location(m[1]),
-                MatShape::of_location(m[2]),
+                MatShape::of_location(m[0])?,
+                MatShape::of_location(m[1])?,
+                MatShape::of_location(m[2])?,
             ])))
         })
         .collect()
@@ -279,7 +285,7 @@ pub(crate) fn shapes_from_source(
                 shape = Some(ExpertShape::of_weights(&w));
                 Ok(())
             })?;
-            Ok(shape)
+            shape.transpose()
         })
         .collect()
 }
@@ -632,7 +638,7 @@ impl ExpertTier {
             let Some(w) = source.peek(layer, e) else {
                 continue;
             };
-            if ExpertShape::of_weights(&w).mats != shape.mats {
+            if !shape.holds(&w) {
                 continue;
             }
             let slot = match self.cache.reserve(entry) {
@@ -745,7 +751,14 @@ impl ExpertTier {
                 let mut failure = None;
                 let res = source.fetch(layer, chunk, &mut |e, w| {
                     let entry = (layer * per + e) as u32;
-                    let got = ExpertShape::of_weights(&w);
+                    let got = match ExpertShape::of_weights(&w) {
+                        Ok(got) => got,
+                        Err(err) => {
+                            let msg = err.to_string();
+                            failure = Some(err);
+                            return Err(ModelError::Invalid(msg));
+                        }
+                    };
                     if got.mats != shape.mats {
                         let err = GpuError::Unsupported(format!(
                             "layer {layer} expert {e}: stored as {:?}, the layer's other experts \
@@ -1135,7 +1148,14 @@ impl ExpertTier {
             let mut delivered = 0usize;
             let mut failure: Option<GpuError> = None;
             let res = source.fetch(layer, &misses, &mut |e, w| {
-                let got = ExpertShape::of_weights(&w);
+                let got = match ExpertShape::of_weights(&w) {
+                    Ok(got) => got,
+                    Err(err) => {
+                        let msg = err.to_string();
+                        failure = Some(err);
+                        return Err(ModelError::Invalid(msg));
+                    }
+                };
                 if got.mats != shape.mats {
                     let err = GpuError::Unsupported(format!(
                         "layer {layer} expert {e}: stored as {:?}, the layer's other experts as \
@@ -1398,7 +1418,7 @@ impl ExpertTier {
             let mut failure = None;
             let res = source.fetch(layer, &ids, &mut |e, w| {
                 let entry = (layer * self.per_layer + e) as u32;
-                if ExpertShape::of_weights(&w).mats != shape.mats {
+                if !shape.holds(&w) {
                     return Ok(());
                 }
                 let Reserve::Slot { slot, .. } = self.cache.reserve(entry) else {

@@ -178,10 +178,12 @@ impl From<GpuError> for ModelError {
 
 /// The device format of a matrix stored as `f`. Q4_0 and Q8_0 products
 /// take the CPU tier's arithmetic: 8-bit activations and integer sums
-/// unless `--exact-quant` asked for the exact dequantized product.
-pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
+/// unless `--exact-quant` asked for the exact dequantized product. Q4_1,
+/// Q5_0 and Q5_1 have no device kernels: a model with them runs on the CPU
+/// tier.
+pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
     let int = colibri_model::kernels::kernels().int_activations;
-    match f {
+    Ok(match f {
         WeightFormat::Q4_0 if int => DevFormat::Q4_0Q8,
         WeightFormat::Q8_0 if int => DevFormat::Q8_0Q8,
         WeightFormat::Q6K if int => DevFormat::Q6KQ8,
@@ -196,7 +198,13 @@ pub(crate) fn cuda_format(f: WeightFormat) -> DevFormat {
         WeightFormat::Q6K => DevFormat::Q6K,
         WeightFormat::Q4K => DevFormat::Q4K,
         WeightFormat::Q5K => DevFormat::Q5K,
-    }
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            return Err(GpuError::Unsupported(format!(
+                "no device kernels for {} weights",
+                f.name()
+            )));
+        }
+    })
 }
 
 /// The attention geometry of a model.

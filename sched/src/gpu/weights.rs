@@ -171,7 +171,7 @@ impl<'a> Packer<'a> {
                 m.layout()
             )));
         }
-        let format = cuda_format(m.format);
+        let format = cuda_format(m.format)?;
         let off = self.put(m.data().as_slice());
         let scales = match m.scales() {
             None => None,

@@ -304,3 +304,44 @@ fn filled_experts_are_tiled_too_and_compute_the_oracles_bits() {
     let s = tier.stats();
     assert!(s.fill_hits > 0, "{s:?}");
 }
+
+#[test]
+fn experts_in_llama_cpps_fallback_formats_stream_with_the_oracles_bits() {
+    // Q4_1/Q5_0/Q5_1 experts (tools/make_legacy_quant_model.py) through the
+    // RAM tier, tiles asked for (nothing to tile: no Q4_0), under every
+    // budget, against the experts memory-mapped.
+    let path = gguf("qwen3_moe.legacy.gguf");
+    let tokens = [3, 1, 4, 1, 5, 9, 2, 6];
+    let oracle = {
+        let (model, src) = Model::load(&path).unwrap();
+        let experts = ResidentExperts::load(&model.spec, &src).unwrap();
+        let engine = engine_with(model, Arc::new(experts), 2);
+        (
+            logits_all(&engine, &tokens),
+            logits_stepwise(&engine, &tokens),
+        )
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for budget in [0, 1 << 30] {
+        let (model, tier) = tier_over(&path, tiles(true, budget));
+        let layer = first_moe_layer(&model);
+        let kept = fetch_keep(tier.as_ref(), layer, &[0]);
+        let formats = [&kept[0].1.gate, &kept[0].1.up, &kept[0].1.down].map(|m| m.format);
+        assert_eq!(
+            formats,
+            [WeightFormat::Q4_1, WeightFormat::Q5_1, WeightFormat::Q5_0]
+        );
+        drop(kept);
+        let engine = engine_with(model, tier.clone() as Arc<dyn ExpertSource>, 3);
+        assert_eq!(
+            bits(&logits_all(&engine, &tokens)),
+            bits(&oracle.0),
+            "budget {budget}"
+        );
+        assert_eq!(
+            bits(&logits_stepwise(&engine, &tokens)),
+            bits(&oracle.1),
+            "budget {budget}, stepwise"
+        );
+    }
+}

@@ -203,11 +203,14 @@ impl GgufFile {
             GgmlType::Q6_K => WeightFormat::Q6K,
             GgmlType::Q4_K => WeightFormat::Q4K,
             GgmlType::Q5_K => WeightFormat::Q5K,
+            GgmlType::Q4_1 => WeightFormat::Q4_1,
+            GgmlType::Q5_0 => WeightFormat::Q5_0,
+            GgmlType::Q5_1 => WeightFormat::Q5_1,
             other => {
                 return Err(ModelError::UnsupportedDtype {
                     name: format!("{}: {}", self.path.display(), t.name),
                     dtype: other.name().to_string(),
-                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
+                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K",
                 });
             }
         })

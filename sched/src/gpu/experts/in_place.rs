@@ -36,7 +36,7 @@ use colibri_model::experts::{ExpertSource, ExpertWeights};
 
 use super::super::slots::{Reserve, VramResidency};
 use super::super::{Dims, GpuError};
-use super::{ExpertShape, ExpertTier, MoeBufs, bytemuck_f32, copy_expert_event, stored_bytes};
+use super::{ExpertTier, MoeBufs, bytemuck_f32, copy_expert_event, stored_bytes};
 
 /// Missed experts promoted into VRAM per device-routed pass at most, once
 /// the cache has no free slot (while it has, every miss is promoted). Each
@@ -206,7 +206,7 @@ impl ExpertTier {
             let res = source.fetch(layer, &ids, &mut |e, w| {
                 let entry = layer * per + e;
                 let r = (|| -> Result<Option<String>, GpuError> {
-                    if ExpertShape::of_weights(&w).mats != shape.mats {
+                    if !shape.holds(&w) {
                         return Ok(Some(format!(
                             "layer {layer} expert {e} is stored unlike its layer's other experts"
                         )));
