@@ -98,6 +98,22 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) ->
         WeightFormat::Q6K => Bytes::from_vec(quantize_q6_k(&vals).expect("cols % 256 == 0")),
         WeightFormat::Q4K => Bytes::from_vec(quantize_q4_k(&vals).expect("cols % 256 == 0")),
         WeightFormat::Q5K => Bytes::from_vec(quantize_q5_k(&vals).expect("cols % 256 == 0")),
+        // Read-only formats (no quantizer): random blocks with a small
+        // finite scale (and min) in front.
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let block = format.row_bytes(32).expect("one block");
+            let mut bytes: Vec<u8> = (0..rows * cols / 32 * block)
+                .map(|_| rng.random())
+                .collect();
+            let head = if format == WeightFormat::Q5_0 { 2 } else { 4 };
+            for b in bytes.chunks_exact_mut(block) {
+                for h in b[..head].chunks_exact_mut(2) {
+                    let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                    h.copy_from_slice(&v.to_bits().to_le_bytes());
+                }
+            }
+            Bytes::from_vec(bytes)
+        }
         other => panic!("bench does not build {other:?}"),
     };
     QMatrix::new("bench", rows, cols, format, data, None).expect("matrix")
@@ -499,6 +515,9 @@ fn main() {
         (WeightFormat::Q6K, false),
         (WeightFormat::Q4K, false),
         (WeightFormat::Q5K, false),
+        (WeightFormat::Q4_1, false),
+        (WeightFormat::Q5_0, false),
+        (WeightFormat::Q5_1, false),
     ] {
         let here = if format == WeightFormat::Q4_0 {
             tiles

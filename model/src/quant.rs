@@ -148,17 +148,17 @@ fn block_min(block: &[u8]) -> f32 {
     f16_to_f32(u16::from_le_bytes([block[2], block[3]]))
 }
 
-/// Element `j` (< 32) of a 5-bit block as its unsigned code (0..=31):
-/// the nibble of `qs` (low nibbles are elements 0..16, high ones 16..32)
-/// with bit `j` of `qh` above it, as ggml's `dequantize_row_q5_0`.
+/// The codes (0..=31) of a 5-bit block's elements `j` and `j + 16` (j <
+/// 16), as ggml's `dequantize_row_q5_0` reads them: the low and the high
+/// nibble of `qs[j]`, with bits `j` and `j + 16` of `qh` above them.
+/// (Branch-free, so the loops over a block vectorize.)
 #[inline(always)]
-fn q5_code(qh: u32, qs: &[u8], j: usize) -> u32 {
-    let nibble = if j < QK / 2 {
-        qs[j] & 0x0f
-    } else {
-        qs[j - QK / 2] >> 4
-    };
-    u32::from(nibble) | (((qh >> j) & 1) << 4)
+fn q5_codes(qh: u32, qs: &[u8], j: usize) -> (u32, u32) {
+    let q = u32::from(qs[j]);
+    (
+        (q & 0x0f) | (((qh >> j) & 1) << 4),
+        (q >> 4) | (((qh >> (j + QK / 2)) & 1) << 4),
+    )
 }
 
 /// Dequantizes Q4_1 blocks as ggml's `dequantize_row_q4_1`: element `q·d +
@@ -185,8 +185,11 @@ pub fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {
     {
         let d = block_scale(b);
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        for (j, v) in o.iter_mut().enumerate() {
-            *v = (q5_code(qh, &b[6..], j) as i32 - 16) as f32 * d;
+        let (lo, hi) = o.split_at_mut(QK / 2);
+        for j in 0..QK / 2 {
+            let (l, h) = q5_codes(qh, &b[6..], j);
+            lo[j] = (l as i32 - 16) as f32 * d;
+            hi[j] = (h as i32 - 16) as f32 * d;
         }
     }
 }
@@ -200,8 +203,11 @@ pub fn dequantize_q5_1(bytes: &[u8], out: &mut [f32]) {
     {
         let (d, m) = (block_scale(b), block_min(b));
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        for (j, v) in o.iter_mut().enumerate() {
-            *v = q5_code(qh, &b[8..], j) as f32 * d + m;
+        let (lo, hi) = o.split_at_mut(QK / 2);
+        for j in 0..QK / 2 {
+            let (l, h) = q5_codes(qh, &b[8..], j);
+            lo[j] = l as f32 * d + m;
+            hi[j] = h as f32 * d + m;
         }
     }
 }

@@ -937,6 +937,22 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
     }
 }
 
+/// Whether `dot_row` takes `w`'s exact product as its row dequantized
+/// through `dot_f32` (the formats without an f32-input kernel).
+fn dequantizes(w: &QMatrix) -> bool {
+    !w.is_tiled()
+        && !w.is_quads()
+        && matches!(
+            w.format,
+            WeightFormat::Q6K
+                | WeightFormat::Q4K
+                | WeightFormat::Q5K
+                | WeightFormat::Q4_1
+                | WeightFormat::Q5_0
+                | WeightFormat::Q5_1
+        )
+}
+
 thread_local! {
     /// A row dequantized for the exact product of a format without an
     /// exact kernel.
@@ -1548,6 +1564,17 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 for (i, row) in tmp.chunks_exact(n).enumerate() {
                     for (t, v) in row.iter().enumerate() {
                         out[t * len + i] = *v;
+                    }
+                }
+            } else if dequantizes(w) && f32s.len() == n {
+                // The exact product of a format without an f32-input
+                // kernel is the dequantized row through `dot_f32`
+                // (`dot_row`): each row dequantized once for every token.
+                let mut row = vec![0.0f32; w.cols];
+                for r in r0..r1 {
+                    row_to_f32(w, r, &mut row);
+                    for (t, x) in f32s.iter().enumerate() {
+                        out[t * len + (r - r0)] = (k.dot_f32)(&row, x);
                     }
                 }
             } else {
