@@ -919,6 +919,13 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
                 p.paused_steps,
                 p.steps
             );
+            println!(
+                "router products for the guesses: {} in {} passes, {:.3} ms per pass \
+                 (none while paused)",
+                p.guess_calls,
+                p.steps,
+                p.guess_ns as f64 / 1e6 / p.steps.max(1) as f64
+            );
             println!("predictor guesses as sets (cache-independent), decode and prefill:");
             for s in &p.scores {
                 println!(

@@ -276,10 +276,12 @@ impl PrefetchLogic {
         let scored = self.first_moe != Some(layer);
         let mut stale = Vec::new();
         for predictor in Predictor::ALL {
-            let guessed = self.made[predictor.index()]
-                .remove(&layer)
-                .unwrap_or_default();
-            if scored && self.tracks(predictor) {
+            // A layer nothing was guessed for (its router product skipped
+            // while the throttle paused, or every expert resident) is not
+            // scored: the scores say how good the guesses that were made are.
+            let made = self.made[predictor.index()].remove(&layer);
+            let guessed = made.clone().unwrap_or_default();
+            if scored && self.tracks(predictor) && made.is_some() {
                 let score = &mut self.scores[predictor.index()];
                 score.layers += 1;
                 score.actual += used.len() as u64;
@@ -372,6 +374,33 @@ mod tests {
         assert_eq!((union.predicted, union.correct), (8, 5));
         assert_eq!(union.recall(), Some(5.0 / 7.0));
         assert_eq!(union.wrong_per_right(), Some(3.0 / 5.0));
+    }
+
+    #[test]
+    fn a_layer_nothing_was_guessed_for_is_not_scored() {
+        let mut l = PrefetchLogic::new(5, &[1, 2, 4], Predictor::Next, false);
+        // Step 1: the router products were skipped (a paused throttle).
+        assert!(l.observe(1, None, None).is_empty());
+        l.routed(1, &[1]);
+        assert!(l.observe(2, None, None).is_empty());
+        assert_eq!(l.routed(2, &[3, 4]), Vec::<usize>::new());
+        l.observe(4, None, None);
+        l.routed(4, &[0]);
+        let next = l.scores()[0];
+        assert_eq!((next.layers, next.actual, next.predicted), (0, 0, 0));
+        // Step 2 guesses layer 2 only: only layer 2 is scored.
+        l.observe(1, Some(&[3]), None);
+        l.routed(1, &[1]);
+        l.observe(2, None, None);
+        l.routed(2, &[3, 4]);
+        l.observe(4, None, None);
+        l.routed(4, &[0]);
+        let next = l.scores()[0];
+        assert_eq!(next.predictor, Predictor::Next);
+        assert_eq!(
+            (next.layers, next.actual, next.predicted, next.correct),
+            (1, 2, 1, 1)
+        );
     }
 
     #[test]

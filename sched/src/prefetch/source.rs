@@ -239,7 +239,8 @@ impl Drop for Prefetcher {
 impl ExpertSource for Prefetcher {
     fn moe_input(&self, layer: usize, h: &[f32], logits: &[f32], rows: usize) {
         // With every expert resident no guess can be read, so the router
-        // products are skipped unless something records them.
+        // products are skipped unless something records them (or scores
+        // every predictor).
         let all_resident = self.tier.all_resident();
         if !all_resident {
             self.learn(layer, logits, rows);
@@ -247,7 +248,15 @@ impl ExpertSource for Prefetcher {
         let (t1, t2, want1, want2) = {
             let inner = self.lock();
             let logic = &inner.logic;
-            let skip = all_resident && !logic.evaluates() && inner.trace.is_none();
+            // While the throttle pauses, the guesses would be dropped
+            // unread: skip their router products too (a few % of a
+            // decode's compute on two cores). `steps() + 1`: this layer may
+            // open the next pass, whose number `observe` has yet to count.
+            let paused = inner
+                .throttle
+                .as_ref()
+                .is_some_and(|t| t.pauses(logic.steps() + 1));
+            let skip = (all_resident || paused) && !logic.evaluates() && inner.trace.is_none();
             let t1 = logic.next_moe(layer);
             let t2 = t1.and_then(|t| logic.next_moe(t));
             let any = |f: fn(super::Predictor) -> bool| {

@@ -91,6 +91,12 @@ impl PrefetchThrottle {
         true
     }
 
+    /// Whether pass `step` falls inside a pause: [`admit`](Self::admit)
+    /// will pass it no guesses, so they need not be computed.
+    pub fn pauses(&self, step: u64) -> bool {
+        step < self.paused_until
+    }
+
     fn begin(&mut self, step: u64, reads: u64, used: u64) {
         self.start = step;
         self.reads0 = reads;
@@ -117,7 +123,12 @@ mod tests {
         for step in 0..steps {
             let mut any = false;
             for _ in 0..layers {
+                let paused = t.pauses(step);
                 let ok = t.admit(step, reads, used);
+                // `pauses` never says so of a pass that is admitted, and
+                // says so of every pass once it has been refused.
+                assert!(!(paused && ok), "pass {step}: paused, yet admitted");
+                assert_eq!(t.pauses(step), !ok, "pass {step}");
                 // Every call of a pass gets the same answer.
                 if any {
                     assert!(ok, "pass {step} admitted, then refused");
