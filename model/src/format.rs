@@ -48,6 +48,28 @@ pub enum WeightFormat {
     Q5_0,
     /// ggml Q5_1: blocks of 32 × 5-bit with an f16 scale and min (24 bytes).
     Q5_1,
+    /// ggml Q2_K: super-blocks of 256 × 2-bit in 16 sub-blocks of 16, each
+    /// with a 4-bit scale and a 4-bit min, and f16 `d` and `dmin` (84
+    /// bytes); see [`crate::quant::dequantize_q2_k`]. The bulk of
+    /// llama.cpp's Q2_K files (and Q3_K_S's attention). Like Q3_K, IQ4_NL
+    /// and IQ4_XS: read only, through the exact product.
+    #[serde(rename = "q2_k")]
+    Q2K,
+    /// ggml Q3_K: super-blocks of 256 × 3-bit in 16 sub-blocks with a
+    /// 6-bit scale each and one f16 `d` (110 bytes); see
+    /// [`crate::quant::dequantize_q3_k`]. The bulk of the Q3_K_S/M/L files.
+    #[serde(rename = "q3_k")]
+    Q3K,
+    /// ggml IQ4_NL: blocks of 32 × 4-bit indices into a fixed table of 16
+    /// non-uniform values with one f16 scale (18 bytes); see
+    /// [`crate::quant::dequantize_iq4_nl`].
+    #[serde(rename = "iq4_nl")]
+    Iq4Nl,
+    /// ggml IQ4_XS: IQ4_NL's table in super-blocks of 256 with a 6-bit
+    /// scale per 32 and one f16 `d` (136 bytes); see
+    /// [`crate::quant::dequantize_iq4_xs`].
+    #[serde(rename = "iq4_xs")]
+    Iq4Xs,
 }
 
 impl WeightFormat {
@@ -74,7 +96,13 @@ impl WeightFormat {
             WeightFormat::Q4_1 => block(crate::quant::Q4_1_BLOCK_BYTES),
             WeightFormat::Q5_0 => block(crate::quant::Q5_0_BLOCK_BYTES),
             WeightFormat::Q5_1 => block(crate::quant::Q5_1_BLOCK_BYTES),
-            WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
+            WeightFormat::Iq4Nl => block(crate::quant::IQ4_NL_BLOCK_BYTES),
+            WeightFormat::Q6K
+            | WeightFormat::Q4K
+            | WeightFormat::Q5K
+            | WeightFormat::Q2K
+            | WeightFormat::Q3K
+            | WeightFormat::Iq4Xs => {
                 if cols.is_multiple_of(crate::quant::QK_K) {
                     Ok(cols / crate::quant::QK_K * self.super_block_bytes())
                 } else {
@@ -102,6 +130,10 @@ impl WeightFormat {
             WeightFormat::Q4_1 => "q4_1",
             WeightFormat::Q5_0 => "q5_0",
             WeightFormat::Q5_1 => "q5_1",
+            WeightFormat::Q2K => "q2_k",
+            WeightFormat::Q3K => "q3_k",
+            WeightFormat::Iq4Nl => "iq4_nl",
+            WeightFormat::Iq4Xs => "iq4_xs",
         }
     }
 
@@ -110,16 +142,24 @@ impl WeightFormat {
     pub fn is_k_quant(self) -> bool {
         matches!(
             self,
-            WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K
+            WeightFormat::Q6K
+                | WeightFormat::Q4K
+                | WeightFormat::Q5K
+                | WeightFormat::Q2K
+                | WeightFormat::Q3K
         )
     }
 
-    /// Bytes of one super-block of a k-quant (0 for the other formats).
+    /// Bytes of one 256-element super-block of a k-quant or of IQ4_XS (0
+    /// for the other formats).
     pub fn super_block_bytes(self) -> usize {
         match self {
             WeightFormat::Q6K => crate::quant::Q6_K_BLOCK_BYTES,
             WeightFormat::Q4K => crate::quant::Q4_K_BLOCK_BYTES,
             WeightFormat::Q5K => crate::quant::Q5_K_BLOCK_BYTES,
+            WeightFormat::Q2K => crate::quant::Q2_K_BLOCK_BYTES,
+            WeightFormat::Q3K => crate::quant::Q3_K_BLOCK_BYTES,
+            WeightFormat::Iq4Xs => crate::quant::IQ4_XS_BLOCK_BYTES,
             _ => 0,
         }
     }

@@ -19,6 +19,9 @@
 //! read too: Q6_K, which it gives a model's output matrix (and, in its
 //! `_M` mixes, some others), see [`dequantize_q6_k`]; Q4_K, the bulk of a
 //! Q4_K_M file, and Q5_K (of the Q5_K mixes), see [`dequantize_q4_k`].
+//! So are the formats of the smaller files of huge models, read only:
+//! Q2_K and Q3_K (the Q2_K and Q3_K_S/M/L files), see [`dequantize_q2_k`]
+//! and [`dequantize_q3_k`], and IQ4_NL/IQ4_XS, see [`dequantize_iq4_xs`].
 
 use crate::error::{ModelError, Result};
 use crate::format::f16_to_f32;
@@ -495,6 +498,174 @@ fn quantize_k4(x: &[f32], five: bool) -> Result<Vec<u8>> {
         }
     }
     Ok(out)
+}
+
+/// Bytes of one Q2_K super-block: 16 sub-block bytes (a 4-bit scale under
+/// a 4-bit min), 64 bytes of 2-bit codes, then f16 `d` and `dmin`.
+pub const Q2_K_BLOCK_BYTES: usize = QK_K / 16 + QK_K / 4 + 4;
+/// Where a Q2_K super-block's codes and its `d` begin (its sub-block
+/// scales are its first bytes).
+pub const Q2_K_QS: usize = QK_K / 16;
+pub const Q2_K_D: usize = Q2_K_QS + QK_K / 4;
+/// Bytes of one Q3_K super-block: `hmask` (32 bytes: the third bits),
+/// 64 bytes of low 2-bit codes, 12 bytes of packed 6-bit sub-block
+/// scales, then an f16 `d`.
+pub const Q3_K_BLOCK_BYTES: usize = QK_K / 8 + QK_K / 4 + K_SCALE_BYTES + 2;
+/// Where a Q3_K super-block's parts begin.
+pub const Q3_K_QS: usize = QK_K / 8;
+pub const Q3_K_SCALES: usize = Q3_K_QS + QK_K / 4;
+pub const Q3_K_D: usize = Q3_K_SCALES + K_SCALE_BYTES;
+/// Bytes of one IQ4_NL block: an f16 `d`, then 32 nibbles indexing
+/// [`IQ4_NL_VALUES`].
+pub const IQ4_NL_BLOCK_BYTES: usize = 2 + QK / 2;
+/// Bytes of one IQ4_XS super-block: f16 `d`, `scales_h` (a little-endian
+/// u16: 2 high bits of each of the 8 sub-block scales), `scales_l` (4
+/// bytes: their low nibbles), then 128 bytes of nibbles.
+pub const IQ4_XS_BLOCK_BYTES: usize = 2 + 2 + QK_K / 64 + QK_K / 2;
+/// Where an IQ4_XS super-block's `scales_l` and nibbles begin.
+pub const IQ4_XS_SCALES_L: usize = 4;
+pub const IQ4_XS_QS: usize = IQ4_XS_SCALES_L + QK_K / 64;
+
+/// The 16 values an IQ4_NL/IQ4_XS nibble stands for (ggml's
+/// `kvalues_iq4nl`): a format constant, not data.
+pub const IQ4_NL_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// [`IQ4_NL_VALUES`] as f32 (each exact).
+const IQ4_NL_F32: [f32; 16] = {
+    let mut t = [0.0f32; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = IQ4_NL_VALUES[i] as f32;
+        i += 1;
+    }
+    t
+};
+
+/// The little-endian f16 at `at` of a block.
+#[inline(always)]
+fn f16_at(blk: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]))
+}
+
+/// Where the 2-bit codes of sub-block `j` (< 16, elements `16j..16j + 16`)
+/// of a Q2_K/Q3_K super-block lie: each half of 128 elements takes 32
+/// bytes of codes, element `l + 32s` of a half (l < 32, s < 4) bits `2s,
+/// 2s + 1` of byte `l`. Returns the first of the sub-block's 16 bytes (in
+/// the codes) and the shift.
+#[inline(always)]
+fn two_bit_codes(j: usize) -> (usize, u32) {
+    (32 * (j / 8) + 16 * (j % 2), 2 * ((j % 8) / 2) as u32)
+}
+
+/// Dequantizes a whole Q2_K row as ggml's `dequantize_row_q2_K` (and
+/// gguf-py): element = `d·(sc & 15) · q − dmin·(sc >> 4)`. `d·sc` and
+/// `dmin·m` are rounded to f32 first (exact: 11 + 4 significant bits), so
+/// is `d·sc · q` (2 more); the one rounding is the subtraction's.
+pub fn dequantize_q2_k(bytes: &[u8], out: &mut [f32]) {
+    for (blk, o) in bytes
+        .chunks_exact(Q2_K_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK_K))
+    {
+        let (d, dmin) = (f16_at(blk, Q2_K_D), f16_at(blk, Q2_K_D + 2));
+        for (j, sub) in o.chunks_exact_mut(16).enumerate() {
+            let sc = blk[j];
+            let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
+            let (at, shift) = two_bit_codes(j);
+            let qs = &blk[Q2_K_QS + at..Q2_K_QS + at + 16];
+            for (v, &q) in sub.iter_mut().zip(qs) {
+                *v = dl * f32::from((q >> shift) & 3) - ml;
+            }
+        }
+    }
+}
+
+/// Sub-block `j`'s (< 16) scale of a Q3_K super-block (−32..=31) from its
+/// 12 packed bytes `s`: the low nibble of `s[j mod 8]` (the high one for
+/// `j ≥ 8`) under bits `2·(j / 4)`, `2·(j / 4) + 1` of `s[8 + j mod 4]`,
+/// less 32.
+#[inline(always)]
+pub fn q3_k_scale(s: &[u8], j: usize) -> i32 {
+    let low = (s[j % 8] >> (4 * (j / 8))) & 0x0f;
+    let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    i32::from(low | (high << 4)) - 32
+}
+
+/// Dequantizes a whole Q3_K row as ggml's `dequantize_row_q3_K` (and
+/// gguf-py): element = `d·scale · q`, where `q` is the 2-bit code less 4
+/// unless the element's bit of `hmask` (bit `e / 32` of `hmask[e mod
+/// 32]`) is set (−4..=3). Exact in f32: 11 + 6 + 3 significant bits.
+pub fn dequantize_q3_k(bytes: &[u8], out: &mut [f32]) {
+    for (blk, o) in bytes
+        .chunks_exact(Q3_K_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK_K))
+    {
+        let d = f16_at(blk, Q3_K_D);
+        let scales = &blk[Q3_K_SCALES..Q3_K_D];
+        for (j, sub) in o.chunks_exact_mut(16).enumerate() {
+            let dl = d * q3_k_scale(scales, j) as f32;
+            let (at, shift) = two_bit_codes(j);
+            let qs = &blk[Q3_K_QS + at..Q3_K_QS + at + 16];
+            let hm = &blk[16 * (j % 2)..16 * (j % 2) + 16];
+            let bit = (j / 2) as u32;
+            for ((v, &q), &h) in sub.iter_mut().zip(qs).zip(hm) {
+                let low = i32::from((q >> shift) & 3);
+                let minus = i32::from(((h >> bit) & 1) ^ 1) << 2;
+                *v = dl * (low - minus) as f32;
+            }
+        }
+    }
+}
+
+/// 32 elements of IQ4_NL/IQ4_XS: `dl · value` of each nibble of `qs` (16
+/// bytes; the low nibbles are elements 0..16, the high ones 16..32).
+#[inline(always)]
+fn iq4_block(dl: f32, qs: &[u8], out: &mut [f32]) {
+    let (lo, hi) = out.split_at_mut(QK / 2);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
+        *l = dl * IQ4_NL_F32[usize::from(q & 0x0f)];
+        *h = dl * IQ4_NL_F32[usize::from(q >> 4)];
+    }
+}
+
+/// Dequantizes a whole IQ4_NL row as ggml's `dequantize_row_iq4_nl`:
+/// element = `d · value[nibble]` (exact: 11 + 7 significant bits).
+pub fn dequantize_iq4_nl(bytes: &[u8], out: &mut [f32]) {
+    for (blk, o) in bytes
+        .chunks_exact(IQ4_NL_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK))
+    {
+        iq4_block(block_scale(blk), &blk[2..], o);
+    }
+}
+
+/// Sub-block `ib`'s (< 8) scale of an IQ4_XS super-block (−32..=31): the
+/// nibble `ib mod 2` of `scales_l[ib / 2]` under bits `2·ib`, `2·ib + 1` of
+/// `scales_h`, less 32.
+#[inline(always)]
+pub fn iq4_xs_scale(blk: &[u8], ib: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    let low = (blk[IQ4_XS_SCALES_L + ib / 2] >> (4 * (ib % 2))) & 0x0f;
+    let high = (scales_h >> (2 * ib)) & 3;
+    (i32::from(low) | (i32::from(high) << 4)) - 32
+}
+
+/// Dequantizes a whole IQ4_XS row as ggml's `dequantize_row_iq4_xs`:
+/// element = `(d·scale) · value[nibble]`, `d·scale` rounded to f32 first
+/// (both exact: 11 + 6 + 7 significant bits).
+pub fn dequantize_iq4_xs(bytes: &[u8], out: &mut [f32]) {
+    for (blk, o) in bytes
+        .chunks_exact(IQ4_XS_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(QK_K))
+    {
+        let d = block_scale(blk);
+        let qs = &blk[IQ4_XS_QS..];
+        for (ib, sub) in o.chunks_exact_mut(QK).enumerate() {
+            let dl = d * iq4_xs_scale(blk, ib) as f32;
+            iq4_block(dl, &qs[ib * QK / 2..(ib + 1) * QK / 2], sub);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -290,7 +290,11 @@ impl QMatrix {
             | WeightFormat::Q5K
             | WeightFormat::Q4_1
             | WeightFormat::Q5_0
-            | WeightFormat::Q5_1 => data,
+            | WeightFormat::Q5_1
+            | WeightFormat::Q2K
+            | WeightFormat::Q3K
+            | WeightFormat::Iq4Nl
+            | WeightFormat::Iq4Xs => data,
         };
         match (&scales, format) {
             (None, WeightFormat::F8E4M3) => {

@@ -14,6 +14,8 @@
 //! batch compositions; the layers split over two devices (`--devices`;
 //! device 0 twice on a one-GPU host) give the same bits as one device.
 
+use std::path::Path;
+
 use colibri_cuda::{CudaDevice, CudaError};
 use colibri_model::{KvCache, Logits, SeqInput};
 use colibri_sched::gpu::{Attached, DeviceChoice, GpuOptions, attach};
@@ -155,12 +157,18 @@ fn several_devices_without_a_gpu_run_on_the_cpu_tier_or_fail() {
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn formats_without_device_kernels_run_on_the_cpu_tier() {
     // Q4_1/Q5_0/Q5_1 (llama.cpp's fallbacks for rows that are not whole
-    // k-quant super-blocks) have no device kernels: `auto` says so and
-    // computes on the CPU, `cuda` fails with the reason.
-    let model = fixtures().join("gguf/qwen3_moe.legacy.gguf");
+    // k-quant super-blocks) and Q2_K/Q3_K/IQ4_NL/IQ4_XS (its smallest
+    // files) have no device kernels: `auto` says so and computes on the
+    // CPU, `cuda` fails with the reason.
+    for name in ["qwen3_moe.legacy.gguf", "qwen3_moe.low.gguf"] {
+        runs_on_the_cpu_tier_saying_why(&fixtures().join("gguf").join(name));
+    }
+}
+
+fn runs_on_the_cpu_tier_saying_why(model: &Path) {
     let load = || {
         Engine::load(
-            &model,
+            model,
             &EngineOptions {
                 threads: 2,
                 ctx: 64,
@@ -220,7 +228,7 @@ fn formats_without_device_kernels_run_on_the_cpu_tier() {
         Err(e) => e.to_string(),
         Ok(_) => panic!("--device cuda must fail on formats it has no kernels for"),
     };
-    assert!(err.contains("no device kernels for"), "{err}");
+    assert!(err.contains("no device kernels for"), "{model:?}: {err}");
 }
 
 #[test]

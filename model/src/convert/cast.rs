@@ -185,7 +185,14 @@ fn encode_row(x: &[f32], to: WeightFormat, out: &mut [u8]) -> Result<bool> {
         WeightFormat::Q6K => out.copy_from_slice(&crate::quant::quantize_q6_k(x)?),
         WeightFormat::Q4K => out.copy_from_slice(&crate::quant::quantize_q4_k(x)?),
         WeightFormat::Q5K => out.copy_from_slice(&crate::quant::quantize_q5_k(x)?),
-        WeightFormat::F8E4M3 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+        WeightFormat::F8E4M3
+        | WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs => {
             return Err(ModelError::Invalid(format!(
                 "{} is a source format only: colibri does not quantize to it",
                 to.name()

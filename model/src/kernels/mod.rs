@@ -921,15 +921,19 @@ pub fn dot_row(k: &KernelSet, w: &QMatrix, r: usize, x: &[f32]) -> f32 {
             (k.dot_q4_0)(&bytes[r * rb..(r + 1) * rb], x)
         }
         // The exact product is the dequantized row's (ggml's own
-        // dequantization: every Q6_K element is exact in f32, a Q4_K/Q5_K
-        // element one rounding, a Q4_1/Q5_1 element two), through the f32
-        // kernel.
+        // dequantization: every Q6_K, Q3_K or IQ4 element is exact in f32, a
+        // Q4_K/Q5_K/Q2_K element one rounding, a Q4_1/Q5_1 element two),
+        // through the f32 kernel.
         WeightFormat::Q6K
         | WeightFormat::Q4K
         | WeightFormat::Q5K
         | WeightFormat::Q4_1
         | WeightFormat::Q5_0
-        | WeightFormat::Q5_1 => DEQUANTIZED.with_borrow_mut(|row| {
+        | WeightFormat::Q5_1
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs => DEQUANTIZED.with_borrow_mut(|row| {
             row.resize(c, 0.0);
             row_to_f32(w, r, row);
             (k.dot_f32)(row, x)
@@ -950,6 +954,10 @@ fn dequantizes(w: &QMatrix) -> bool {
                 | WeightFormat::Q4_1
                 | WeightFormat::Q5_0
                 | WeightFormat::Q5_1
+                | WeightFormat::Q2K
+                | WeightFormat::Q3K
+                | WeightFormat::Iq4Nl
+                | WeightFormat::Iq4Xs
         )
 }
 
@@ -1019,14 +1027,25 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
                 _ => quant::dequantize_q5_k(row, out),
             }
         }
-        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+        WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs => {
             let rb = w.format.row_bytes(c).unwrap_or(0);
             let row = &bytes[r * rb..(r + 1) * rb];
-            match w.format {
-                WeightFormat::Q4_1 => quant::dequantize_q4_1(row, out),
-                WeightFormat::Q5_0 => quant::dequantize_q5_0(row, out),
-                _ => quant::dequantize_q5_1(row, out),
-            }
+            let dequantize = match w.format {
+                WeightFormat::Q4_1 => quant::dequantize_q4_1,
+                WeightFormat::Q5_0 => quant::dequantize_q5_0,
+                WeightFormat::Q5_1 => quant::dequantize_q5_1,
+                WeightFormat::Q2K => quant::dequantize_q2_k,
+                WeightFormat::Q3K => quant::dequantize_q3_k,
+                WeightFormat::Iq4Nl => quant::dequantize_iq4_nl,
+                _ => quant::dequantize_iq4_xs,
+            };
+            dequantize(row, out);
         }
     }
 }

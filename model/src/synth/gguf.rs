@@ -366,6 +366,10 @@ fn ggml(f: WeightFormat) -> Result<GgmlType> {
         WeightFormat::Q4_1 => GgmlType::Q4_1,
         WeightFormat::Q5_0 => GgmlType::Q5_0,
         WeightFormat::Q5_1 => GgmlType::Q5_1,
+        WeightFormat::Q2K => GgmlType::Q2_K,
+        WeightFormat::Q3K => GgmlType::Q3_K,
+        WeightFormat::Iq4Nl => GgmlType::IQ4_NL,
+        WeightFormat::Iq4Xs => GgmlType::IQ4_XS,
         WeightFormat::F8E4M3 => return Err(cannot("fp8 tensors")),
     })
 }

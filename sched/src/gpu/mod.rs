@@ -179,8 +179,8 @@ impl From<GpuError> for ModelError {
 /// The device format of a matrix stored as `f`. Q4_0 and Q8_0 products
 /// take the CPU tier's arithmetic: 8-bit activations and integer sums
 /// unless `--exact-quant` asked for the exact dequantized product. Q4_1,
-/// Q5_0 and Q5_1 have no device kernels: a model with them runs on the CPU
-/// tier.
+/// Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS have no device kernels: a
+/// model with them runs on the CPU tier.
 pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
     let int = colibri_model::kernels::kernels().int_activations;
     Ok(match f {
@@ -198,7 +198,13 @@ pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
         WeightFormat::Q6K => DevFormat::Q6K,
         WeightFormat::Q4K => DevFormat::Q4K,
         WeightFormat::Q5K => DevFormat::Q5K,
-        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+        WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs => {
             return Err(GpuError::Unsupported(format!(
                 "no device kernels for {} weights",
                 f.name()

@@ -345,3 +345,52 @@ fn experts_in_llama_cpps_fallback_formats_stream_with_the_oracles_bits() {
         );
     }
 }
+
+#[test]
+fn experts_in_the_low_bit_formats_stream_with_the_oracles_bits() {
+    // Q2_K/Q3_K/IQ4_NL experts (the first MoE layer's; IQ4_XS and Q2_K in
+    // the next, tools/make_low_quant_model.py) through the RAM tier, tiles
+    // asked for (nothing to tile: no Q4_0), under every budget, against
+    // the experts memory-mapped.
+    let path = gguf("qwen3_moe.low.gguf");
+    let tokens = [3, 1, 4, 1, 5, 9, 2, 6];
+    let oracle = {
+        let (model, src) = Model::load(&path).unwrap();
+        let experts = ResidentExperts::load(&model.spec, &src).unwrap();
+        let engine = engine_with(model, Arc::new(experts), 2);
+        (
+            logits_all(&engine, &tokens),
+            logits_stepwise(&engine, &tokens),
+        )
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for budget in [0, 1 << 30] {
+        let (model, tier) = tier_over(&path, tiles(true, budget));
+        let layer = first_moe_layer(&model);
+        let kept = fetch_keep(tier.as_ref(), layer, &[0]);
+        let formats = [&kept[0].1.gate, &kept[0].1.up, &kept[0].1.down].map(|m| m.format);
+        assert_eq!(
+            formats,
+            [WeightFormat::Q2K, WeightFormat::Q3K, WeightFormat::Iq4Nl]
+        );
+        drop(kept);
+        let kept = fetch_keep(tier.as_ref(), layer + 1, &[3]);
+        let formats = [&kept[0].1.gate, &kept[0].1.up, &kept[0].1.down].map(|m| m.format);
+        assert_eq!(
+            formats,
+            [WeightFormat::Iq4Xs, WeightFormat::Q2K, WeightFormat::Iq4Nl]
+        );
+        drop(kept);
+        let engine = engine_with(model, tier.clone() as Arc<dyn ExpertSource>, 3);
+        assert_eq!(
+            bits(&logits_all(&engine, &tokens)),
+            bits(&oracle.0),
+            "budget {budget}"
+        );
+        assert_eq!(
+            bits(&logits_stepwise(&engine, &tokens)),
+            bits(&oracle.1),
+            "budget {budget}, stepwise"
+        );
+    }
+}

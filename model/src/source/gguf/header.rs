@@ -240,9 +240,13 @@ impl GgmlType {
     pub const Q5_0: GgmlType = GgmlType(6);
     pub const Q5_1: GgmlType = GgmlType(7);
     pub const Q8_0: GgmlType = GgmlType(8);
+    pub const Q2_K: GgmlType = GgmlType(10);
+    pub const Q3_K: GgmlType = GgmlType(11);
     pub const Q4_K: GgmlType = GgmlType(12);
     pub const Q5_K: GgmlType = GgmlType(13);
     pub const Q6_K: GgmlType = GgmlType(14);
+    pub const IQ4_NL: GgmlType = GgmlType(20);
+    pub const IQ4_XS: GgmlType = GgmlType(23);
     pub const BF16: GgmlType = GgmlType(30);
 
     pub fn from_id(id: u32) -> Option<GgmlType> {

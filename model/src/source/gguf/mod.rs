@@ -206,11 +206,16 @@ impl GgufFile {
             GgmlType::Q4_1 => WeightFormat::Q4_1,
             GgmlType::Q5_0 => WeightFormat::Q5_0,
             GgmlType::Q5_1 => WeightFormat::Q5_1,
+            GgmlType::Q2_K => WeightFormat::Q2K,
+            GgmlType::Q3_K => WeightFormat::Q3K,
+            GgmlType::IQ4_NL => WeightFormat::Iq4Nl,
+            GgmlType::IQ4_XS => WeightFormat::Iq4Xs,
             other => {
                 return Err(ModelError::UnsupportedDtype {
                     name: format!("{}: {}", self.path.display(), t.name),
                     dtype: other.name().to_string(),
-                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K",
+                    supported: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, \
+                                IQ4_NL, IQ4_XS",
                 });
             }
         })
