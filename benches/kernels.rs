@@ -63,7 +63,8 @@ use colibri_model::kernels::{
     read_bandwidth,
 };
 use colibri_model::quant::{
-    quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k, quantize_q8_0,
+    Q2_K_D, Q3_K_D, QK, QK_K, quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k,
+    quantize_q8_0,
 };
 use colibri_model::tensor::{Bytes, QMatrix};
 use rand::{Rng, SeedableRng};
@@ -98,25 +99,42 @@ fn matrix(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) ->
         WeightFormat::Q6K => Bytes::from_vec(quantize_q6_k(&vals).expect("cols % 256 == 0")),
         WeightFormat::Q4K => Bytes::from_vec(quantize_q4_k(&vals).expect("cols % 256 == 0")),
         WeightFormat::Q5K => Bytes::from_vec(quantize_q5_k(&vals).expect("cols % 256 == 0")),
-        // Read-only formats (no quantizer): random blocks with a small
-        // finite scale (and min) in front.
-        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
-            let block = format.row_bytes(32).expect("one block");
-            let mut bytes: Vec<u8> = (0..rows * cols / 32 * block)
-                .map(|_| rng.random())
-                .collect();
-            let head = if format == WeightFormat::Q5_0 { 2 } else { 4 };
-            for b in bytes.chunks_exact_mut(block) {
-                for h in b[..head].chunks_exact_mut(2) {
-                    let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
-                    h.copy_from_slice(&v.to_bits().to_le_bytes());
-                }
-            }
-            Bytes::from_vec(bytes)
-        }
+        // Read-only formats (no quantizer): random blocks with small
+        // finite f16 scales (and mins).
+        WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs => random_blocks(format, rows, cols, rng),
         other => panic!("bench does not build {other:?}"),
     };
     QMatrix::new("bench", rows, cols, format, data, None).expect("matrix")
+}
+
+/// Random blocks of a format colibri reads but does not write, every f16
+/// scale (and min) small and finite.
+fn random_blocks(format: WeightFormat, rows: usize, cols: usize, rng: &mut impl Rng) -> Bytes {
+    let (elems, scales): (usize, &[usize]) = match format {
+        WeightFormat::Q5_0 | WeightFormat::Iq4Nl => (QK, &[0]),
+        WeightFormat::Q4_1 | WeightFormat::Q5_1 => (QK, &[0, 2]),
+        WeightFormat::Q2K => (QK_K, &[Q2_K_D, Q2_K_D + 2]),
+        WeightFormat::Q3K => (QK_K, &[Q3_K_D]),
+        WeightFormat::Iq4Xs => (QK_K, &[0]),
+        other => panic!("{other:?} has a quantizer"),
+    };
+    let block = format.row_bytes(elems).expect("one block");
+    let mut bytes: Vec<u8> = (0..rows * cols / elems * block)
+        .map(|_| rng.random())
+        .collect();
+    for b in bytes.chunks_exact_mut(block) {
+        for &at in scales {
+            let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+            b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    Bytes::from_vec(bytes)
 }
 
 /// `w` (row-major Q4_0) rearranged into tiles.
@@ -518,6 +536,10 @@ fn main() {
         (WeightFormat::Q4_1, false),
         (WeightFormat::Q5_0, false),
         (WeightFormat::Q5_1, false),
+        (WeightFormat::Q2K, false),
+        (WeightFormat::Q3K, false),
+        (WeightFormat::Iq4Nl, false),
+        (WeightFormat::Iq4Xs, false),
     ] {
         let here = if format == WeightFormat::Q4_0 {
             tiles
