@@ -166,6 +166,7 @@ fn q5_codes(qh: u32, qs: &[u8], j: usize) -> (u32, u32) {
 
 /// Dequantizes Q4_1 blocks as ggml's `dequantize_row_q4_1`: element `q·d +
 /// m` (a product, then a sum: two roundings).
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q4_1(bytes: &[u8], out: &mut [f32]) {
     for (b, o) in bytes
         .chunks_exact(Q4_1_BLOCK_BYTES)
@@ -181,6 +182,7 @@ pub fn dequantize_q4_1(bytes: &[u8], out: &mut [f32]) {
 
 /// Dequantizes Q5_0 blocks as ggml's `dequantize_row_q5_0`: element
 /// `(code − 16)·d`.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {
     for (b, o) in bytes
         .chunks_exact(Q5_0_BLOCK_BYTES)
@@ -199,6 +201,7 @@ pub fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {
 
 /// Dequantizes Q5_1 blocks as ggml's `dequantize_row_q5_1`: element
 /// `code·d + m`.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q5_1(bytes: &[u8], out: &mut [f32]) {
     for (b, o) in bytes
         .chunks_exact(Q5_1_BLOCK_BYTES)
@@ -256,6 +259,7 @@ pub fn q6_k_d(blk: &[u8]) -> f32 {
 /// gguf-py): element = `d · scale · q`, exact in f32 as Q4_0's are (`d`
 /// has at most 11 significant bits, `|scale| ≤ 128` at most 7, `|q| ≤ 32`
 /// at most 5). model/tests/q6_k.rs checks it against gguf-py bit for bit.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q6_k(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes
         .chunks_exact(Q6_K_BLOCK_BYTES)
@@ -394,12 +398,14 @@ pub fn q5_k_code(blk: &[u8], e: usize) -> i32 {
 /// rounding is the subtraction's, which ggml's code and a fused
 /// multiply-add round alike. model/tests/k_quants.rs checks it against
 /// gguf-py bit for bit.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q4_k(bytes: &[u8], out: &mut [f32]) {
     dequantize_k4(bytes, out, Q4_K_BLOCK_BYTES, q4_k_code);
 }
 
 /// Dequantizes a whole Q5_K row as ggml's `dequantize_row_q5_K`: Q4_K's
 /// arithmetic on 5-bit codes (`d·sc · q` stays exact: 11 + 6 + 5 bits).
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q5_k(bytes: &[u8], out: &mut [f32]) {
     dequantize_k4(bytes, out, Q5_K_BLOCK_BYTES, q5_k_code);
 }
@@ -563,6 +569,7 @@ fn two_bit_codes(j: usize) -> (usize, u32) {
 /// gguf-py): element = `d·(sc & 15) · q − dmin·(sc >> 4)`. `d·sc` and
 /// `dmin·m` are rounded to f32 first (exact: 11 + 4 significant bits), so
 /// is `d·sc · q` (2 more); the one rounding is the subtraction's.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q2_k(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes
         .chunks_exact(Q2_K_BLOCK_BYTES)
@@ -596,6 +603,7 @@ pub fn q3_k_scale(s: &[u8], j: usize) -> i32 {
 /// gguf-py): element = `d·scale · q`, where `q` is the 2-bit code less 4
 /// unless the element's bit of `hmask` (bit `e / 32` of `hmask[e mod
 /// 32]`) is set (−4..=3). Exact in f32: 11 + 6 + 3 significant bits.
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_q3_k(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes
         .chunks_exact(Q3_K_BLOCK_BYTES)
@@ -631,6 +639,7 @@ fn iq4_block(dl: f32, qs: &[u8], out: &mut [f32]) {
 
 /// Dequantizes a whole IQ4_NL row as ggml's `dequantize_row_iq4_nl`:
 /// element = `d · value[nibble]` (exact: 11 + 7 significant bits).
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_iq4_nl(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes
         .chunks_exact(IQ4_NL_BLOCK_BYTES)
@@ -654,6 +663,7 @@ pub fn iq4_xs_scale(blk: &[u8], ib: usize) -> i32 {
 /// Dequantizes a whole IQ4_XS row as ggml's `dequantize_row_iq4_xs`:
 /// element = `(d·scale) · value[nibble]`, `d·scale` rounded to f32 first
 /// (both exact: 11 + 6 + 7 significant bits).
+#[inline(always)] // into kernels::dequant's AVX2 twins
 pub fn dequantize_iq4_xs(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes
         .chunks_exact(IQ4_XS_BLOCK_BYTES)

@@ -9,6 +9,7 @@
 //! SIMD is chosen once at run time; `scalar` holds the reference of every
 //! kernel.
 
+pub mod dequant;
 pub mod gated;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
@@ -1018,16 +1019,10 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
             let rb = c / QK * Q4_0_BLOCK_BYTES;
             quant::dequantize_q4_0(&bytes[r * rb..(r + 1) * rb], out);
         }
-        WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
-            let rb = c / quant::QK_K * w.format.super_block_bytes();
-            let row = &bytes[r * rb..(r + 1) * rb];
-            match w.format {
-                WeightFormat::Q6K => quant::dequantize_q6_k(row, out),
-                WeightFormat::Q4K => quant::dequantize_q4_k(row, out),
-                _ => quant::dequantize_q5_k(row, out),
-            }
-        }
-        WeightFormat::Q4_1
+        WeightFormat::Q6K
+        | WeightFormat::Q4K
+        | WeightFormat::Q5K
+        | WeightFormat::Q4_1
         | WeightFormat::Q5_0
         | WeightFormat::Q5_1
         | WeightFormat::Q2K
@@ -1036,15 +1031,7 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
         | WeightFormat::Iq4Xs => {
             let rb = w.format.row_bytes(c).unwrap_or(0);
             let row = &bytes[r * rb..(r + 1) * rb];
-            let dequantize = match w.format {
-                WeightFormat::Q4_1 => quant::dequantize_q4_1,
-                WeightFormat::Q5_0 => quant::dequantize_q5_0,
-                WeightFormat::Q5_1 => quant::dequantize_q5_1,
-                WeightFormat::Q2K => quant::dequantize_q2_k,
-                WeightFormat::Q3K => quant::dequantize_q3_k,
-                WeightFormat::Iq4Nl => quant::dequantize_iq4_nl,
-                _ => quant::dequantize_iq4_xs,
-            };
+            let dequantize = dequant::row_fn(w.format).expect("a format dequantized by rows");
             dequantize(row, out);
         }
     }
