@@ -63,7 +63,12 @@ mod avx2 {
                 fn $name(bytes: &[u8], out: &mut [f32]) {
                     #[target_feature(enable = "avx2")]
                     unsafe fn inner(bytes: &[u8], out: &mut [f32]) {
-                        $base(bytes, out)
+                        #[allow(unused_unsafe)]
+                        // SAFETY: AVX2 is enabled here; the IQ4 forms need
+                        // nothing else.
+                        unsafe {
+                            $base(bytes, out)
+                        }
                     }
                     // SAFETY: `row_fn` gives this function out only where
                     // the CPU has AVX2.
@@ -79,11 +84,83 @@ mod avx2 {
         q5_1 => quant::dequantize_q5_1,
         q2_k => quant::dequantize_q2_k,
         q3_k => quant::dequantize_q3_k,
-        iq4_nl => quant::dequantize_iq4_nl,
-        iq4_xs => quant::dequantize_iq4_xs,
+        iq4_nl => iq4::dequantize_nl,
+        iq4_xs => iq4::dequantize_xs,
         q6_k => quant::dequantize_q6_k,
         q4_k => quant::dequantize_q4_k,
         q5_k => quant::dequantize_q5_k,
+    }
+
+    /// IQ4_NL and IQ4_XS, whose table lookups the compiler leaves scalar:
+    /// one byte shuffle looks up 16 nibbles at once. Each element is `dl ·
+    /// value` as in [`quant::dequantize_iq4_nl`], the same single rounding.
+    mod iq4 {
+        use std::arch::x86_64::*;
+
+        use crate::format::f16_to_f32;
+        use crate::quant::{
+            IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, QK, QK_K,
+            iq4_xs_scale,
+        };
+
+        /// 32 elements: `dl ·` the table value of each nibble of `qs` (low
+        /// nibbles: elements 0..16, high: 16..32).
+        #[inline(always)]
+        unsafe fn block(dl: f32, qs: &[u8], out: &mut [f32]) {
+            assert!(qs.len() >= QK / 2 && out.len() >= QK);
+            // SAFETY: AVX2 (and so SSSE3/SSE4.1) is enabled by the callers'
+            // #[target_feature]; the loads read the 16 table bytes and the
+            // 16 bytes of `qs`, the stores write `out[..32]`: all in bounds
+            // (asserted above), unaligned forms.
+            unsafe {
+                let table = _mm_loadu_si128(IQ4_NL_VALUES.as_ptr().cast());
+                let q = _mm_loadu_si128(qs.as_ptr().cast());
+                let mask = _mm_set1_epi8(0x0f);
+                let halves = [
+                    _mm_shuffle_epi8(table, _mm_and_si128(q, mask)),
+                    _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), mask)),
+                ];
+                let d = _mm256_set1_ps(dl);
+                for (h, v) in halves.into_iter().enumerate() {
+                    let a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                    let b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+                    let o = out.as_mut_ptr().add(16 * h);
+                    _mm256_storeu_ps(o, _mm256_mul_ps(d, a));
+                    _mm256_storeu_ps(o.add(8), _mm256_mul_ps(d, b));
+                }
+            }
+        }
+
+        fn f16_at(blk: &[u8]) -> f32 {
+            f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]))
+        }
+
+        #[inline(always)]
+        pub(super) unsafe fn dequantize_nl(bytes: &[u8], out: &mut [f32]) {
+            for (blk, o) in bytes
+                .chunks_exact(IQ4_NL_BLOCK_BYTES)
+                .zip(out.chunks_exact_mut(QK))
+            {
+                // SAFETY: the caller enables AVX2.
+                unsafe { block(f16_at(blk), &blk[2..], o) };
+            }
+        }
+
+        #[inline(always)]
+        pub(super) unsafe fn dequantize_xs(bytes: &[u8], out: &mut [f32]) {
+            for (blk, o) in bytes
+                .chunks_exact(IQ4_XS_BLOCK_BYTES)
+                .zip(out.chunks_exact_mut(QK_K))
+            {
+                let d = f16_at(blk);
+                let qs = &blk[IQ4_XS_QS..];
+                for (ib, sub) in o.chunks_exact_mut(QK).enumerate() {
+                    let dl = d * iq4_xs_scale(blk, ib) as f32;
+                    // SAFETY: the caller enables AVX2.
+                    unsafe { block(dl, &qs[ib * QK / 2..], sub) };
+                }
+            }
+        }
     }
 
     /// Callers check AVX2 first ([`super::row_fn`]).
