@@ -1626,7 +1626,13 @@ unsafe fn run_chunk(
     let inter = shape.mats[0].rows;
     let p1 = p0 + lay.pairs;
     let meta = &bufs.d_meta;
-    let glu = max_tok <= colibri_cuda::GLU_MAX_TOK;
+    // The fused launch reads gate and up in one format: a file whose gate
+    // and up differ (llama.cpp never writes one, but nothing forbids it)
+    // takes the three launches.
+    let (gate, up) = (&shape.mats[0], &shape.mats[1]);
+    let glu = max_tok <= colibri_cuda::GLU_MAX_TOK
+        && gate.format == up.format
+        && gate.scales.map(|s| s.0) == up.scales.map(|s| s.0);
     if !glu {
         // SAFETY (of the gather): pair rows are rows < n of h (the caller's
         // contract).
