@@ -413,7 +413,8 @@ pub mod avx2 {
                 for n in 0..2 {
                     let codes = _mm256_loadu_si256(blk.add(Q3_K_QS + 32 * n) as *const __m256i);
                     let q = qp.add((i * BLOCKS + 4 * n) * QK);
-                    let dots: [__m256i; 4] = std::array::from_fn(|s| {
+                    let mut dots = [_mm256_setzero_si256(); 4];
+                    for (s, dot) in dots.iter_mut().enumerate() {
                         let u = _mm256_or_si256(
                             _mm256_and_si256(shift2(codes, s), m3),
                             high_bit(hm, 4 * n + s),
@@ -423,8 +424,8 @@ pub mod avx2 {
                             _mm256_maddubs_epi16(u, xq),
                             _mm256_maddubs_epi16(four, xq),
                         );
-                        _mm256_madd_epi16(p, ones16)
-                    });
+                        *dot = _mm256_madd_epi16(p, ones16);
+                    }
                     let a = scaled(sub_sums(&dots), widen(sc, n, true));
                     let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
                     acc = _mm_fmadd_ps(_mm_mul_ps(d, xd), _mm_cvtepi32_ps(a), acc);
@@ -478,7 +479,8 @@ pub mod avx2 {
                     _mm256_set1_epi32(32),
                 );
                 let q = qp.add(i * BLOCKS * QK);
-                let pairs: [__m256i; 4] = std::array::from_fn(|c| {
+                let mut pairs = [_mm256_setzero_si256(); 4];
+                for (c, pair) in pairs.iter_mut().enumerate() {
                     // Blocks 2c (low 128 bits) and 2c + 1 (high).
                     let qs = _mm256_loadu_si256(blk.add(IQ4_XS_QS + 32 * c) as *const __m256i);
                     let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(qs, m4));
@@ -494,8 +496,11 @@ pub mod avx2 {
                     );
                     let pl = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xl, lo));
                     let ph = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xh, hi));
-                    _mm256_add_epi32(_mm256_madd_epi16(pl, ones16), _mm256_madd_epi16(ph, ones16))
-                });
+                    *pair = _mm256_add_epi32(
+                        _mm256_madd_epi16(pl, ones16),
+                        _mm256_madd_epi16(ph, ones16),
+                    );
+                }
                 let sums = sub_sums(&pairs);
                 let a = _mm256_permutevar8x32_epi32(_mm256_mullo_epi32(sums, ls), back);
                 let a = _mm256_cvtepi32_ps(a);
