@@ -1,0 +1,781 @@
+//! Q2_K, Q3_K and IQ4_XS weights (the Q2_K, Q3_K_S/M/L and IQ4_XS files;
+//! see [`crate::quant::dequantize_q2_k`], [`crate::quant::dequantize_q3_k`]
+//! and [`crate::quant::dequantize_iq4_xs`]) against activations quantized
+//! to 8-bit blocks of 32 ([`Q8Activation`]), the arithmetic of the Q4_K
+//! kernels ([`super::q4_k`]): activation block `b` (elements `32b .. 32b +
+//! 32`, block `k = b mod 8` of super-block `b / 8`, scale `x.d_b`, quants
+//! `a`) gives exact integers, which one or two f32 scales turn into its
+//! term, added into accumulator lane `b mod 4`; the lanes are reduced as
+//! `(a0 + a2) + (a1 + a3)` ([`tree4`]).
+//!
+//! - **Q2_K**: the block is sub-blocks `2k`, `2k + 1` of 16 (4-bit scale
+//!   `sc`, 4-bit min `m` each), codes `q` in 0..=3. Element = `d·sc·q −
+//!   dmin·m`, so with `Σ₀`, `Σ₁` over the block's two halves
+//!   - `A_b = sc₀·Σ₀ q·a + sc₁·Σ₁ q·a` (|A_b| ≤ 2·15·16·3·127 < 2¹⁸),
+//!   - `B_b = m₀·Σ₀ a + m₁·Σ₁ a` (|B_b| ≤ 15·32·127 < 2¹⁶),
+//!
+//!   both exact in i32 and in f32, and `t_b = fma(d·x.d_b, A_b,
+//!   −((dmin·x.d_b)·B_b))` ([`super::q4_k::term`]): four roundings (the
+//!   two scale products, the min term's product, the fused multiply-add),
+//!   then `lane += t_b`.
+//! - **Q3_K**: sub-blocks `2k`, `2k + 1` of 16, 6-bit signed scales `sc`
+//!   (−32..=31), codes `q` in −4..=3. `A_b = sc₀·Σ₀ q·a + sc₁·Σ₁ q·a`
+//!   (|A_b| ≤ 2·32·16·4·127 < 2²⁰: exact in f32); `lane = fma(d·x.d_b,
+//!   A_b, lane)`: two roundings (the scale product and the fused
+//!   multiply-add), as the Q6_K kernel ([`super::q6_k`]).
+//! - **IQ4_XS**: the block is a sub-block (6-bit signed scale `ls`), codes
+//!   `v` = [`IQ4_NL_VALUES`]`[nibble]` in −127..=113. `A_b = ls · Σ v·a`
+//!   (|A_b| ≤ 32·32·127·127 = 16 516 096 < 2²⁴: exact in f32); `lane =
+//!   fma(d·x.d_b, A_b, lane)`: two roundings.
+//!
+//! The scalar `dot_*_q8` functions are the references; the AVX2 kernels
+//! ([`avx2`]) give their bits: the integers are exact whichever way they
+//! are summed, and the f32 operations are the same ones in the same order.
+
+use super::q4_0::{LANES, tree4};
+use super::q4_k::term;
+use super::q8act::Q8Activation;
+use crate::format::f16_to_f32;
+use crate::quant::{
+    IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS,
+    Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK, QK_K, iq4_xs_scale, q3_k_scale,
+};
+
+/// Blocks of 32 in a super-block.
+const BLOCKS: usize = QK_K / QK;
+
+/// Elements of a Q2_K/Q3_K sub-block.
+const SUB: usize = 16;
+
+/// The little-endian f16 at `at` of a block.
+#[inline(always)]
+fn f16_at(blk: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]))
+}
+
+/// The 2-bit code of element `e` (< 256) of a Q2_K/Q3_K super-block from
+/// its 64 code bytes `qs`: each half of 128 elements takes 32 bytes,
+/// element `l + 32s` of a half (l < 32, s < 4) bits `2s, 2s + 1` of byte
+/// `l` (ggml's layout: block `k` of 32 is byte `32·(k / 4) + l` shifted by
+/// `2·(k mod 4)`).
+#[inline(always)]
+fn two_bit(qs: &[u8], e: usize) -> i32 {
+    i32::from((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3)
+}
+
+/// The Q3_K code (−4..=3) of element `e` of a super-block: its 2-bit code,
+/// less 4 unless bit `e / 32` of `hmask[e mod 32]` is set.
+#[inline(always)]
+fn q3_code(blk: &[u8], e: usize) -> i32 {
+    let high = i32::from((blk[e % 32] >> (e / 32)) & 1);
+    two_bit(&blk[Q3_K_QS..], e) - 4 * (1 - high)
+}
+
+/// `Σ code(l) · q[l]` and `Σ q[l]` over the 16 elements of a sub-block.
+#[inline(always)]
+fn sub_sums(code: impl Fn(usize) -> i32, q: &[i8]) -> (i32, i32) {
+    (0..SUB).fold((0, 0), |(s, t), l| {
+        (s + code(l) * i32::from(q[l]), t + i32::from(q[l]))
+    })
+}
+
+/// Scalar reference: a Q2_K row (`n/256` super-blocks of 84 bytes) ·
+/// activation.
+pub fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, blk) in w.chunks_exact(Q2_K_BLOCK_BYTES).enumerate() {
+        let (d, dmin) = (f16_at(blk, Q2_K_D), f16_at(blk, Q2_K_D + 2));
+        let qs = &blk[Q2_K_QS..Q2_K_D];
+        for k in 0..BLOCKS {
+            let b = i * BLOCKS + k;
+            let (mut a, mut s) = (0i32, 0i32);
+            for h in 0..2 {
+                let j = 2 * k + h;
+                let (sc, m) = (i32::from(blk[j] & 0x0f), i32::from(blk[j] >> 4));
+                let q = &x.quants[b * QK + SUB * h..][..SUB];
+                let (dot, sum) = sub_sums(|l| two_bit(qs, SUB * j + l), q);
+                a += sc * dot;
+                s += m * sum;
+            }
+            acc[b % LANES] += term(d, dmin, x.scales[b], a, s);
+        }
+    }
+    tree4(acc)
+}
+
+/// Scalar reference: a Q3_K row (`n/256` super-blocks of 110 bytes) ·
+/// activation.
+pub fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, blk) in w.chunks_exact(Q3_K_BLOCK_BYTES).enumerate() {
+        let d = f16_at(blk, Q3_K_D);
+        let scales = &blk[Q3_K_SCALES..Q3_K_D];
+        for k in 0..BLOCKS {
+            let b = i * BLOCKS + k;
+            let mut a = 0i32;
+            for h in 0..2 {
+                let j = 2 * k + h;
+                let q = &x.quants[b * QK + SUB * h..][..SUB];
+                a += q3_k_scale(scales, j) * sub_sums(|l| q3_code(blk, SUB * j + l), q).0;
+            }
+            acc[b % LANES] = (d * x.scales[b]).mul_add(a as f32, acc[b % LANES]);
+        }
+    }
+    tree4(acc)
+}
+
+/// Scalar reference: an IQ4_XS row (`n/256` super-blocks of 136 bytes) ·
+/// activation.
+pub fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, blk) in w.chunks_exact(IQ4_XS_BLOCK_BYTES).enumerate() {
+        let d = f16_at(blk, 0);
+        for k in 0..BLOCKS {
+            let b = i * BLOCKS + k;
+            let q = &x.quants[b * QK..][..QK];
+            let qs = &blk[IQ4_XS_QS + k * QK / 2..][..QK / 2];
+            // Byte l: element l in its low nibble, element l + 16 in its
+            // high one.
+            let dot: i32 = (0..QK / 2)
+                .map(|l| {
+                    let lo = i32::from(IQ4_NL_VALUES[usize::from(qs[l] & 0x0f)]);
+                    let hi = i32::from(IQ4_NL_VALUES[usize::from(qs[l] >> 4)]);
+                    lo * i32::from(q[l]) + hi * i32::from(q[l + QK / 2])
+                })
+                .sum();
+            let a = iq4_xs_scale(blk, k) * dot;
+            acc[b % LANES] = (d * x.scales[b]).mul_add(a as f32, acc[b % LANES]);
+        }
+    }
+    tree4(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    //! # Safety
+    //! Every function needs AVX2, FMA and F16C (the caller checked them at
+    //! run time), `w` whole super-blocks and `x` of `w`'s length in
+    //! elements.
+    //!
+    //! Q2_K and Q3_K take a super-block a half (4 blocks, 8 sub-blocks of
+    //! 16) at a time, as the Q6_K kernel: each block's 32 codes are one
+    //! vector; `maddubs` with its quants (pairs exact: |·| ≤ 2·7·127) and
+    //! `madd` by ones leave 8 i32 lanes (0–3 its first sub-block, 4–7 its
+    //! second); two rounds of `hadd` over the 4 blocks leave the 8
+    //! sub-block sums (first sub-blocks in the low 128 bits, second ones in
+    //! the high), multiplied by their scales at once (`vpmulld`) and the
+    //! halves added: the 4 blocks' `A_b`. Q2_K's `B_b` the same way from
+    //! `maddubs` of ones (`Σ a` per pair) and its mins. Q3_K's signed codes
+    //! are taken as `u = q + 4` (0..=7): `maddubs(u, a) − maddubs(4, a)`.
+    //!
+    //! IQ4_XS takes two blocks per 32 bytes of nibbles: the low nibbles
+    //! (each block's first 16 elements) and the high ones are looked up by
+    //! `pshufb`, multiplied by the quants of the two blocks' first (or
+    //! last) 16 elements, loaded into the two 128-bit halves, with the sign
+    //! trick (`maddubs(|v|, sign(a, v))`, pairs ≤ 2·127·127 < 2¹⁵); three
+    //! `hadd`s leave the 8 block sums.
+    //!
+    //! All integers are exact, so they equal the reference's; the f32
+    //! steps are the reference's, lane for lane, blocks 0–3 before 4–7.
+
+    use std::arch::x86_64::*;
+
+    use super::super::q8act::Q8Activation;
+    use super::BLOCKS;
+    use crate::quant::{
+        IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, IQ4_XS_SCALES_L, Q2_K_BLOCK_BYTES, Q2_K_D,
+        Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK,
+    };
+
+    /// How far ahead of the super-block being read its bytes are asked of
+    /// L2 (as the Q4_K and Q6_K kernels do).
+    const PREFETCH: usize = 4096;
+
+    /// Asks L2 for the `lines` cache lines `PREFETCH` bytes past `blk`.
+    #[inline(always)]
+    fn prefetch(blk: *const u8, lines: usize) {
+        for line in 0..lines {
+            // SAFETY: a hint: it never faults (past the row it reaches
+            // the task's next rows); SSE per the module contract.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8)
+            };
+        }
+    }
+
+    /// The 8 sub-block sums of 4 blocks' lane sums (each: lanes 0–3 its
+    /// first sub-block, 4–7 its second): blocks 0–3's first sub-blocks in
+    /// the low 128 bits, their second ones in the high.
+    #[inline(always)]
+    fn sub_sums(v: &[__m256i; 4]) -> __m256i {
+        // SAFETY: register arithmetic; AVX2 per the module contract (the
+        // callers are `target_feature` functions, and this is inlined).
+        unsafe { _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])) }
+    }
+
+    /// Sub-block sums (as [`sub_sums`] leaves them) times their scales,
+    /// each block's two added: the 4 blocks' exact integers.
+    #[inline(always)]
+    fn scaled(subs: __m256i, scales: __m256i) -> __m128i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let p = _mm256_mullo_epi32(subs, scales);
+            _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p))
+        }
+    }
+
+    /// `v` shifted right by `2s` bits in each 16-bit lane (`s` < 4 a
+    /// constant once inlined): block `4n + s`'s codes in bits 0–1.
+    #[inline(always)]
+    fn shift2(v: __m256i, s: usize) -> __m256i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            match s {
+                0 => v,
+                1 => _mm256_srli_epi16::<2>(v),
+                2 => _mm256_srli_epi16::<4>(v),
+                _ => _mm256_srli_epi16::<6>(v),
+            }
+        }
+    }
+
+    /// Sub-block scales in the order [`sub_sums`] leaves a half's sums
+    /// (sub-blocks 0, 2, 4, 6 of the half, then 1, 3, 5, 7), as bytes: the
+    /// first half's 8 in the low 64 bits, the second's in the high.
+    #[inline(always)]
+    fn order(scales: __m128i) -> __m128i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+            _mm_shuffle_epi8(scales, order)
+        }
+    }
+
+    /// Half `n`'s 8 byte scales of [`order`] as i32 lanes (`signed`: as
+    /// i8, else as u8).
+    #[inline(always)]
+    fn widen(scales: __m128i, n: usize, signed: bool) -> __m256i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let s = if n == 0 {
+                scales
+            } else {
+                _mm_unpackhi_epi64(scales, scales)
+            };
+            if signed {
+                _mm256_cvtepi8_epi32(s)
+            } else {
+                _mm256_cvtepu8_epi32(s)
+            }
+        }
+    }
+
+    /// The f16 at `p` as f32 lanes (the 4 bytes from `p` read: `d` in lane
+    /// 0, the next f16 in lane 1).
+    #[inline(always)]
+    unsafe fn halves(p: *const u8) -> __m128 {
+        // SAFETY: 4 bytes at `p` (caller); F16C per the module contract.
+        unsafe {
+            let bits = u32::from_le_bytes(std::ptr::read_unaligned(p as *const [u8; 4]));
+            _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
+        }
+    }
+
+    /// The 4 lanes' final reduction, `(a0 + a2) + (a1 + a3)` as `tree4`.
+    #[inline(always)]
+    fn reduce(acc: __m128) -> f32 {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let h2 = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
+            _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)))
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q2_K_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        // SAFETY: super-blocks i < supers are read (84 bytes each: 16 of
+        // scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D), with their
+        // 8 blocks of quants and scales (module docs).
+        unsafe {
+            let m3 = _mm256_set1_epi8(3);
+            let m4 = _mm_set1_epi8(0x0f);
+            let ones8 = _mm256_set1_epi8(1);
+            let ones16 = _mm256_set1_epi16(1);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q2_K_BLOCK_BYTES);
+                prefetch(blk, 2);
+                let bytes = order(_mm_loadu_si128(blk as *const __m128i));
+                let sc = _mm_and_si128(bytes, m4);
+                let mn = _mm_and_si128(_mm_srli_epi16::<4>(bytes), m4);
+                let dd = halves(blk.add(Q2_K_D));
+                let d = _mm_broadcastss_ps(dd);
+                let dmin = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+                for n in 0..2 {
+                    let codes = _mm256_loadu_si256(blk.add(Q2_K_QS + 32 * n) as *const __m256i);
+                    let q = qp.add((i * BLOCKS + 4 * n) * QK);
+                    let mut dots = [_mm256_setzero_si256(); 4];
+                    let mut sums = [_mm256_setzero_si256(); 4];
+                    for s in 0..4 {
+                        let c = _mm256_and_si256(shift2(codes, s), m3);
+                        let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
+                        dots[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), ones16);
+                        sums[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones16);
+                    }
+                    let a = scaled(sub_sums(&dots), widen(sc, n, false));
+                    let b = scaled(sub_sums(&sums), widen(mn, n, false));
+                    let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
+                    // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
+                    let t = _mm_fmsub_ps(
+                        _mm_mul_ps(d, xd),
+                        _mm_cvtepi32_ps(a),
+                        _mm_mul_ps(_mm_mul_ps(dmin, xd), _mm_cvtepi32_ps(b)),
+                    );
+                    acc = _mm_add_ps(acc, t);
+                }
+            }
+            reduce(acc)
+        }
+    }
+
+    /// Bit `k` (< 8) of each byte of `hm` as 4 (bit 2), else 0. 16-bit
+    /// shifts: bit 2 of a byte comes from bit `k` of the same byte.
+    #[inline(always)]
+    fn high_bit(hm: __m256i, k: usize) -> __m256i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let v = match k {
+                0 => _mm256_slli_epi16::<2>(hm),
+                1 => _mm256_slli_epi16::<1>(hm),
+                2 => hm,
+                3 => _mm256_srli_epi16::<1>(hm),
+                4 => _mm256_srli_epi16::<2>(hm),
+                5 => _mm256_srli_epi16::<3>(hm),
+                6 => _mm256_srli_epi16::<4>(hm),
+                _ => _mm256_srli_epi16::<5>(hm),
+            };
+            _mm256_and_si256(v, _mm256_set1_epi8(4))
+        }
+    }
+
+    /// A Q3_K super-block's 16 scales (−32..=31) as bytes, in sub-block
+    /// order, from its 12 packed bytes at `s` (ggml's layout: the low
+    /// nibbles of bytes 0–7 are sub-blocks 0–7's low 4 bits, the high
+    /// nibbles 8–15's; bits `2·(j / 4)`, `2·(j / 4) + 1` of byte `8 + j mod
+    /// 4` their high 2).
+    #[inline(always)]
+    unsafe fn q3_scales(s: *const u8) -> __m128i {
+        // SAFETY: 12 bytes at `s` (caller); SSE2 per the module contract.
+        unsafe {
+            let word = |k: usize| {
+                u32::from_le_bytes(std::ptr::read_unaligned(s.add(4 * k) as *const [u8; 4]))
+            };
+            let (w0, w1, w2) = (word(0), word(1), word(2));
+            let (lo, hi2) = (0x0f0f_0f0f, 0x0303_0303);
+            let part = |low: u32, high: u32| low & lo | (high & hi2) << 4;
+            let v = _mm_setr_epi32(
+                part(w0, w2) as i32,
+                part(w1, w2 >> 2) as i32,
+                part(w0 >> 4, w2 >> 4) as i32,
+                part(w1 >> 4, w2 >> 6) as i32,
+            );
+            _mm_sub_epi8(v, _mm_set1_epi8(32))
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q3_K_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        // SAFETY: super-blocks i < supers are read (110 bytes each: 32 of
+        // hmask, 64 of codes at Q3_K_QS, 12 of scales at Q3_K_SCALES, d at
+        // Q3_K_D), with their 8 blocks of quants and scales (module docs).
+        unsafe {
+            let m3 = _mm256_set1_epi8(3);
+            let four = _mm256_set1_epi8(4);
+            let ones16 = _mm256_set1_epi16(1);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q3_K_BLOCK_BYTES);
+                prefetch(blk, 2);
+                let sc = order(q3_scales(blk.add(Q3_K_SCALES)));
+                // d is a super-block's last 2 bytes: read with the 2
+                // before it (scale bytes), it is lane 1.
+                let dd = halves(blk.add(Q3_K_D - 2));
+                let d = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+                let hm = _mm256_loadu_si256(blk as *const __m256i);
+                for n in 0..2 {
+                    let codes = _mm256_loadu_si256(blk.add(Q3_K_QS + 32 * n) as *const __m256i);
+                    let q = qp.add((i * BLOCKS + 4 * n) * QK);
+                    let mut dots = [_mm256_setzero_si256(); 4];
+                    for (s, dot) in dots.iter_mut().enumerate() {
+                        let u = _mm256_or_si256(
+                            _mm256_and_si256(shift2(codes, s), m3),
+                            high_bit(hm, 4 * n + s),
+                        );
+                        let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
+                        let p = _mm256_sub_epi16(
+                            _mm256_maddubs_epi16(u, xq),
+                            _mm256_maddubs_epi16(four, xq),
+                        );
+                        *dot = _mm256_madd_epi16(p, ones16);
+                    }
+                    let a = scaled(sub_sums(&dots), widen(sc, n, true));
+                    let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
+                    acc = _mm_fmadd_ps(_mm_mul_ps(d, xd), _mm_cvtepi32_ps(a), acc);
+                }
+            }
+            reduce(acc)
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / IQ4_XS_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        // SAFETY: super-blocks i < supers are read (136 bytes each: d,
+        // scales_h, 4 bytes of scales_l, 128 of nibbles at IQ4_XS_QS), with
+        // their 8 blocks of quants and scales (module docs).
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0f);
+            let ones16 = _mm256_set1_epi16(1);
+            let values = IQ4_NL_VALUES;
+            let table =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(values.as_ptr() as *const __m128i));
+            // The order the hadd rounds leave the block sums in: blocks 0,
+            // 2, 4, 6, then 1, 3, 5, 7; `back` undoes it.
+            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14);
+            let back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
+                prefetch(blk, 3);
+                // Scales in that order: the low nibbles of scales_l are
+                // blocks 0, 2, 4, 6, the high ones 1, 3, 5, 7; block j's
+                // high bits are bits 2j, 2j + 1 of scales_h.
+                let dh = halves(blk);
+                let l = u32::from_le_bytes(std::ptr::read_unaligned(
+                    blk.add(IQ4_XS_SCALES_L) as *const [u8; 4]
+                ));
+                let low = (l & 0x0f0f_0f0f) as u64 | (((l >> 4) & 0x0f0f_0f0f) as u64) << 32;
+                let h = u16::from_le_bytes([*blk.add(2), *blk.add(3)]) as i32;
+                let high = _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_set1_epi32(h), shifts),
+                    _mm256_set1_epi32(3),
+                );
+                let ls = _mm256_sub_epi32(
+                    _mm256_or_si256(
+                        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(low as i64)),
+                        _mm256_slli_epi32::<4>(high),
+                    ),
+                    _mm256_set1_epi32(32),
+                );
+                let q = qp.add(i * BLOCKS * QK);
+                let mut pairs = [_mm256_setzero_si256(); 4];
+                for (c, pair) in pairs.iter_mut().enumerate() {
+                    // Blocks 2c (low 128 bits) and 2c + 1 (high).
+                    let qs = _mm256_loadu_si256(blk.add(IQ4_XS_QS + 32 * c) as *const __m256i);
+                    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(qs, m4));
+                    let hi = _mm256_shuffle_epi8(
+                        table,
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(qs), m4),
+                    );
+                    let (q0, q1) = (q.add(2 * c * QK), q.add((2 * c + 1) * QK));
+                    let xl = _mm256_loadu2_m128i(q1 as *const __m128i, q0 as *const __m128i);
+                    let xh = _mm256_loadu2_m128i(
+                        q1.add(QK / 2) as *const __m128i,
+                        q0.add(QK / 2) as *const __m128i,
+                    );
+                    let pl = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xl, lo));
+                    let ph = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xh, hi));
+                    *pair = _mm256_add_epi32(
+                        _mm256_madd_epi16(pl, ones16),
+                        _mm256_madd_epi16(ph, ones16),
+                    );
+                }
+                let sums = sub_sums(&pairs);
+                let a = _mm256_permutevar8x32_epi32(_mm256_mullo_epi32(sums, ls), back);
+                let a = _mm256_cvtepi32_ps(a);
+                let d = _mm256_mul_ps(
+                    _mm256_broadcastss_ps(dh),
+                    _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)),
+                );
+                acc = _mm_fmadd_ps(_mm256_castps256_ps128(d), _mm256_castps256_ps128(a), acc);
+                acc = _mm_fmadd_ps(
+                    _mm256_extractf128_ps::<1>(d),
+                    _mm256_extractf128_ps::<1>(a),
+                    acc,
+                );
+            }
+            reduce(acc)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_iq4_xs, dequantize_q2_k, dequantize_q3_k};
+    use rand::{Rng, SeedableRng};
+
+    type Dot = fn(&[u8], &Q8Activation) -> f32;
+
+    /// f32's unit roundoff.
+    const U: f64 = f32::EPSILON as f64 / 2.0;
+
+    /// γ_k = k·u / (1 − k·u): the bound on `k` roundings' relative error.
+    fn gamma(k: usize) -> f64 {
+        k as f64 * U / (1.0 - k as f64 * U)
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Format {
+        Q2K,
+        Q3K,
+        Iq4Xs,
+    }
+
+    impl Format {
+        fn size(self) -> usize {
+            match self {
+                Format::Q2K => Q2_K_BLOCK_BYTES,
+                Format::Q3K => Q3_K_BLOCK_BYTES,
+                Format::Iq4Xs => IQ4_XS_BLOCK_BYTES,
+            }
+        }
+
+        /// Where a super-block's f16 scales are.
+        fn f16s(self) -> &'static [usize] {
+            match self {
+                Format::Q2K => &[Q2_K_D, Q2_K_D + 2],
+                Format::Q3K => &[Q3_K_D],
+                Format::Iq4Xs => &[0],
+            }
+        }
+
+        fn reference(self) -> Dot {
+            match self {
+                Format::Q2K => dot_q2_k_q8,
+                Format::Q3K => dot_q3_k_q8,
+                Format::Iq4Xs => dot_iq4_xs_q8,
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        fn avx2(self) -> unsafe fn(&[u8], &Q8Activation) -> f32 {
+            match self {
+                Format::Q2K => avx2::dot_q2_k_q8,
+                Format::Q3K => avx2::dot_q3_k_q8,
+                Format::Iq4Xs => avx2::dot_iq4_xs_q8,
+            }
+        }
+
+        fn dequantize(self, w: &[u8], out: &mut [f32]) {
+            match self {
+                Format::Q2K => dequantize_q2_k(w, out),
+                Format::Q3K => dequantize_q3_k(w, out),
+                Format::Iq4Xs => dequantize_iq4_xs(w, out),
+            }
+        }
+
+        /// Element `e`'s exact |parts|: `|d·sc·q| + |dmin·m|` for Q2_K
+        /// (the dequantizer rounds their difference), else the exact
+        /// |value| itself.
+        fn parts(self, w: &[u8], e: usize, value: f32) -> f64 {
+            match self {
+                Format::Q2K => {
+                    let blk = &w[e / QK_K * Q2_K_BLOCK_BYTES..][..Q2_K_BLOCK_BYTES];
+                    let j = e % QK_K / SUB;
+                    let (sc, m) = (f64::from(blk[j] & 0x0f), f64::from(blk[j] >> 4));
+                    let q = f64::from(two_bit(&blk[Q2_K_QS..], e % QK_K));
+                    let (d, dmin) = (f16_at(blk, Q2_K_D), f16_at(blk, Q2_K_D + 2));
+                    (d as f64 * sc * q).abs() + (dmin as f64 * m).abs()
+                }
+                Format::Q3K | Format::Iq4Xs => (value as f64).abs(),
+            }
+        }
+
+        /// The bound on |kernel − f64 product of the dequantized row| in
+        /// units of P = Σₑ parts(e)·|x.d·a| for a row of `supers`
+        /// super-blocks. Each lane holds 2·supers blocks and the tree adds
+        /// 2 levels.
+        ///
+        /// Q2_K: a term rounds d·x.d (1) or dmin·x.d, ·B (2) and the fma
+        /// (1): ≤ γ₃ of |d·x.d·A| + |dmin·x.d·B| ≤ P_b. A block's term
+        /// then meets at most 2·supers − 1 lane additions (the first, to
+        /// 0, is exact) and 2 of the tree: γ_{2s+1}. Together γ_{2s+4}.
+        /// The dequantizer rounds each element's subtraction once: u·P
+        /// more.
+        ///
+        /// Q3_K, IQ4_XS: d·x.d (1), then at most 2·supers fused adds into
+        /// the lane (the term's own and every later one), 2 of the tree:
+        /// γ_{2s+3}; the dequantizer is exact.
+        ///
+        /// Every product stays far from f32's subnormals here (the
+        /// smallest, a subnormal f16 d times x.d ≥ 10⁻⁵, is ~10⁻¹³), so
+        /// the relative model holds; the f64 sums' own error (< 10⁻¹² P)
+        /// is covered by the factor 1 + 10⁻⁶.
+        fn bound(self, supers: usize) -> f64 {
+            let k = match self {
+                Format::Q2K => gamma(2 * supers + 4) + U,
+                Format::Q3K | Format::Iq4Xs => gamma(2 * supers + 3),
+            };
+            k * (1.0 + 1e-6)
+        }
+    }
+
+    const FORMATS: [Format; 3] = [Format::Q2K, Format::Q3K, Format::Iq4Xs];
+
+    /// A random f16 (bits): ordinary of both signs, subnormal, or large.
+    fn random_f16(rng: &mut impl Rng) -> u16 {
+        let sign = if rng.random() { 0x8000 } else { 0 };
+        match rng.random_range(0..4) {
+            0 => sign | rng.random_range(1u16..0x0400),
+            1 => half::f16::from_f32(rng.random_range(1000.0f32..60000.0)).to_bits() | sign,
+            _ => half::f16::from_f32(rng.random_range(1e-4f32..0.05)).to_bits() | sign,
+        }
+    }
+
+    /// Random super-blocks: every byte random, then random f16 scales.
+    fn random_row(rng: &mut impl Rng, f: Format, supers: usize) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..supers * f.size()).map(|_| rng.random()).collect();
+        for blk in w.chunks_exact_mut(f.size()) {
+            for &at in f.f16s() {
+                blk[at..at + 2].copy_from_slice(&random_f16(rng).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// A random activation of `n` elements whose blocks' scales differ
+    /// (magnitudes 10⁻³..10³), with block 0 of ±1 (quants ±127) and block
+    /// 1 (or 0 of a one-block row... never: rows have ≥ 8) all zero.
+    fn random_x(rng: &mut impl Rng, n: usize) -> Q8Activation {
+        let mut x = vec![0.0f32; n];
+        for (b, block) in x.chunks_exact_mut(QK).enumerate() {
+            let scale = 10f32.powf(rng.random_range(-3.0f32..3.0));
+            for v in block.iter_mut() {
+                *v = match b {
+                    0 => {
+                        if rng.random() {
+                            1.0
+                        } else {
+                            -1.0
+                        }
+                    }
+                    1 => 0.0,
+                    _ => rng.random_range(-1.0f32..1.0) * scale,
+                };
+            }
+        }
+        Q8Activation::quantize(&x)
+    }
+
+    /// The scalar reference within `f.bound` of the f64 product of the
+    /// exact dequantized row with the activation's values, that product
+    /// not all zero; and the AVX2 kernel giving the reference's bits.
+    fn check(f: Format, w: &[u8], x: &Q8Activation, at: &str) {
+        let n = w.len() / f.size() * QK_K;
+        let mut wf = vec![0.0f32; n];
+        f.dequantize(w, &mut wf);
+        let xv = |e: usize| x.scales[e / QK] as f64 * x.quants[e] as f64;
+        let exact: f64 = (0..n).map(|e| wf[e] as f64 * xv(e)).sum();
+        let p: f64 = (0..n).map(|e| f.parts(w, e, wf[e]) * xv(e).abs()).sum();
+        assert!(
+            (0..n).any(|e| wf[e] as f64 * xv(e) != 0.0),
+            "{f:?} {at}: an all-zero product proves nothing"
+        );
+        let got = (f.reference())(w, x);
+        let bound = f.bound(n / QK_K);
+        assert!(
+            (got as f64 - exact).abs() <= bound * p,
+            "{f:?} {at}: {got:e} vs {exact:e} (P {p:e}): off by {:.2}u·P, bound {:.2}u·P",
+            (got as f64 - exact).abs() / (U * p),
+            bound / U
+        );
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            // SAFETY: the CPU has AVX2, FMA and F16C; `w` is whole
+            // super-blocks and `x` of its length.
+            let v = unsafe { (f.avx2())(w, x) };
+            assert_eq!(
+                v.to_bits(),
+                got.to_bits(),
+                "{f:?} {at}: avx2 {v:e} vs reference {got:e}"
+            );
+        } else {
+            eprintln!("SKIP avx2: this CPU has no AVX2+FMA+F16C");
+        }
+    }
+
+    #[test]
+    fn random_rows_are_close_to_the_exact_product_and_avx2_gives_the_same_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x10_c0de);
+        for f in FORMATS {
+            for supers in [1, 3, 5, 7] {
+                for r in 0..40 {
+                    let w = random_row(&mut rng, f, supers);
+                    let x = random_x(&mut rng, supers * QK_K);
+                    check(f, &w, &x, &format!("{supers} super-blocks, row {r}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_codes_and_scales_stay_exact() {
+        // All bytes 0xff: Q2_K codes 3, scales and mins 15; Q3_K codes 3,
+        // scales 31; IQ4_XS values 113, scales 31. All 0x00: Q3_K codes
+        // −4, scales −32; IQ4_XS values −127, scales −32 (their largest
+        // integers; Q2_K's row is 0 there). Against quants of ±127.
+        let supers = 3;
+        for f in FORMATS {
+            for fill in [0x00u8, 0xff] {
+                if matches!(f, Format::Q2K) && fill == 0 {
+                    continue;
+                }
+                for sign in [1i32, -1] {
+                    let mut w = vec![fill; supers * f.size()];
+                    for blk in w.chunks_exact_mut(f.size()) {
+                        for &at in f.f16s() {
+                            let d = half::f16::from_f32(-3.5).to_bits().to_le_bytes();
+                            blk[at..at + 2].copy_from_slice(&d);
+                        }
+                    }
+                    let x = Q8Activation::quantize(&vec![sign as f32; supers * QK_K]);
+                    check(f, &w, &x, &format!("fill {fill:#x}, x {sign}"));
+                    // Every block's integers are known: so is the result.
+                    let a = 127 * sign;
+                    let xd = x.scales[0];
+                    let t = |acc: f32| match (f, fill) {
+                        (Format::Q2K, _) => {
+                            acc + term(-3.5, -3.5, xd, 15 * 32 * 3 * a, 15 * 32 * a)
+                        }
+                        (Format::Q3K, 0) => (-3.5 * xd).mul_add((-32 * 32 * -4 * a) as f32, acc),
+                        (Format::Q3K, _) => (-3.5 * xd).mul_add((31 * 32 * 3 * a) as f32, acc),
+                        (Format::Iq4Xs, 0) => {
+                            (-3.5 * xd).mul_add((-32 * 32 * -127 * a) as f32, acc)
+                        }
+                        (Format::Iq4Xs, _) => (-3.5 * xd).mul_add((31 * 32 * 113 * a) as f32, acc),
+                    };
+                    let mut acc = [0.0f32; LANES];
+                    for b in 0..supers * BLOCKS {
+                        acc[b % LANES] = t(acc[b % LANES]);
+                    }
+                    assert_eq!((f.reference())(&w, &x), tree4(acc), "{f:?} fill {fill:#x}");
+                }
+            }
+        }
+    }
+}
