@@ -149,8 +149,7 @@ pub mod avx2 {
 
     use super::Q8Activation;
     use crate::quant::{
-        IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES,
-        QK,
+        IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES, QK,
     };
 
     /// Byte offsets of 8 consecutive blocks of `size` bytes.
@@ -270,55 +269,74 @@ pub mod avx2 {
         bsums8: __m256i,
     }
 
-    /// The shared walk over a row of `size`-byte blocks: `lanes(blk, q)`
-    /// gives one block's 8 lane sums, `fold(acc, group)` adds a group's
-    /// terms into the 4 accumulator lanes.
+    /// A format's part of the walk (trait methods rather than closures:
+    /// `#[inline(always)]` puts them into the `target_feature` kernels,
+    /// where a closure left out of line would call every intrinsic).
+    trait Format {
+        /// Bytes of a block.
+        const SIZE: usize;
+        /// One block's 8 lane sums (a block at `blk`, its quants at `q`).
+        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i;
+        /// A group's terms added into the 4 accumulator lanes.
+        unsafe fn fold(acc: __m128, g: Group) -> __m128;
+    }
+
+    /// Blocks `c..c + n` (n ≤ 8, `mask` set in lanes `< n`) of a row at
+    /// `wp`.
     #[inline(always)]
-    unsafe fn walk(
-        w: &[u8],
+    unsafe fn group<F: Format>(
+        wp: *const u8,
         x: &Q8Activation,
-        size: usize,
-        lanes: impl Fn(*const u8, *const i8) -> __m256i,
-        fold: impl Fn(__m128, Group) -> __m128,
-    ) -> f32 {
-        let blocks = w.len() / size;
-        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        let offs = offsets(size);
+        c: usize,
+        n: usize,
+        mask: __m256i,
+        offsets: __m256i,
+    ) -> Group {
+        // SAFETY: blocks c..c + n are in the row and the activation
+        // (caller); the masked loads and the gather touch only those.
+        unsafe {
+            let qp = x.quants.as_ptr();
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (i, vi) in v.iter_mut().enumerate().take(n) {
+                let b = c + i;
+                *vi = F::lanes(wp.add(b * F::SIZE), qp.add(b * QK));
+            }
+            Group {
+                sums: reduce8(&v),
+                heads: _mm256_mask_i32gather_epi32::<1>(
+                    _mm256_setzero_si256(),
+                    wp.add(c * F::SIZE) as *const i32,
+                    offsets,
+                    mask,
+                ),
+                xd: _mm256_maskload_ps(x.scales.as_ptr().add(c), mask),
+                bsums8: _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask),
+            }
+        }
+    }
+
+    /// The shared walk over a row of `F`'s blocks.
+    #[inline(always)]
+    unsafe fn walk<F: Format>(w: &[u8], x: &Q8Activation) -> f32 {
+        let blocks = w.len() / F::SIZE;
+        let wp = w.as_ptr();
+        let offs = offsets(F::SIZE);
         // SAFETY: blocks c..c + n < blocks are read, with their quants,
-        // scales and sums (module docs); the masked loads and the gather
-        // touch only those.
+        // scales and sums (module docs).
         unsafe {
             let offsets = _mm256_loadu_si256(offs.as_ptr() as *const __m256i);
-            let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
             let mut acc = _mm_setzero_ps();
-            let group = |c: usize, n: usize, mask: __m256i| {
-                let mut v = [_mm256_setzero_si256(); 8];
-                for (i, vi) in v.iter_mut().enumerate().take(n) {
-                    let b = c + i;
-                    *vi = lanes(wp.add(b * size), qp.add(b * QK));
-                }
-                Group {
-                    sums: reduce8(&v),
-                    heads: _mm256_mask_i32gather_epi32::<1>(
-                        _mm256_setzero_si256(),
-                        wp.add(c * size) as *const i32,
-                        offsets,
-                        mask,
-                    ),
-                    xd: _mm256_maskload_ps(x.scales.as_ptr().add(c), mask),
-                    bsums8: _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask),
-                }
-            };
             let all = _mm256_set1_epi32(-1);
             let mut c = 0;
             while c + 8 <= blocks {
-                acc = fold(acc, group(c, 8, all));
+                acc = F::fold(acc, group::<F>(wp, x, c, 8, all, offsets));
                 c += 8;
             }
             if c < blocks {
                 let n = blocks - c;
+                let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota);
-                acc = fold(acc, group(c, n, mask));
+                acc = F::fold(acc, group::<F>(wp, x, c, n, mask, offsets));
             }
             finish(acc)
         }
@@ -401,93 +419,121 @@ pub mod avx2 {
         }
     }
 
+    struct Q41;
+    struct Q51;
+    struct Q50;
+    struct Iq4Nl;
+
+    impl Format for Q41 {
+        const SIZE: usize = Q4_1_BLOCK_BYTES;
+        #[inline(always)]
+        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
+            // SAFETY: a whole block at `blk`: 16 bytes of nibbles at 4.
+            unsafe { lanes_unsigned(nibbles(blk.add(4)), q) }
+        }
+        #[inline(always)]
+        unsafe fn fold(acc: __m128, g: Group) -> __m128 {
+            // SAFETY: register arithmetic under the module's guarantee.
+            unsafe { fold_min(acc, g) }
+        }
+    }
+
+    impl Format for Q51 {
+        const SIZE: usize = Q5_1_BLOCK_BYTES;
+        #[inline(always)]
+        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
+            // SAFETY: a whole block at `blk`: `qh` at 4, 16 bytes of
+            // nibbles at 8.
+            unsafe {
+                let codes = _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4)));
+                lanes_unsigned(codes, q)
+            }
+        }
+        #[inline(always)]
+        unsafe fn fold(acc: __m128, g: Group) -> __m128 {
+            // SAFETY: register arithmetic under the module's guarantee.
+            unsafe { fold_min(acc, g) }
+        }
+    }
+
+    impl Format for Q50 {
+        const SIZE: usize = Q5_0_BLOCK_BYTES;
+        #[inline(always)]
+        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
+            // SAFETY: a whole block at `blk`: `qh` at 2, 16 bytes of
+            // nibbles at 6.
+            unsafe {
+                let codes = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
+                lanes_unsigned(codes, q)
+            }
+        }
+        #[inline(always)]
+        unsafe fn fold(acc: __m128, g: Group) -> __m128 {
+            // SAFETY: register arithmetic under the module's guarantee.
+            unsafe {
+                // S = Σ q·a − 16 · Σ a = Σ q·a − 2 · bsums8, exactly.
+                let s = _mm256_sub_epi32(g.sums, _mm256_slli_epi32::<1>(g.bsums8));
+                let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
+                fma8(acc, d, _mm256_cvtepi32_ps(s))
+            }
+        }
+    }
+
+    impl Format for Iq4Nl {
+        const SIZE: usize = IQ4_NL_BLOCK_BYTES;
+        #[inline(always)]
+        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
+            // SAFETY: a whole block at `blk`: 16 bytes of nibbles at 2; the
+            // table is 16 bytes.
+            unsafe {
+                let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    IQ4_NL_VALUES.as_ptr() as *const __m128i
+                ));
+                // Codes < 16: the shuffle looks each up in the table.
+                let v = _mm256_shuffle_epi8(table, nibbles(blk.add(2)));
+                lanes_signed(v, q)
+            }
+        }
+        #[inline(always)]
+        unsafe fn fold(acc: __m128, g: Group) -> __m128 {
+            // SAFETY: register arithmetic under the module's guarantee.
+            unsafe {
+                let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
+                fma8(acc, d, _mm256_cvtepi32_ps(g.sums))
+            }
+        }
+    }
+
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        // SAFETY: the module contract; each block has 16 bytes of nibbles
-        // at 4.
-        unsafe {
-            walk(
-                w,
-                x,
-                Q4_1_BLOCK_BYTES,
-                |blk, q| lanes_unsigned(nibbles(blk.add(4)), q),
-                |acc, g| fold_min(acc, g),
-            )
-        }
+        // SAFETY: the module contract.
+        unsafe { walk::<Q41>(w, x) }
     }
 
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        // SAFETY: the module contract; each block has `qh` at 4 and 16
-        // bytes of nibbles at 8.
-        unsafe {
-            walk(
-                w,
-                x,
-                Q5_1_BLOCK_BYTES,
-                |blk, q| {
-                    let codes = _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4)));
-                    lanes_unsigned(codes, q)
-                },
-                |acc, g| fold_min(acc, g),
-            )
-        }
+        // SAFETY: the module contract.
+        unsafe { walk::<Q51>(w, x) }
     }
 
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        // SAFETY: the module contract; each block has `qh` at 2 and 16
-        // bytes of nibbles at 6.
-        unsafe {
-            walk(
-                w,
-                x,
-                Q5_0_BLOCK_BYTES,
-                |blk, q| {
-                    let codes = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
-                    lanes_unsigned(codes, q)
-                },
-                |acc, g| {
-                    // S = Σ q·a − 16 · Σ a = Σ q·a − 2 · bsums8, exactly.
-                    let s = _mm256_sub_epi32(g.sums, _mm256_slli_epi32::<1>(g.bsums8));
-                    let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
-                    fma8(acc, d, _mm256_cvtepi32_ps(s))
-                },
-            )
-        }
+        // SAFETY: the module contract.
+        unsafe { walk::<Q50>(w, x) }
     }
 
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq4_nl_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        // SAFETY: the module contract; each block has 16 bytes of nibbles
-        // at 2; the table is 16 bytes.
-        unsafe {
-            let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                IQ4_NL_VALUES.as_ptr() as *const __m128i
-            ));
-            walk(
-                w,
-                x,
-                IQ4_NL_BLOCK_BYTES,
-                |blk, q| {
-                    // Codes < 16: the shuffle looks each up in the table.
-                    let v = _mm256_shuffle_epi8(table, nibbles(blk.add(2)));
-                    lanes_signed(v, q)
-                },
-                |acc, g| {
-                    let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
-                    fma8(acc, d, _mm256_cvtepi32_ps(g.sums))
-                },
-            )
-        }
+        // SAFETY: the module contract.
+        unsafe { walk::<Iq4Nl>(w, x) }
     }
 }
 
