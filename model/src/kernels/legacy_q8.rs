@@ -26,13 +26,16 @@
 //! Q4_0, Q4_K and Q6_K kernels do.
 //!
 //! The scalar `dot_*_q8` are the references; [`avx2`]'s kernels give their
-//! bits (the tests check it). The vector kernels take 8 blocks at a time:
-//! each block's 32 products as 8 lane sums (`maddubs` of unsigned codes
-//! and signed quants, pairs ≤ 2 · 31 · 127, then `madd` by ones), the 8
-//! blocks' sums in one vector by a tree of `hadd`, then every term of the
-//! 8 blocks in 8 f32 lanes at once, folded into the 4 accumulator lanes as
-//! blocks 0–3, then 4–7 (the reference's order). IQ4_NL's values are
-//! signed, so its products are taken as `|v| · (a · sign v)` (exact: `a`
+//! bits (the tests check it). The vector kernels take 8 blocks at a time,
+//! two per register: the two blocks' nibbles side by side (their low
+//! nibbles, elements 0–15, in one register; high ones in another) meet the
+//! activation's `split` copy of the quants, laid out the same way, in
+//! `maddubs` (unsigned codes · signed quants, pairs ≤ 2 · 31 · 127) and
+//! `madd` by ones; three `hadd` and one permutation give the 8 blocks'
+//! sums in block order; then every term of the 8 blocks is computed in 8
+//! f32 lanes at once and folded into the 4 accumulator lanes as blocks
+//! 0–3, then 4–7 (the reference's order). IQ4_NL's values are signed, so
+//! its products are taken as `|v| · (a · sign v)` (exact: `a`
 //! is never −128), pairs ≤ 2 · 127 · 127 < 2¹⁵.
 
 use super::q4_0::{LANES, tree4};
@@ -139,7 +142,8 @@ pub mod avx2 {
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
     //! run time), `w` whole blocks of its format and `x` of `w`'s length in
     //! elements (`w.len() / block bytes × 32` quants, one scale and one sum
-    //! per block).
+    //! per block, and `x.split` filled as [`Q8Activation::quantize`] does:
+    //! the kernels read the quants there).
     //!
     //! Blocks are taken 8 at a time (the last group masked: its missing
     //! blocks give sums, scales and so terms of +0, which leave a lane's
@@ -149,7 +153,7 @@ pub mod avx2 {
 
     use super::Q8Activation;
     use crate::quant::{
-        IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES, QK,
+        IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES,
     };
 
     /// Byte offsets of 8 consecutive blocks of `size` bytes.
@@ -163,86 +167,116 @@ pub mod avx2 {
         o
     }
 
-    /// The 32 nibble codes of the 16 bytes at `p`, in element order.
+    /// A format's layout and fold (trait constants and methods rather
+    /// than closures: `#[inline(always)]` puts them into the
+    /// `target_feature` kernels, where a closure left out of line would
+    /// call every intrinsic).
+    trait Format {
+        /// Bytes of a block.
+        const SIZE: usize;
+        /// Where a block's 16 bytes of nibbles lie.
+        const QS: usize;
+        /// Where a Q5 block's fifth bits (a little-endian u32) lie.
+        const QH: Option<usize>;
+        /// Whether codes index [`IQ4_NL_VALUES`] (signed values).
+        const TABLE: bool;
+        /// A group's terms added into the 4 accumulator lanes.
+        unsafe fn fold(acc: __m128, g: Group) -> __m128;
+    }
+
+    /// Two blocks' integer sums of `code · a` (or `v · a`), 4 partial sums
+    /// each: lanes 0–3 block `a`'s, lanes 4–7 block `b`'s (0 where `b` is
+    /// `None`). `xlo` and `xhi`: the 32 bytes of `x.split` holding the two
+    /// blocks' first 16 quants, and their last 16.
+    ///
+    /// The nibbles of both blocks are one register (low nibbles: elements
+    /// 0–15 of each, high: 16–31), so the activation's split layout pairs
+    /// with them without a shuffle. `maddubs` pairs are ≤ 2 · 31 · 127, two
+    /// of them added in 16 bits ≤ 15748; the table's (≤ 2 · 127 · 127)
+    /// are widened first.
     #[inline(always)]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        // SAFETY: 16 bytes at `p` (caller); register arithmetic under the
-        // module's guarantee.
+    unsafe fn pair<F: Format>(
+        a: *const u8,
+        b: Option<*const u8>,
+        xlo: *const i8,
+        xhi: *const i8,
+    ) -> __m256i {
+        // SAFETY: whole blocks at `a` and `b` (caller), 32 bytes at `xlo`
+        // and `xhi`; register arithmetic under the module's guarantee.
         unsafe {
-            let raw = _mm_loadu_si128(p as *const __m128i);
-            let low = _mm_set1_epi8(0x0f);
-            _mm256_set_m128i(
-                _mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                _mm_and_si128(raw, low),
-            )
+            let la = _mm_loadu_si128(a.add(F::QS) as *const __m128i);
+            let lb = match b {
+                Some(b) => _mm_loadu_si128(b.add(F::QS) as *const __m128i),
+                None => _mm_setzero_si128(),
+            };
+            let raw = _mm256_set_m128i(lb, la);
+            let m4 = _mm256_set1_epi8(0x0f);
+            let mut lo = _mm256_and_si256(raw, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+            if let Some(at) = F::QH {
+                let bits = |p: *const u8| {
+                    i32::from_le_bytes(std::ptr::read_unaligned(p.add(at) as *const [u8; 4]))
+                };
+                let hb = b.map_or(0, bits);
+                // Each 128-bit half: its block's qh in its low 32 bits.
+                let qh = _mm256_setr_epi32(bits(a), 0, 0, 0, hb, 0, 0, 0);
+                // Byte e of a half takes byte e / 8 of its qh (0, 1 for the
+                // low nibbles' elements 0–15, 2, 3 for 16–31), keeps bit
+                // e mod 8 and becomes 0x10 where it is set.
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                let sixteen = _mm256_set1_epi8(0x10);
+                let fifth = |sel: __m256i| {
+                    let spread = _mm256_shuffle_epi8(qh, sel);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                    _mm256_and_si256(set, sixteen)
+                };
+                lo = _mm256_or_si256(
+                    lo,
+                    fifth(_mm256_setr_epi8(
+                        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1,
+                        1, 1, 1, 1, 1, 1, 1,
+                    )),
+                );
+                hi = _mm256_or_si256(
+                    hi,
+                    fifth(_mm256_setr_epi8(
+                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                        3, 3, 3, 3, 3, 3, 3,
+                    )),
+                );
+            }
+            let xl = _mm256_loadu_si256(xlo as *const __m256i);
+            let xh = _mm256_loadu_si256(xhi as *const __m256i);
+            let ones = _mm256_set1_epi16(1);
+            if F::TABLE {
+                let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    IQ4_NL_VALUES.as_ptr() as *const __m128i
+                ));
+                // Codes < 16: the shuffle looks each up in the table; the
+                // products as |v| · (a · sign v).
+                let prod = |codes: __m256i, x: __m256i| {
+                    let v = _mm256_shuffle_epi8(table, codes);
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v));
+                    _mm256_madd_epi16(p, ones)
+                };
+                _mm256_add_epi32(prod(lo, xl), prod(hi, xh))
+            } else {
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                _mm256_madd_epi16(p, ones)
+            }
         }
     }
 
-    /// Byte `e` of the result: 0x10 where bit `e` of the little-endian u32
-    /// at `p` is set, else 0 (the fifth bits of a Q5 block's codes).
+    /// The 8 blocks' sums, in block order, from 4 [`pair`] results of
+    /// blocks (0, 1), (2, 3), (4, 5), (6, 7).
     #[inline(always)]
-    unsafe fn fifth_bits(p: *const u8) -> __m256i {
-        // SAFETY: 4 bytes at `p` (caller); register arithmetic under the
-        // module's guarantee.
-        unsafe {
-            let qh = i32::from_le_bytes(std::ptr::read_unaligned(p as *const [u8; 4]));
-            // Byte e takes byte e / 8 of qh (each 128-bit half holds all 4).
-            let spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32(qh),
-                _mm256_setr_epi8(
-                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                    3, 3, 3, 3, 3, 3,
-                ),
-            );
-            // ... and keeps its bit e mod 8.
-            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
-        }
-    }
-
-    /// One block's 8 lane sums of `code · a` (unsigned codes ≤ 31).
-    #[inline(always)]
-    unsafe fn lanes_unsigned(codes: __m256i, q: *const i8) -> __m256i {
-        // SAFETY: 32 quants at `q` (caller); register arithmetic under the
-        // module's guarantee.
-        unsafe {
-            let xq = _mm256_loadu_si256(q as *const __m256i);
-            _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1))
-        }
-    }
-
-    /// One block's 8 lane sums of `v · a` for signed `v` (|v| ≤ 127), as
-    /// `|v| · (a · sign v)`.
-    #[inline(always)]
-    unsafe fn lanes_signed(v: __m256i, q: *const i8) -> __m256i {
-        // SAFETY: 32 quants at `q` (caller); register arithmetic under the
-        // module's guarantee.
-        unsafe {
-            let xq = _mm256_loadu_si256(q as *const __m256i);
-            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xq, v));
-            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-        }
-    }
-
-    /// Lane `i` of the result: the sum of `v[i]`'s 8 lanes.
-    #[inline(always)]
-    unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    unsafe fn reduce8(v: &[__m256i; 4]) -> __m256i {
         // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
-            let h = [
-                _mm256_hadd_epi32(v[0], v[1]),
-                _mm256_hadd_epi32(v[2], v[3]),
-                _mm256_hadd_epi32(v[4], v[5]),
-                _mm256_hadd_epi32(v[6], v[7]),
-            ];
-            // Each 128-bit half: the half-sums of 4 consecutive vectors.
-            let a = _mm256_hadd_epi32(h[0], h[1]);
-            let b = _mm256_hadd_epi32(h[2], h[3]);
-            _mm256_add_epi32(
-                _mm256_permute2x128_si256::<0x20>(a, b),
-                _mm256_permute2x128_si256::<0x31>(a, b),
-            )
+            // Halves: (0, 2, 4, 6) and (1, 3, 5, 7).
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
         }
     }
 
@@ -269,20 +303,8 @@ pub mod avx2 {
         bsums8: __m256i,
     }
 
-    /// A format's part of the walk (trait methods rather than closures:
-    /// `#[inline(always)]` puts them into the `target_feature` kernels,
-    /// where a closure left out of line would call every intrinsic).
-    trait Format {
-        /// Bytes of a block.
-        const SIZE: usize;
-        /// One block's 8 lane sums (a block at `blk`, its quants at `q`).
-        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i;
-        /// A group's terms added into the 4 accumulator lanes.
-        unsafe fn fold(acc: __m128, g: Group) -> __m128;
-    }
-
-    /// Blocks `c..c + n` (n ≤ 8, `mask` set in lanes `< n`) of a row at
-    /// `wp`.
+    /// Blocks `c..c + n` (`c` a multiple of 8, n ≤ 8, `mask` set in
+    /// lanes `< n`) of a row at `wp`.
     #[inline(always)]
     unsafe fn group<F: Format>(
         wp: *const u8,
@@ -293,13 +315,17 @@ pub mod avx2 {
         offsets: __m256i,
     ) -> Group {
         // SAFETY: blocks c..c + n are in the row and the activation
-        // (caller); the masked loads and the gather touch only those.
+        // (caller), and `x.split` holds their groups of 4 (module docs);
+        // the masked loads and the gather touch only those.
         unsafe {
-            let qp = x.quants.as_ptr();
-            let mut v = [_mm256_setzero_si256(); 8];
-            for (i, vi) in v.iter_mut().enumerate().take(n) {
-                let b = c + i;
-                *vi = F::lanes(wp.add(b * F::SIZE), qp.add(b * QK));
+            let sp = x.split.as_ptr();
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (p, vp) in v.iter_mut().enumerate().take(n.div_ceil(2)) {
+                let b = c + 2 * p;
+                let second = (2 * p + 1 < n).then(|| wp.add((b + 1) * F::SIZE));
+                // Split group b / 4: pairs at 0 and 32, last halves 64 on.
+                let at = b / 4 * 128 + 32 * (p % 2);
+                *vp = pair::<F>(wp.add(b * F::SIZE), second, sp.add(at), sp.add(at + 64));
             }
             Group {
                 sums: reduce8(&v),
@@ -426,11 +452,9 @@ pub mod avx2 {
 
     impl Format for Q41 {
         const SIZE: usize = Q4_1_BLOCK_BYTES;
-        #[inline(always)]
-        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
-            // SAFETY: a whole block at `blk`: 16 bytes of nibbles at 4.
-            unsafe { lanes_unsigned(nibbles(blk.add(4)), q) }
-        }
+        const QS: usize = 4;
+        const QH: Option<usize> = None;
+        const TABLE: bool = false;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
@@ -440,15 +464,9 @@ pub mod avx2 {
 
     impl Format for Q51 {
         const SIZE: usize = Q5_1_BLOCK_BYTES;
-        #[inline(always)]
-        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
-            // SAFETY: a whole block at `blk`: `qh` at 4, 16 bytes of
-            // nibbles at 8.
-            unsafe {
-                let codes = _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4)));
-                lanes_unsigned(codes, q)
-            }
-        }
+        const QS: usize = 8;
+        const QH: Option<usize> = Some(4);
+        const TABLE: bool = false;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
@@ -458,15 +476,9 @@ pub mod avx2 {
 
     impl Format for Q50 {
         const SIZE: usize = Q5_0_BLOCK_BYTES;
-        #[inline(always)]
-        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
-            // SAFETY: a whole block at `blk`: `qh` at 2, 16 bytes of
-            // nibbles at 6.
-            unsafe {
-                let codes = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
-                lanes_unsigned(codes, q)
-            }
-        }
+        const QS: usize = 6;
+        const QH: Option<usize> = Some(2);
+        const TABLE: bool = false;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
@@ -481,19 +493,9 @@ pub mod avx2 {
 
     impl Format for Iq4Nl {
         const SIZE: usize = IQ4_NL_BLOCK_BYTES;
-        #[inline(always)]
-        unsafe fn lanes(blk: *const u8, q: *const i8) -> __m256i {
-            // SAFETY: a whole block at `blk`: 16 bytes of nibbles at 2; the
-            // table is 16 bytes.
-            unsafe {
-                let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                    IQ4_NL_VALUES.as_ptr() as *const __m128i
-                ));
-                // Codes < 16: the shuffle looks each up in the table.
-                let v = _mm256_shuffle_epi8(table, nibbles(blk.add(2)));
-                lanes_signed(v, q)
-            }
-        }
+        const QS: usize = 2;
+        const QH: Option<usize> = None;
+        const TABLE: bool = true;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
