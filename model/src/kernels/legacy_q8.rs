@@ -329,12 +329,22 @@ pub mod avx2 {
             }
             Group {
                 sums: reduce8(&v),
-                heads: _mm256_mask_i32gather_epi32::<1>(
-                    _mm256_setzero_si256(),
-                    wp.add(c * F::SIZE) as *const i32,
-                    offsets,
-                    mask,
-                ),
+                heads: if n == 8 {
+                    // Plain loads (cheaper than a gather here).
+                    let h = |i: usize| {
+                        i32::from_le_bytes(std::ptr::read_unaligned(
+                            wp.add((c + i) * F::SIZE) as *const [u8; 4]
+                        ))
+                    };
+                    _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7))
+                } else {
+                    _mm256_mask_i32gather_epi32::<1>(
+                        _mm256_setzero_si256(),
+                        wp.add(c * F::SIZE) as *const i32,
+                        offsets,
+                        mask,
+                    )
+                },
                 xd: _mm256_maskload_ps(x.scales.as_ptr().add(c), mask),
                 bsums8: _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask),
             }
