@@ -11,6 +11,7 @@
 
 pub mod dequant;
 pub mod gated;
+pub mod legacy_q8;
 pub mod low_k;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
