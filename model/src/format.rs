@@ -41,8 +41,7 @@ pub enum WeightFormat {
     /// ggml Q4_1: blocks of 32 × 4-bit with an f16 scale and an f16 min
     /// (20 bytes); see [`crate::quant::dequantize_q4_1`]. Like Q5_0 and
     /// Q5_1, what llama.cpp writes for a k-quant's tensor whose rows are
-    /// not whole 256-element super-blocks. Read only, through the exact
-    /// product.
+    /// not whole 256-element super-blocks. Read only (no quantizer).
     Q4_1,
     /// ggml Q5_0: blocks of 32 × 5-bit with an f16 scale (22 bytes).
     Q5_0,
@@ -52,7 +51,7 @@ pub enum WeightFormat {
     /// with a 4-bit scale and a 4-bit min, and f16 `d` and `dmin` (84
     /// bytes); see [`crate::quant::dequantize_q2_k`]. The bulk of
     /// llama.cpp's Q2_K files (and Q3_K_S's attention). Like Q3_K, IQ4_NL
-    /// and IQ4_XS: read only, through the exact product.
+    /// and IQ4_XS: read only (no quantizer).
     #[serde(rename = "q2_k")]
     Q2K,
     /// ggml Q3_K: super-blocks of 256 × 3-bit in 16 sub-blocks with a

@@ -131,6 +131,10 @@ pub struct KernelSet {
     pub dot_q4_k_q8: fn(&[u8], &Q8Activation) -> f32,
     /// A Q5_K row against one activation ([`q4_k`]).
     pub dot_q5_k_q8: fn(&[u8], &Q8Activation) -> f32,
+    /// A row of a format without a field of its own above (Q4_1, Q5_0,
+    /// Q5_1, IQ4_NL: [`legacy_q8`]; Q2_K, Q3_K, IQ4_XS: [`low_k`]) against
+    /// one activation: `(format, row, x)`.
+    pub dot_more_q8: fn(WeightFormat, &[u8], &Q8Activation) -> f32,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
     pub dot_q8_0_q8_multi: MultiDot,
@@ -148,9 +152,10 @@ pub struct KernelSet {
     /// identical to `dot_q4_0_tile`'s; `None` takes the tokens one by one
     /// (`COLIBRI_TILE_TOKENS=1` forces that).
     pub dot_q4_0_tiles: Option<TilesDot>,
-    /// Matrix products over Q8_0/Q4_0 weights quantize their input to
-    /// 8-bit blocks and use the integer kernels (the default); false keeps
-    /// the exact dequantize-then-multiply kernels (`COLIBRI_EXACT_QUANT=1`).
+    /// Matrix products over block-quantized weights (every ggml format)
+    /// quantize their input to 8-bit blocks and use the integer kernels
+    /// (the default); false keeps the exact dequantize-then-multiply
+    /// kernels (`COLIBRI_EXACT_QUANT=1`).
     pub int_activations: bool,
     /// Activations are quantized with the AVX2 quantizer (same results as
     /// the scalar one).
@@ -283,6 +288,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q6_k_q8: q6_k::dot_q6_k_q8,
     dot_q4_k_q8: q4_k::dot_q4_k_q8,
     dot_q5_k_q8: q4_k::dot_q5_k_q8,
+    dot_more_q8,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
@@ -360,6 +366,34 @@ mod avx2_wrappers {
     pub fn dot_q5_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         k4_lengths(w.len() / crate::quant::Q5_K_BLOCK_BYTES, x);
         unsafe { super::q4_k::avx2::dot_q5_k_q8(w, x) }
+    }
+    /// Also checks that `w` is whole blocks and `x` of its length (its
+    /// split quants included), which the kernels' contract asks for.
+    pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) -> f32 {
+        use super::WeightFormat;
+        use super::{legacy_q8::avx2 as legacy, low_k::avx2 as low};
+        let (elements, bytes) = super::more_q8_block(f);
+        assert!(w.len().is_multiple_of(bytes), "whole blocks");
+        let blocks = w.len() / bytes * elements / crate::quant::QK;
+        assert!(
+            x.quants.len() >= blocks * crate::quant::QK
+                && x.scales.len() >= blocks
+                && x.bsums8.len() >= blocks
+                && x.split.len() >= blocks.div_ceil(4) * 128,
+            "an activation of the row's length"
+        );
+        unsafe {
+            match f {
+                WeightFormat::Q4_1 => legacy::dot_q4_1_q8(w, x),
+                WeightFormat::Q5_0 => legacy::dot_q5_0_q8(w, x),
+                WeightFormat::Q5_1 => legacy::dot_q5_1_q8(w, x),
+                WeightFormat::Iq4Nl => legacy::dot_iq4_nl_q8(w, x),
+                WeightFormat::Q2K => low::dot_q2_k_q8(w, x),
+                WeightFormat::Q3K => low::dot_q3_k_q8(w, x),
+                WeightFormat::Iq4Xs => low::dot_iq4_xs_q8(w, x),
+                other => panic!("{other:?} has a kernel of its own"),
+            }
+        }
     }
     fn k4_lengths(supers: usize, x: &super::Q8Activation) {
         let blocks = supers * crate::quant::QK_K / crate::quant::QK;
@@ -475,6 +509,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q6_k_q8: avx2_wrappers::dot_q6_k_q8,
     dot_q4_k_q8: avx2_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: avx2_wrappers::dot_q5_k_q8,
+    dot_more_q8: avx2_wrappers::dot_more_q8,
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
@@ -702,6 +737,8 @@ pub const NEON: KernelSet = KernelSet {
     dot_q6_k_q8: neon_wrappers::dot_q6_k_q8,
     dot_q4_k_q8: neon_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: neon_wrappers::dot_q5_k_q8,
+    // No NEON forms yet: the scalar references (same bits).
+    dot_more_q8,
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -770,7 +807,7 @@ pub fn has_neon_dotprod() -> bool {
 
 static EXACT_QUANT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Makes Q8_0/Q4_0 matrix products dequantize exactly instead of
+/// Makes block-quantized matrix products dequantize exactly instead of
 /// quantizing their input to 8-bit blocks (slower; bit-identical to the
 /// dequantized f32 model). Call before the first kernel runs (the CLI's
 /// `--exact-quant`); `COLIBRI_EXACT_QUANT=1` does the same.
@@ -1172,7 +1209,45 @@ fn int_format(f: WeightFormat) -> bool {
             | WeightFormat::Q6K
             | WeightFormat::Q4K
             | WeightFormat::Q5K
+    ) || more_q8(f)
+}
+
+/// Whether `f`'s integer products go through [`KernelSet::dot_more_q8`].
+fn more_q8(f: WeightFormat) -> bool {
+    matches!(
+        f,
+        WeightFormat::Q4_1
+            | WeightFormat::Q5_0
+            | WeightFormat::Q5_1
+            | WeightFormat::Iq4Nl
+            | WeightFormat::Q2K
+            | WeightFormat::Q3K
+            | WeightFormat::Iq4Xs
     )
+}
+
+/// Elements and bytes of one block of a [`more_q8`] format.
+fn more_q8_block(f: WeightFormat) -> (usize, usize) {
+    let elements = if f.super_block_bytes() > 0 {
+        quant::QK_K
+    } else {
+        QK
+    };
+    (elements, f.row_bytes(elements).unwrap_or(0))
+}
+
+/// The scalar references of [`KernelSet::dot_more_q8`], by format.
+pub fn dot_more_q8(f: WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
+    match f {
+        WeightFormat::Q4_1 => legacy_q8::dot_q4_1_q8(w, x),
+        WeightFormat::Q5_0 => legacy_q8::dot_q5_0_q8(w, x),
+        WeightFormat::Q5_1 => legacy_q8::dot_q5_1_q8(w, x),
+        WeightFormat::Iq4Nl => legacy_q8::dot_iq4_nl_q8(w, x),
+        WeightFormat::Q2K => low_k::dot_q2_k_q8(w, x),
+        WeightFormat::Q3K => low_k::dot_q3_k_q8(w, x),
+        WeightFormat::Iq4Xs => low_k::dot_iq4_xs_q8(w, x),
+        other => panic!("{other:?} has a kernel of its own"),
+    }
 }
 
 impl Input<'_> {}
@@ -1191,6 +1266,10 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
                 WeightFormat::Q8_0 => {
                     let rb = blocks * Q8_0_BLOCK_BYTES;
                     (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
+                }
+                f if more_q8(f) => {
+                    let rb = bytes.len() / w.rows;
+                    (k.dot_more_q8)(f, &bytes[r * rb..(r + 1) * rb], a)
                 }
                 WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
                     let rb = w.cols / quant::QK_K * w.format.super_block_bytes();

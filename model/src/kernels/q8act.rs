@@ -15,8 +15,9 @@
 //! AVX2 agree bit for bit, which the tests check.
 //!
 //! Quantizing the activation is a (small) approximation of the exact
-//! dequantize-then-multiply product, as in llama.cpp; it applies only to
-//! Q8_0/Q4_0 weights, identically in every tier.
+//! dequantize-then-multiply product, as in llama.cpp; it applies to every
+//! block-quantized format (unless `--exact-quant`), identically in every
+//! tier.
 
 use crate::format::f16_to_f32;
 use crate::quant::{Q8_0_BLOCK_BYTES, QK};
