@@ -63,46 +63,74 @@ fn min_term(d: f32, m: f32, xd: f32, a: i32, s: i32) -> f32 {
 /// elements 0..16, the high ones 16..32.
 #[inline(always)]
 fn nibbles(qs: &[u8]) -> [u8; QK] {
-    std::array::from_fn(|e| {
-        let q = qs[e % (QK / 2)];
-        if e < QK / 2 { q & 0x0f } else { q >> 4 }
-    })
+    let mut c = [0; QK];
+    for (i, &q) in qs[..QK / 2].iter().enumerate() {
+        c[i] = q & 0x0f;
+        c[i + QK / 2] = q >> 4;
+    }
+    c
 }
 
 /// The 5-bit codes of a Q5_0/Q5_1 block: nibble `e` under bit `e` of the
-/// little-endian `qh` at `at`, nibbles at `at + 4`.
+/// little-endian `qh` at `at` (bit `e % 8` of its byte `e / 8`), nibbles
+/// at `at + 4`.
 #[inline(always)]
 fn five_bit_codes(blk: &[u8], at: usize) -> [u8; QK] {
-    let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-    let low = nibbles(&blk[at + 4..at + 4 + QK / 2]);
-    std::array::from_fn(|e| low[e] | ((((qh >> e) & 1) as u8) << 4))
+    let qh = &blk[at..at + 4];
+    let mut c = nibbles(&blk[at + 4..at + 4 + QK / 2]);
+    for (e, c) in c.iter_mut().enumerate() {
+        *c |= ((qh[e / 8] >> (e % 8)) & 1) << 4;
+    }
+    c
 }
 
-/// `Σ v·a` over a block, exactly.
+/// `Σ v·a` over a block, exactly: every product fits an i16
+/// (|v·a| ≤ 127 · 127) and is summed into one of 8 i32 lanes, the shape of
+/// the baseline SIMD's 16-bit multiplies (SSE2, NEON), which LLVM then
+/// uses.
 #[inline(always)]
-fn block_dot(v: &[i32; QK], a: &[i8]) -> i32 {
-    v.iter().zip(a).map(|(&v, &a)| v * a as i32).sum()
+fn block_dot<V: Copy + Into<i16>>(v: &[V; QK], a: &[i8; QK]) -> i32 {
+    let mut lanes = [0i32; 8];
+    for e in 0..QK {
+        lanes[e % 8] += i32::from(v[e].into() * i16::from(a[e]));
+    }
+    lanes.iter().sum()
 }
 
-/// The formats with a min: `codes` gives a block's codes (0..=31).
-fn dot_with_min(w: &[u8], x: &Q8Activation, size: usize, codes: fn(&[u8]) -> [u8; QK]) -> f32 {
+/// The formats with a min (blocks of `SIZE` bytes): `codes` gives a
+/// block's codes (0..=31).
+#[inline(always)]
+fn dot_with_min<const SIZE: usize>(
+    w: &[u8],
+    x: &Q8Activation,
+    codes: impl Fn(&[u8; SIZE]) -> [u8; QK],
+) -> f32 {
+    let (blocks, _) = w.as_chunks::<SIZE>();
+    let (quants, _) = x.quants[..blocks.len() * QK].as_chunks::<QK>();
     let mut acc = [0.0f32; LANES];
-    for (b, blk) in w.chunks_exact(size).enumerate() {
+    for (b, (blk, q)) in blocks.iter().zip(quants).enumerate() {
         let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
-        let c = codes(blk).map(i32::from);
-        let a = block_dot(&c, &x.quants[b * QK..(b + 1) * QK]);
+        let a = block_dot(&codes(blk), q);
         let s = x.bsums8[b] / 8;
         acc[b % LANES] += min_term(d, m, x.scales[b], a, s);
     }
     tree4(acc)
 }
 
-/// The formats without a min: `values` gives a block's signed values.
-fn dot_signed(w: &[u8], x: &Q8Activation, size: usize, values: fn(&[u8]) -> [i32; QK]) -> f32 {
+/// The formats without a min (blocks of `SIZE` bytes): `values` gives a
+/// block's signed values.
+#[inline(always)]
+fn dot_signed<const SIZE: usize>(
+    w: &[u8],
+    x: &Q8Activation,
+    values: impl Fn(&[u8; SIZE]) -> [i8; QK],
+) -> f32 {
+    let (blocks, _) = w.as_chunks::<SIZE>();
+    let (quants, _) = x.quants[..blocks.len() * QK].as_chunks::<QK>();
     let mut acc = [0.0f32; LANES];
-    for (b, blk) in w.chunks_exact(size).enumerate() {
+    for (b, (blk, q)) in blocks.iter().zip(quants).enumerate() {
         let d = f16_at(blk, 0) * x.scales[b];
-        let s = block_dot(&values(blk), &x.quants[b * QK..(b + 1) * QK]);
+        let s = block_dot(&values(blk), q);
         acc[b % LANES] = d.mul_add(s as f32, acc[b % LANES]);
     }
     tree4(acc)
@@ -111,28 +139,38 @@ fn dot_signed(w: &[u8], x: &Q8Activation, size: usize, values: fn(&[u8]) -> [i32
 /// Scalar reference: a Q4_1 row (`n/32` blocks of 20 bytes: f16 `d`, f16
 /// `m`, 16 bytes of nibbles) · activation.
 pub fn dot_q4_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    dot_with_min(w, x, Q4_1_BLOCK_BYTES, |blk| nibbles(&blk[4..]))
+    dot_with_min::<Q4_1_BLOCK_BYTES>(w, x, |blk| nibbles(&blk[4..]))
 }
 
 /// Scalar reference: a Q5_1 row (`n/32` blocks of 24 bytes: f16 `d`, f16
 /// `m`, `qh`, 16 bytes of nibbles) · activation.
 pub fn dot_q5_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    dot_with_min(w, x, Q5_1_BLOCK_BYTES, |blk| five_bit_codes(blk, 4))
+    dot_with_min::<Q5_1_BLOCK_BYTES>(w, x, |blk| five_bit_codes(blk, 4))
 }
 
 /// Scalar reference: a Q5_0 row (`n/32` blocks of 22 bytes: f16 `d`,
 /// `qh`, 16 bytes of nibbles) · activation.
 pub fn dot_q5_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    dot_signed(w, x, Q5_0_BLOCK_BYTES, |blk| {
-        five_bit_codes(blk, 2).map(|q| i32::from(q) - 16)
+    dot_signed::<Q5_0_BLOCK_BYTES>(w, x, |blk| {
+        let q = five_bit_codes(blk, 2);
+        let mut v = [0; QK];
+        for e in 0..QK {
+            v[e] = q[e] as i8 - 16;
+        }
+        v
     })
 }
 
 /// Scalar reference: an IQ4_NL row (`n/32` blocks of 18 bytes: f16 `d`,
 /// 16 bytes of nibbles indexing [`IQ4_NL_VALUES`]) · activation.
 pub fn dot_iq4_nl_q8(w: &[u8], x: &Q8Activation) -> f32 {
-    dot_signed(w, x, IQ4_NL_BLOCK_BYTES, |blk| {
-        nibbles(&blk[2..]).map(|q| i32::from(IQ4_NL_VALUES[usize::from(q)]))
+    dot_signed::<IQ4_NL_BLOCK_BYTES>(w, x, |blk| {
+        let mut v = [0; QK];
+        for (i, &q) in blk[2..2 + QK / 2].iter().enumerate() {
+            v[i] = IQ4_NL_VALUES[usize::from(q & 0x0f)];
+            v[i + QK / 2] = IQ4_NL_VALUES[usize::from(q >> 4)];
+        }
+        v
     })
 }
 
