@@ -28,8 +28,10 @@
 //!   (|A_b| ≤ 32·32·127·127 = 16 516 096 < 2²⁴: exact in f32); `lane =
 //!   fma(d·x.d_b, A_b, lane)`: two roundings.
 //!
-//! The scalar `dot_*_q8` functions are the references; the AVX2 kernels
-//! ([`avx2`]) give their bits: the integers are exact whichever way they
+//! The scalar `dot_*_q8` functions are the references (a block's codes
+//! decoded into an array first, so that the integer products vectorize
+//! with the baseline SIMD, SSE2 or NEON); the AVX2 kernels ([`avx2`])
+//! give their bits: the integers are exact whichever way they
 //! are summed, and the f32 operations are the same ones in the same order.
 
 use super::q4_0::{LANES, tree4};
@@ -53,31 +55,55 @@ fn f16_at(blk: &[u8], at: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]))
 }
 
-/// The 2-bit code of element `e` (< 256) of a Q2_K/Q3_K super-block from
-/// its 64 code bytes `qs`: each half of 128 elements takes 32 bytes,
-/// element `l + 32s` of a half (l < 32, s < 4) bits `2s, 2s + 1` of byte
-/// `l` (ggml's layout: block `k` of 32 is byte `32·(k / 4) + l` shifted by
-/// `2·(k mod 4)`).
+/// The 2-bit codes of block `k` (< 8) of a Q2_K/Q3_K super-block, from
+/// its 64 code bytes `qs`: each half of 128 elements (4 blocks) takes 32
+/// bytes, element `l` (< 32) of block `k` bits `2·(k mod 4)`, `2·(k mod
+/// 4) + 1` of byte `32·(k / 4) + l` (ggml's layout).
 #[inline(always)]
-fn two_bit(qs: &[u8], e: usize) -> i32 {
-    i32::from((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3)
+fn two_bits(qs: &[u8], k: usize) -> [i8; QK] {
+    let bytes = &qs[QK * (k / 4)..][..QK];
+    let shift = 2 * (k % 4);
+    let mut codes = [0i8; QK];
+    for (c, &byte) in codes.iter_mut().zip(bytes) {
+        *c = ((byte >> shift) & 3) as i8;
+    }
+    codes
 }
 
-/// The Q3_K code (−4..=3) of element `e` of a super-block: its 2-bit code,
-/// less 4 unless bit `e / 32` of `hmask[e mod 32]` is set.
+/// The Q3_K codes (−4..=3) of block `k` of a super-block: its 2-bit
+/// codes, less 4 unless bit `k` of the element's byte of `hmask` (the
+/// super-block's first 32 bytes, one per element `l` of a block) is set.
 #[inline(always)]
-fn q3_code(blk: &[u8], e: usize) -> i32 {
-    let high = i32::from((blk[e % 32] >> (e / 32)) & 1);
-    two_bit(&blk[Q3_K_QS..], e) - 4 * (1 - high)
+fn q3_codes(blk: &[u8], k: usize) -> [i8; QK] {
+    let mut codes = two_bits(&blk[Q3_K_QS..], k);
+    for (c, &hmask) in codes.iter_mut().zip(&blk[..QK]) {
+        let high = ((hmask >> k) & 1) as i8;
+        *c -= 4 * (1 - high);
+    }
+    codes
 }
 
-/// `Σ code(l) · q[l]` and `Σ q[l]` over the 16 elements of a sub-block.
+/// `Σ code[l] · q[l]` (codes and quants of the same length; exact in i32
+/// for the lengths and codes here, whatever the order of the sum).
 #[inline(always)]
-fn sub_sums(code: impl Fn(usize) -> i32, q: &[i8]) -> (i32, i32) {
-    (0..SUB).fold((0, 0), |(s, t), l| {
-        (s + code(l) * i32::from(q[l]), t + i32::from(q[l]))
-    })
+fn dot(codes: &[i8], q: &[i8]) -> i32 {
+    codes
+        .iter()
+        .zip(q)
+        .map(|(&c, &a)| i32::from(c) * i32::from(a))
+        .sum()
 }
+
+/// [`IQ4_NL_VALUES`] of a byte's low and high nibbles, for every byte.
+const IQ4_PAIRS: [[i8; 2]; 256] = {
+    let mut pairs = [[0i8; 2]; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        pairs[byte] = [IQ4_NL_VALUES[byte & 0x0f], IQ4_NL_VALUES[byte >> 4]];
+        byte += 1;
+    }
+    pairs
+};
 
 /// Scalar reference: a Q2_K row (`n/256` super-blocks of 84 bytes) ·
 /// activation.
@@ -88,14 +114,15 @@ pub fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let qs = &blk[Q2_K_QS..Q2_K_D];
         for k in 0..BLOCKS {
             let b = i * BLOCKS + k;
+            let codes = two_bits(qs, k);
+            let q = &x.quants[b * QK..][..QK];
             let (mut a, mut s) = (0i32, 0i32);
             for h in 0..2 {
                 let j = 2 * k + h;
                 let (sc, m) = (i32::from(blk[j] & 0x0f), i32::from(blk[j] >> 4));
-                let q = &x.quants[b * QK + SUB * h..][..SUB];
-                let (dot, sum) = sub_sums(|l| two_bit(qs, SUB * j + l), q);
-                a += sc * dot;
-                s += m * sum;
+                let (c, q) = (&codes[SUB * h..][..SUB], &q[SUB * h..][..SUB]);
+                a += sc * dot(c, q);
+                s += m * q.iter().map(|&a| i32::from(a)).sum::<i32>();
             }
             acc[b % LANES] += term(d, dmin, x.scales[b], a, s);
         }
@@ -112,11 +139,12 @@ pub fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
         let scales = &blk[Q3_K_SCALES..Q3_K_D];
         for k in 0..BLOCKS {
             let b = i * BLOCKS + k;
+            let codes = q3_codes(blk, k);
+            let q = &x.quants[b * QK..][..QK];
             let mut a = 0i32;
             for h in 0..2 {
-                let j = 2 * k + h;
-                let q = &x.quants[b * QK + SUB * h..][..SUB];
-                a += q3_k_scale(scales, j) * sub_sums(|l| q3_code(blk, SUB * j + l), q).0;
+                let (c, q) = (&codes[SUB * h..][..SUB], &q[SUB * h..][..SUB]);
+                a += q3_k_scale(scales, 2 * k + h) * dot(c, q);
             }
             acc[b % LANES] = (d * x.scales[b]).mul_add(a as f32, acc[b % LANES]);
         }
@@ -130,20 +158,22 @@ pub fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
     let mut acc = [0.0f32; LANES];
     for (i, blk) in w.chunks_exact(IQ4_XS_BLOCK_BYTES).enumerate() {
         let d = f16_at(blk, 0);
+        // Block k's 16 bytes: element l in the low nibble of byte l,
+        // element l + 16 in its high one. The whole super-block's values
+        // first: decoded a block at a time, LLVM folds the lookups into
+        // the products and leaves them scalar.
+        let mut values = [0i8; QK_K];
+        let qs = blk[IQ4_XS_QS..].chunks_exact(QK / 2);
+        for (v, qs) in values.chunks_exact_mut(QK).zip(qs) {
+            let (lo, hi) = v.split_at_mut(QK / 2);
+            for ((lo, hi), &byte) in lo.iter_mut().zip(hi).zip(qs) {
+                [*lo, *hi] = IQ4_PAIRS[usize::from(byte)];
+            }
+        }
         for k in 0..BLOCKS {
             let b = i * BLOCKS + k;
             let q = &x.quants[b * QK..][..QK];
-            let qs = &blk[IQ4_XS_QS + k * QK / 2..][..QK / 2];
-            // Byte l: element l in its low nibble, element l + 16 in its
-            // high one.
-            let dot: i32 = (0..QK / 2)
-                .map(|l| {
-                    let lo = i32::from(IQ4_NL_VALUES[usize::from(qs[l] & 0x0f)]);
-                    let hi = i32::from(IQ4_NL_VALUES[usize::from(qs[l] >> 4)]);
-                    lo * i32::from(q[l]) + hi * i32::from(q[l + QK / 2])
-                })
-                .sum();
-            let a = iq4_xs_scale(blk, k) * dot;
+            let a = iq4_xs_scale(blk, k) * dot(&values[QK * k..][..QK], q);
             acc[b % LANES] = (d * x.scales[b]).mul_add(a as f32, acc[b % LANES]);
         }
     }
@@ -595,7 +625,7 @@ mod tests {
                     let blk = &w[e / QK_K * Q2_K_BLOCK_BYTES..][..Q2_K_BLOCK_BYTES];
                     let j = e % QK_K / SUB;
                     let (sc, m) = (f64::from(blk[j] & 0x0f), f64::from(blk[j] >> 4));
-                    let q = f64::from(two_bit(&blk[Q2_K_QS..], e % QK_K));
+                    let q = f64::from(two_bits(&blk[Q2_K_QS..], e % QK_K / QK)[e % QK]);
                     let (d, dmin) = (f16_at(blk, Q2_K_D), f16_at(blk, Q2_K_D + 2));
                     (d as f64 * sc * q).abs() + (dmin as f64 * m).abs()
                 }
