@@ -1226,7 +1226,9 @@ fn more_q8(f: WeightFormat) -> bool {
     )
 }
 
-/// Elements and bytes of one block of a [`more_q8`] format.
+/// Elements and bytes of one block of a [`more_q8`] format (the vector
+/// kernels' contract checks).
+#[cfg(target_arch = "x86_64")]
 fn more_q8_block(f: WeightFormat) -> (usize, usize) {
     let elements = if f.super_block_bytes() > 0 {
         quant::QK_K
