@@ -35,11 +35,10 @@ use std::path::{Path, PathBuf};
 
 use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
-use colibri_model::kernels::{self, dot_row, row_to_f32};
+use colibri_model::kernels::row_to_f32;
 use colibri_model::quant;
 use colibri_model::source::gguf::{GgmlType, GgufFile};
-use int_products::{Row, activations, check_row, close_to_the_twin, exact_in_a_child};
-use rand::{Rng, SeedableRng};
+use int_products::{check_exact, check_matrix, close_to_the_twin, exact_in_a_child};
 
 type Shapes = [(&'static str, usize, usize); 3];
 
@@ -273,10 +272,6 @@ fn first_difference(got: &[f32], want: &[f32]) -> Option<(usize, f32, f32)> {
         .map(|(i, (&g, &w))| (i, g, w))
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|v| v.to_bits()).collect()
-}
-
 /// The f16 scales of every block of `f`.
 fn block_scales(f: Format, tensors: &[Tensor]) -> Vec<f32> {
     let blocks = tensors.iter().flat_map(|t| t.raw.chunks_exact(f.block));
@@ -381,22 +376,11 @@ fn dequantization_equals_gguf_py_bit_for_bit() {
 
 #[test]
 fn the_exact_product_is_dot_f32_over_gguf_pys_rows() {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4700);
     for f in FORMATS {
         let (file, tensors) = open(f);
         for t in &tensors {
             let m = file.matrix(&t.name, t.rows, t.cols).unwrap();
-            let x: Vec<f32> = (0..t.cols)
-                .map(|_| rng.random_range(-2.0f32..2.0))
-                .collect();
-            for k in [&kernels::SCALAR, kernels::kernels()] {
-                for r in 0..t.rows {
-                    let want = (k.dot_f32)(&t.reference[r * t.cols..(r + 1) * t.cols], &x);
-                    let got = dot_row(k, &m, r, &x);
-                    let what = format!("{} {} row {r}", k.name, t.name);
-                    assert_eq!(got.to_bits(), want.to_bits(), "{what}");
-                }
-            }
+            check_exact(&m, &t.name, &t.reference, 4700);
         }
     }
 }
@@ -407,59 +391,14 @@ const TERM_ROUNDINGS: usize = 4;
 
 #[test]
 fn integer_products_are_within_their_bound_of_gguf_pys_rows() {
-    let pool = Pool::new(3).unwrap();
     for f in FORMATS {
         let (file, tensors) = open(f);
         for t in &tensors {
             let m = file.matrix(&t.name, t.rows, t.cols).unwrap();
-            let rb = t.raw.len() / t.rows;
-            let rows: Vec<Row<'_>> = (0..t.rows)
-                .map(|r| {
-                    let bytes = &t.raw[r * rb..(r + 1) * rb];
-                    let parts = (0..t.cols)
-                        .map(|e| {
-                            let blk = &bytes[e / f.elems * f.block..][..f.block];
-                            parts(f, blk, e % f.elems)
-                        })
-                        .collect();
-                    let values = &t.reference[r * t.cols..(r + 1) * t.cols];
-                    Row {
-                        bytes,
-                        values,
-                        parts,
-                    }
-                })
-                .collect();
-            let xs = activations(t.cols, 4900);
-            let mut want = Vec::new();
-            for (xi, x) in xs.iter().enumerate() {
-                for k in [&kernels::SCALAR, kernels::kernels()] {
-                    let (products, nonzero): (Vec<f32>, Vec<bool>) = rows
-                        .iter()
-                        .enumerate()
-                        .map(|(r, row)| {
-                            let what = format!("{} kernels, {} row {r}, x {xi}", k.name, t.name);
-                            check_row(k, f.weight, row, x, TERM_ROUNDINGS, &what)
-                        })
-                        .unzip();
-                    let n = nonzero.iter().filter(|&&v| v).count();
-                    assert!(2 * n > t.rows, "{}: {n} non-zero products", t.name);
-                    if std::ptr::eq(k, kernels::kernels()) {
-                        want.extend(products);
-                    }
-                }
-            }
-            // The pool's products take these kernels (unless the exact ones
-            // were asked for).
-            if !kernels::kernels().int_activations {
-                continue;
-            }
-            let mut y = vec![f32::NAN; t.rows];
-            kernels::matvec(&pool, &m, &xs[0], &mut y);
-            assert_eq!(bits(&y), bits(&want[..t.rows]), "{} matvec", t.name);
-            let mut y = vec![f32::NAN; xs.len() * t.rows];
-            kernels::matmul(&pool, &m, &xs.concat(), xs.len(), &mut y);
-            assert_eq!(bits(&y), bits(&want), "{} matmul", t.name);
+            let parts = |row: &[u8], e: usize| {
+                parts(f, &row[e / f.elems * f.block..][..f.block], e % f.elems)
+            };
+            check_matrix(&m, &t.name, &t.reference, parts, 4900, TERM_ROUNDINGS);
         }
     }
 }

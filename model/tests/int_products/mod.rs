@@ -3,9 +3,11 @@
 //! row's integer product against the f64 product of gguf-py's row with the
 //! quantized activation's values, and against the activation itself.
 
+use colibri_model::Pool;
 use colibri_model::format::WeightFormat;
-use colibri_model::kernels::{KernelSet, Q8Activation};
+use colibri_model::kernels::{self, KernelSet, Q8Activation};
 use colibri_model::quant::QK;
+use colibri_model::tensor::QMatrix;
 use rand::{Rng, SeedableRng};
 
 /// f32's unit roundoff.
@@ -100,6 +102,85 @@ pub fn check_row(
         "{what}: {got:e} vs the scalar reference {reference:e}"
     );
     (got, terms().any(|v| v != 0.0))
+}
+
+/// [`check_row`] on every row of `m` (named `name`; `values`, gguf-py's
+/// values of it, row-major; `parts(row, e)`, element `e`'s parts from the
+/// row's bytes) against [`activations`] of seed `seed`, with the scalar
+/// and the selected kernels; most rows must give a non-zero product. Then
+/// the pool's `matvec` and `matmul` give the selected row kernel's bits,
+/// where 8-bit activations are on.
+pub fn check_matrix(
+    m: &QMatrix,
+    name: &str,
+    values: &[f32],
+    parts: impl Fn(&[u8], usize) -> f64,
+    seed: u64,
+    term_roundings: usize,
+) {
+    let (rows, cols) = (m.rows, m.cols);
+    let raw = m.data().as_slice();
+    let rb = raw.len() / rows;
+    let rows_: Vec<Row<'_>> = (0..rows)
+        .map(|r| {
+            let bytes = &raw[r * rb..(r + 1) * rb];
+            Row {
+                bytes,
+                values: &values[r * cols..(r + 1) * cols],
+                parts: (0..cols).map(|e| parts(bytes, e)).collect(),
+            }
+        })
+        .collect();
+    let xs = activations(cols, seed);
+    let mut want = Vec::new();
+    for (xi, x) in xs.iter().enumerate() {
+        for k in [&kernels::SCALAR, kernels::kernels()] {
+            let (products, nonzero): (Vec<f32>, Vec<bool>) = rows_
+                .iter()
+                .enumerate()
+                .map(|(r, row)| {
+                    let what = format!("{} kernels, {name} row {r}, x {xi}", k.name);
+                    check_row(k, m.format, row, x, term_roundings, &what)
+                })
+                .unzip();
+            let n = nonzero.iter().filter(|&&v| v).count();
+            assert!(2 * n > rows, "{name}: {n} non-zero products");
+            if std::ptr::eq(k, kernels::kernels()) {
+                want.extend(products);
+            }
+        }
+    }
+    // The pool's products take these kernels (unless the exact ones were
+    // asked for).
+    if !kernels::kernels().int_activations {
+        return;
+    }
+    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let pool = Pool::new(3).unwrap();
+    let mut y = vec![f32::NAN; rows];
+    kernels::matvec(&pool, m, &xs[0], &mut y);
+    assert_eq!(bits(&y), bits(&want[..rows]), "{name} matvec");
+    let mut y = vec![f32::NAN; xs.len() * rows];
+    kernels::matmul(&pool, m, &xs.concat(), xs.len(), &mut y);
+    assert_eq!(bits(&y), bits(&want), "{name} matmul");
+}
+
+/// The exact product (`dot_row`, f32 input) of every row of `m` is
+/// `dot_f32` over gguf-py's row (`values`, row-major), bit for bit, with
+/// the scalar and the selected kernels.
+pub fn check_exact(m: &QMatrix, name: &str, values: &[f32], seed: u64) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<f32> = (0..m.cols)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
+    for k in [&kernels::SCALAR, kernels::kernels()] {
+        for r in 0..m.rows {
+            let want = (k.dot_f32)(&values[r * m.cols..(r + 1) * m.cols], &x);
+            let got = kernels::dot_row(k, m, r, &x);
+            let what = format!("{} {name} row {r}", k.name);
+            assert_eq!(got.to_bits(), want.to_bits(), "{what}");
+        }
+    }
 }
 
 /// Runs test `name` of this binary again with `COLIBRI_EXACT_QUANT=1`.
