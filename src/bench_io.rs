@@ -98,7 +98,7 @@ pub struct BenchIoArgs {
     /// --model: compute threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// --model: Q8_0/Q4_0 products on the exact dequantized weights, as
+    /// --model: block-quantized products on the exact dequantized weights, as
     /// `run --exact-quant` (default: 8-bit activations).
     #[arg(long)]
     pub exact_quant: bool,

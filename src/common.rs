@@ -24,9 +24,10 @@ pub struct ModelArgs {
     /// Context length cap (default: the model's max_position_embeddings).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
-    /// Q8_0/Q4_0 weights: dequantize exactly instead of quantizing each
-    /// matrix product's input to 8-bit blocks as llama.cpp does (the
-    /// default; faster, and a small approximation of the exact product).
+    /// Block-quantized weights (every ggml format): dequantize exactly
+    /// instead of quantizing each matrix product's input to 8-bit blocks
+    /// as llama.cpp does (the default; faster, and a small approximation
+    /// of the exact product).
     #[arg(long)]
     pub exact_quant: bool,
     /// RAM for routed experts, pinned and cached: 8GiB, 512MiB, 1.5G (K/M/G/T
