@@ -11,6 +11,7 @@
 
 pub mod dequant;
 pub mod gated;
+pub mod k_panels;
 pub mod legacy_q8;
 pub mod low_k;
 #[cfg(target_arch = "aarch64")]
@@ -152,6 +153,10 @@ pub struct KernelSet {
     /// identical to `dot_q4_0_tile`'s; `None` takes the tokens one by one
     /// (`COLIBRI_TILE_TOKENS=1` forces that).
     pub dot_q4_0_tiles: Option<TilesDot>,
+    /// Panels of 16 Q4_K or Q5_K rows against several tokens at once
+    /// (prefill, batched decode; [`k_panels`]), each result identical to
+    /// the row kernel's; `None` takes the tokens one by one.
+    pub dot_k_panels: Option<k_panels::PanelDot>,
     /// Matrix products over block-quantized weights (every ggml format)
     /// quantize their input to 8-bit blocks and use the integer kernels
     /// (the default); false keeps the exact dequantize-then-multiply
@@ -194,6 +199,29 @@ fn check_tile_args(tile: &[u8], blocks: usize, x: &Q8Activation) {
 fn check_tiles_args(tile: &[u8], blocks: usize, xs: &[&Q8Activation], out: &[[f32; 16]]) {
     assert!(xs.len() <= TILE_TOKENS && out.len() >= xs.len(), "tokens");
     xs.iter().for_each(|x| check_tile_args(tile, blocks, x));
+}
+
+/// What the panel kernels' safety contract asks of their arguments: a
+/// panel format, whole super-blocks, at most [`k_panels::PANEL_TOKENS`]
+/// activations of the rows' length, an output for each.
+#[cfg(target_arch = "x86_64")]
+fn check_panel_args(
+    format: WeightFormat,
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &[[f32; 16]],
+) {
+    let size = k_panels::super_bytes(format).expect("a Q4_K or Q5_K panel");
+    assert_eq!(panel.len(), k_panels::PANEL_ROWS * supers * size, "whole super-blocks");
+    assert!(xs.len() <= k_panels::PANEL_TOKENS && out.len() >= xs.len(), "tokens");
+    let n = supers * quant::QK_K;
+    for x in xs {
+        assert!(
+            x.quants.len() >= n && x.scales.len() >= n / 32 && x.bsums8.len() >= n / 32,
+            "an activation of the rows' length"
+        );
+    }
 }
 
 /// What the one-row, several-vector 16-bit kernels' safety contract asks
@@ -294,6 +322,7 @@ pub const SCALAR: KernelSet = KernelSet {
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
+    dot_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -519,6 +548,7 @@ pub const AVX2: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
+    dot_k_panels: None,
     int_activations: true,
     vector_quantize: true,
 };
@@ -571,6 +601,17 @@ mod avx512_wrappers {
         super::check_tiles_args(tile, blocks, xs, out);
         unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out, next) }
     }
+    /// Also checks the panel, every activation's length and the outputs.
+    pub fn dot_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        unsafe { super::k_panels::avx512::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
@@ -586,6 +627,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
+    dot_k_panels: Some(avx512_wrappers::dot_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     ..AVX2
@@ -744,6 +786,7 @@ pub const NEON: KernelSet = KernelSet {
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
+    dot_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };

@@ -240,7 +240,7 @@ pub mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{dequantize_q4_k, dequantize_q5_k};
     use rand::{Rng, SeedableRng};

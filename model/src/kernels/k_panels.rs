@@ -1,0 +1,493 @@
+//! Q4_K and Q5_K rows packed 16 at a time ("panels") for products with
+//! several tokens: prefill and batched decode.
+//!
+//! Row-major, a k-quant row's product with one activation reduces every
+//! 32-element block's partial sums across vector lanes before it can scale
+//! them, and it splits the nibbles again for every token. Called once per
+//! token on a row held in L1 it ran at 36 GB/s × tokens on two Zen 4 cores
+//! against 47 for Q4_0 (docs/benchmarks.md, "llama.cpp's k-quant layout").
+//! A panel puts 16 rows side by side, 32-bit word by word: word `w` of row
+//! `r` (bytes `4w..4w + 4` of its super-blocks) sits at `64w + 4r`. One
+//! 64-byte load then carries the same 4 bytes of all 16 rows, and one
+//! `vpdpbusd` against 4 broadcast activation bytes advances all 16 rows'
+//! block sums (two `vpmaddubsw` for 8 rows each on AVX2): no realignment,
+//! no horizontal reduction, and the nibbles are split once for all the
+//! tokens of a pass. The scale words interleave the same way, so a block's
+//! 16 scales and mins are one vector each. A super-block of a panel is 16
+//! super-blocks' bytes (2304 for Q4_K, 2816 for Q5_K).
+//!
+//! Panels are built on the fly, per task of a matrix product, in a scratch
+//! buffer ([`pack`]): a transpose of 4-byte words, paid once for all the
+//! tokens of the product. Weights stay row-major everywhere else.
+//!
+//! Bits: a panel kernel gives every row and token exactly what
+//! [`super::q4_k::dot_q4_k_q8`] (or `dot_q5_k_q8`) gives: the same exact
+//! integers per block (`sc · Σ q·a` and `m · Σ a` are products of integers
+//! below 2²⁴, so exact in f32 as well), the same four roundings of its
+//! term, added into lane `b mod 4` in block order, and the same final
+//! reduction. [`dot_panel_ref`] is the reference; the tests compare every
+//! kernel with it.
+
+use super::Q8Activation;
+use crate::format::WeightFormat;
+use crate::quant::{Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES};
+
+/// Rows per panel.
+pub const PANEL_ROWS: usize = 16;
+
+/// The most activations one call of a panel kernel takes.
+pub const PANEL_TOKENS: usize = 8;
+
+/// From how many tokens a product packs panels (below it the row kernel
+/// runs once per token, with no packing to pay for).
+pub const PANEL_MIN_TOKENS: usize = 2;
+
+/// `(format, panel, supers, xs, out)`: the 16 rows of a panel of `supers`
+/// super-blocks of `format` (Q4_K or Q5_K) against up to
+/// [`PANEL_TOKENS`] activations; `out[t][r]` is exactly the row kernel's
+/// product of row `r` and `xs[t]`.
+pub type PanelDot = fn(WeightFormat, &[u8], usize, &[&Q8Activation], &mut [[f32; PANEL_ROWS]]);
+
+/// Bytes of one super-block of `format`, where panels take it.
+pub fn super_bytes(format: WeightFormat) -> Option<usize> {
+    match format {
+        WeightFormat::Q4K => Some(Q4_K_BLOCK_BYTES),
+        WeightFormat::Q5K => Some(Q5_K_BLOCK_BYTES),
+        _ => None,
+    }
+}
+
+/// Packs 16 consecutive rows of `rb` bytes each (`rows`, row-major,
+/// `16 × rb` bytes; `rb` a multiple of 16) into `out` (as long): word `w`
+/// of row `r` goes to `64w + 4r`.
+pub fn pack(rows: &[u8], rb: usize, out: &mut [u8]) {
+    assert!(rb.is_multiple_of(16), "panel rows are whole 16-byte groups");
+    assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
+    assert_eq!(out.len(), rows.len(), "a panel is as long as its rows");
+    #[cfg(target_arch = "x86_64")]
+    {
+        pack_sse2(rows, rb, out);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        pack_scalar(rows, rb, out);
+    }
+}
+
+/// The word-by-word form of [`pack`].
+#[cfg(any(test, not(target_arch = "x86_64")))]
+fn pack_scalar(rows: &[u8], rb: usize, out: &mut [u8]) {
+    for (r, row) in rows.chunks_exact(rb).enumerate() {
+        for (w, word) in row.chunks_exact(4).enumerate() {
+            out[64 * w + 4 * r..][..4].copy_from_slice(word);
+        }
+    }
+}
+
+/// [`pack`] by 4 × 4 transposes of words in SSE2 registers (every x86-64
+/// CPU has SSE2).
+#[cfg(target_arch = "x86_64")]
+fn pack_sse2(rows: &[u8], rb: usize, out: &mut [u8]) {
+    use std::arch::x86_64::*;
+    let (src, dst) = (rows.as_ptr(), out.as_mut_ptr());
+    for w in (0..rb / 4).step_by(4) {
+        for q in 0..PANEL_ROWS / 4 {
+            // SAFETY: SSE2 is part of x86-64. Each load reads bytes
+            // `4w..4w + 16` of row `4q + i` (< 16), inside `rows` as `rb`
+            // is a multiple of 16 and `w + 4 ≤ rb / 4`; each store writes
+            // 16 bytes at `64(w + k) + 16q` (k, q < 4), inside `out` of
+            // the same length (`64 (rb / 4) = 16 rb`). Unaligned forms.
+            unsafe {
+                let row = |i: usize| _mm_loadu_si128(src.add((4 * q + i) * rb + 4 * w).cast());
+                let (a, b, c, d) = (row(0), row(1), row(2), row(3));
+                let ab_lo = _mm_unpacklo_epi32(a, b);
+                let cd_lo = _mm_unpacklo_epi32(c, d);
+                let ab_hi = _mm_unpackhi_epi32(a, b);
+                let cd_hi = _mm_unpackhi_epi32(c, d);
+                let words = [
+                    _mm_unpacklo_epi64(ab_lo, cd_lo),
+                    _mm_unpackhi_epi64(ab_lo, cd_lo),
+                    _mm_unpacklo_epi64(ab_hi, cd_hi),
+                    _mm_unpackhi_epi64(ab_hi, cd_hi),
+                ];
+                for (k, v) in words.into_iter().enumerate() {
+                    _mm_storeu_si128(dst.add(64 * (w + k) + 16 * q).cast(), v);
+                }
+            }
+        }
+    }
+}
+
+/// Row `r` of a panel of rows of `rb` bytes, back in its row-major form.
+pub fn row_of(panel: &[u8], rb: usize, r: usize, out: &mut [u8]) {
+    assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * rb && out.len() == rb);
+    for (w, word) in out.chunks_exact_mut(4).enumerate() {
+        word.copy_from_slice(&panel[64 * w + 4 * r..][..4]);
+    }
+}
+
+/// Scalar reference of the panel kernels: each row of the panel through
+/// the row kernel's reference, for each activation.
+pub fn dot_panel_ref(
+    format: WeightFormat,
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &mut [[f32; PANEL_ROWS]],
+) {
+    let size = super_bytes(format).expect("a panel format");
+    let dot = match format {
+        WeightFormat::Q4K => super::q4_k::dot_q4_k_q8,
+        _ => super::q4_k::dot_q5_k_q8,
+    };
+    let mut row = vec![0u8; supers * size];
+    for r in 0..PANEL_ROWS {
+        row_of(panel, supers * size, r, &mut row);
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            o[r] = dot(&row, x);
+        }
+    }
+}
+
+/// Words of one row's super-block of a panel format: `d`/`dmin`, three of
+/// packed scales, (Q5_K) eight of fifth bits, then 32 of nibbles.
+#[cfg(target_arch = "x86_64")]
+const fn super_words(five: bool) -> usize {
+    if five { 44 } else { 36 }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! The panel kernel on AVX-512 VNNI: the 16 rows in the 16 lanes of a
+    //! register. A super-block's nibbles come 32 bytes per row for two
+    //! blocks (`2c`: low nibbles, `2c + 1`: high ones), 8 words, so a pair
+    //! of blocks is 8 loads, each split once for every token of the pass:
+    //! low nibbles as 0..15, Q4_K's high ones in place as 16 × (0..15)
+    //! (their exact sum comes out 16×; one arithmetic shift takes the
+    //! factor off), Q5_K's with their fifth bit as 0..31. Per token and
+    //! block: one `vpdpbusd` per word, then the term in f32 with the row
+    //! kernel's roundings.
+    //!
+    //! # Safety
+    //! Requires AVX-512 F, BW, VL and VNNI, FMA and F16C (checked by the
+    //! caller with `is_x86_feature_detected!`), a panel of `supers` whole
+    //! super-blocks of `format` (Q4_K or Q5_K), at most
+    //! [`super::PANEL_TOKENS`] activations of `supers × 256` quants and an
+    //! output for each.
+
+    use std::arch::x86_64::*;
+
+    use super::{PANEL_ROWS, Q8Activation, super_words};
+    use crate::format::WeightFormat;
+    use crate::kernels::q4_0::LANES;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_panel(
+        format: WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        let five = match format {
+            WeightFormat::Q4K => false,
+            WeightFormat::Q5K => true,
+            other => panic!("no panels of {other:?}"),
+        };
+        macro_rules! by_tokens {
+            ($($t:literal)*) => {
+                match (five, xs.len()) {
+                    (_, 0) => {}
+                    $(
+                        // SAFETY: forwarded contract, with `xs.len() == T`.
+                        (false, $t) => unsafe { panel_n::<false, $t>(panel, supers, xs, out) },
+                        (true, $t) => unsafe { panel_n::<true, $t>(panel, supers, xs, out) },
+                    )*
+                    (_, n) => panic!("a panel pass takes at most 8 tokens, not {n}"),
+                }
+            };
+        }
+        by_tokens!(1 2 3 4 5 6 7 8);
+    }
+
+    /// `T` tokens through the panel (`FIVE`: Q5_K, else Q4_K).
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes xs, the sums and acc
+    unsafe fn panel_n<const FIVE: bool, const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        let words = super_words(FIVE);
+        let codes_at = if FIVE { 12 } else { 4 };
+        debug_assert_eq!(panel.len(), supers * words * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: super-block `s < supers` reads words `s × words..+words`
+        // of the panel (64 bytes each) and, for each token, quants
+        // `256 s..+256`, scales and `bsums8` `8 s..+8`, all in bounds by
+        // the module contract; the rest is register arithmetic and local
+        // arrays.
+        unsafe {
+            let low = _mm512_set1_epi8(0x0f);
+            let high = _mm512_set1_epi8(0xf0u8 as i8);
+            let fifth = _mm512_set1_epi8(0x10);
+            let (m6, m4, m2) = (
+                _mm512_set1_epi32(0x3f),
+                _mm512_set1_epi32(0x0f),
+                _mm512_set1_epi32(0x03),
+            );
+            let shr = |v: __m512i, n: usize| _mm512_srl_epi32(v, _mm_cvtsi64_si128(n as i64));
+            let mut acc = [[_mm512_setzero_ps(); LANES]; T];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * words * 64);
+                let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+                let dd = word(0);
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+                let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+                // Each row's 8 scales and mins (ggml's get_scale_min_k4,
+                // lane by lane), as f32: exact small integers.
+                let (w0, w1, w2) = (word(1), word(2), word(3));
+                let mut sc = [_mm512_setzero_ps(); 8];
+                let mut mn = [_mm512_setzero_ps(); 8];
+                for j in 0..4 {
+                    sc[j] = _mm512_cvtepi32_ps(_mm512_and_si512(shr(w0, 8 * j), m6));
+                    mn[j] = _mm512_cvtepi32_ps(_mm512_and_si512(shr(w1, 8 * j), m6));
+                    let top = |w: __m512i| {
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(shr(w, 8 * j + 6), m2))
+                    };
+                    sc[j + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(
+                        _mm512_and_si512(shr(w2, 8 * j), m4),
+                        top(w0),
+                    ));
+                    mn[j + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(
+                        _mm512_and_si512(shr(w2, 8 * j + 4), m4),
+                        top(w1),
+                    ));
+                }
+                for c in 0..4 {
+                    let b0 = 8 * s + 2 * c;
+                    let mut lo = [_mm512_setzero_si512(); T];
+                    let mut hi = [_mm512_setzero_si512(); T];
+                    for g in 0..8 {
+                        let w = word(codes_at + 8 * c + g);
+                        let (wl, wh) = if FIVE {
+                            // Fifth bits: bit 2c (2c + 1) of each byte of
+                            // qh's word g, moved to bit 4 (16-bit shifts by
+                            // at most 4 keep every byte's bits in the byte
+                            // the mask looks at).
+                            let h = word(4 + g);
+                            let (f0, f1) = match c {
+                                0 => (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<3>(h)),
+                                1 => (_mm512_slli_epi16::<2>(h), _mm512_slli_epi16::<1>(h)),
+                                2 => (h, _mm512_srli_epi16::<1>(h)),
+                                _ => (_mm512_srli_epi16::<2>(h), _mm512_srli_epi16::<3>(h)),
+                            };
+                            (
+                                _mm512_or_si512(
+                                    _mm512_and_si512(w, low),
+                                    _mm512_and_si512(f0, fifth),
+                                ),
+                                _mm512_or_si512(
+                                    _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
+                                    _mm512_and_si512(f1, fifth),
+                                ),
+                            )
+                        } else {
+                            (_mm512_and_si512(w, low), _mm512_and_si512(w, high))
+                        };
+                        for t in 0..T {
+                            let a = q[t].add(8 * b0 + g);
+                            lo[t] = _mm512_dpbusd_epi32(lo[t], wl, _mm512_set1_epi32(a.read_unaligned()));
+                            hi[t] = _mm512_dpbusd_epi32(
+                                hi[t],
+                                wh,
+                                _mm512_set1_epi32(a.add(8).read_unaligned()),
+                            );
+                        }
+                    }
+                    for t in 0..T {
+                        let x = xs.get_unchecked(t);
+                        let dots = [
+                            lo[t],
+                            if FIVE { hi[t] } else { _mm512_srai_epi32::<4>(hi[t]) },
+                        ];
+                        for (k, dot) in dots.into_iter().enumerate() {
+                            let (b, j) = (b0 + k, 2 * c + k);
+                            // A = sc · Σ q·a and B = m · Σ a: integers below
+                            // 2²⁴, so these products are exact.
+                            let a = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc[j]);
+                            let sum = (*x.bsums8.get_unchecked(b) / 8) as f32;
+                            let bm = _mm512_mul_ps(mn[j], _mm512_set1_ps(sum));
+                            let xd = _mm512_set1_ps(*x.scales.get_unchecked(b));
+                            let term = _mm512_fmsub_ps(
+                                _mm512_mul_ps(d, xd),
+                                a,
+                                _mm512_mul_ps(_mm512_mul_ps(dmin, xd), bm),
+                            );
+                            let lane = &mut acc[t][b % LANES];
+                            *lane = _mm512_add_ps(*lane, term);
+                        }
+                    }
+                }
+            }
+            for t in 0..T {
+                let a = &acc[t];
+                let v = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                _mm512_storeu_ps(out.get_unchecked_mut(t).as_mut_ptr(), v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::kernels::q4_k::tests::random_row;
+    use crate::quant::QK_K;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn packing_is_a_transpose_of_words_and_row_of_undoes_it() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(60);
+        for rb in [16, 144, 176 * 3, 144 * 8] {
+            let rows: Vec<u8> = (0..PANEL_ROWS * rb).map(|_| rng.random()).collect();
+            let mut fast = vec![0u8; rows.len()];
+            let mut slow = vec![0u8; rows.len()];
+            pack(&rows, rb, &mut fast);
+            pack_scalar(&rows, rb, &mut slow);
+            assert_eq!(fast, slow, "rb {rb}");
+            // Word 1 of row 3 is the panel's bytes 64 + 12..64 + 16.
+            assert_eq!(fast[76..80], rows[3 * rb + 4..3 * rb + 8]);
+            let mut back = vec![0u8; rb];
+            for r in 0..PANEL_ROWS {
+                row_of(&fast, rb, r, &mut back);
+                assert_eq!(back, rows[r * rb..(r + 1) * rb]);
+            }
+        }
+    }
+
+    /// A panel of 16 random rows of `supers` super-blocks of `format`
+    /// (finite scales of both signs), with its rows.
+    pub(crate) fn random_panel(
+        rng: &mut impl Rng,
+        format: WeightFormat,
+        supers: usize,
+    ) -> (Vec<u8>, Vec<u8>) {
+        let size = super_bytes(format).unwrap();
+        let rows: Vec<u8> = (0..PANEL_ROWS)
+            .flat_map(|_| random_row(rng, supers, size))
+            .collect();
+        let mut panel = vec![0u8; rows.len()];
+        pack(&rows, supers * size, &mut panel);
+        (panel, rows)
+    }
+
+    /// Activations of `supers` super-blocks with the extremes a block can
+    /// have: one block all ±127, one all zero.
+    pub(crate) fn activations(rng: &mut impl Rng, supers: usize, n: usize) -> Vec<Q8Activation> {
+        (0..n)
+            .map(|t| {
+                let len = supers * QK_K;
+                let mut x: Vec<f32> = (0..len).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+                let at = (t * 32) % len;
+                for v in &mut x[at..at + 32] {
+                    *v = if rng.random() { 1.0 } else { -1.0 };
+                }
+                let z = (at + 64) % len;
+                x[z..z + 32].fill(0.0);
+                Q8Activation::quantize(&x)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_reference_is_the_row_kernel_on_each_row() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(61);
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+            let (panel, rows) = random_panel(&mut rng, format, 3);
+            let xs = activations(&mut rng, 3, 3);
+            let refs: Vec<&Q8Activation> = xs.iter().collect();
+            let mut out = vec![[0.0f32; PANEL_ROWS]; 3];
+            dot_panel_ref(format, &panel, 3, &refs, &mut out);
+            let rb = rows.len() / PANEL_ROWS;
+            for (t, x) in xs.iter().enumerate() {
+                for r in 0..PANEL_ROWS {
+                    let row = &rows[r * rb..(r + 1) * rb];
+                    let want = match format {
+                        WeightFormat::Q4K => crate::kernels::q4_k::dot_q4_k_q8(row, x),
+                        _ => crate::kernels::q4_k::dot_q5_k_q8(row, x),
+                    };
+                    assert_eq!(out[t][r].to_bits(), want.to_bits());
+                    assert!(want != 0.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_panel_kernel_gives_the_reference_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(62);
+        let sets: Vec<_> = crate::kernels::tests::simd_sets()
+            .into_iter()
+            .filter_map(|k| k.dot_k_panels.map(|p| (k.name, p)))
+            .collect();
+        for (name, kernel) in sets {
+            for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+                for supers in [1, 2, 3, 8] {
+                    let (panel, _) = random_panel(&mut rng, format, supers);
+                    for n in 1..=PANEL_TOKENS {
+                        let xs = activations(&mut rng, supers, n);
+                        let refs: Vec<&Q8Activation> = xs.iter().collect();
+                        let mut want = vec![[0.0f32; PANEL_ROWS]; n];
+                        let mut got = vec![[f32::NAN; PANEL_ROWS]; n + 1];
+                        dot_panel_ref(format, &panel, supers, &refs, &mut want);
+                        kernel(format, &panel, supers, &refs, &mut got);
+                        for t in 0..n {
+                            for r in 0..PANEL_ROWS {
+                                assert_eq!(
+                                    got[t][r].to_bits(),
+                                    want[t][r].to_bits(),
+                                    "{name} {format:?} supers {supers} tokens {n}: token {t} row {r}"
+                                );
+                            }
+                        }
+                        // Nothing past the tokens is written.
+                        assert!(got[n].iter().all(|v| v.is_nan()));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_codes_scales_and_mins_stay_exact_in_every_panel_kernel() {
+        // Every code at its largest, every scale and min 63, quants −127:
+        // the largest integers a block can hold.
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+            let size = super_bytes(format).unwrap();
+            let mut blk = vec![0xffu8; size];
+            blk[..2].copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+            blk[2..4].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+            let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
+            let mut panel = vec![0u8; rows.len()];
+            pack(&rows, size, &mut panel);
+            let x = Q8Activation::quantize(&vec![-1.0f32; QK_K]);
+            let mut want = [[0.0f32; PANEL_ROWS]; 1];
+            dot_panel_ref(format, &panel, 1, &[&x], &mut want);
+            for k in crate::kernels::tests::simd_sets() {
+                if let Some(kernel) = k.dot_k_panels {
+                    let mut got = [[0.0f32; PANEL_ROWS]; 1];
+                    kernel(format, &panel, 1, &[&x], &mut got);
+                    assert_eq!(got, want, "{} {format:?}", k.name);
+                }
+            }
+        }
+    }
+}
