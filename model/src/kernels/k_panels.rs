@@ -304,7 +304,11 @@ pub mod avx512 {
                         };
                         for t in 0..T {
                             let a = q[t].add(8 * b0 + g);
-                            lo[t] = _mm512_dpbusd_epi32(lo[t], wl, _mm512_set1_epi32(a.read_unaligned()));
+                            lo[t] = _mm512_dpbusd_epi32(
+                                lo[t],
+                                wl,
+                                _mm512_set1_epi32(a.read_unaligned()),
+                            );
                             hi[t] = _mm512_dpbusd_epi32(
                                 hi[t],
                                 wh,
@@ -316,7 +320,11 @@ pub mod avx512 {
                         let x = xs.get_unchecked(t);
                         let dots = [
                             lo[t],
-                            if FIVE { hi[t] } else { _mm512_srai_epi32::<4>(hi[t]) },
+                            if FIVE {
+                                hi[t]
+                            } else {
+                                _mm512_srai_epi32::<4>(hi[t])
+                            },
                         ];
                         for (k, dot) in dots.into_iter().enumerate() {
                             let (b, j) = (b0 + k, 2 * c + k);

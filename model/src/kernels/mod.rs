@@ -213,8 +213,15 @@ fn check_panel_args(
     out: &[[f32; 16]],
 ) {
     let size = k_panels::super_bytes(format).expect("a Q4_K or Q5_K panel");
-    assert_eq!(panel.len(), k_panels::PANEL_ROWS * supers * size, "whole super-blocks");
-    assert!(xs.len() <= k_panels::PANEL_TOKENS && out.len() >= xs.len(), "tokens");
+    assert_eq!(
+        panel.len(),
+        k_panels::PANEL_ROWS * supers * size,
+        "whole super-blocks"
+    );
+    assert!(
+        xs.len() <= k_panels::PANEL_TOKENS && out.len() >= xs.len(),
+        "tokens"
+    );
     let n = supers * quant::QK_K;
     for x in xs {
         assert!(
@@ -866,6 +873,11 @@ fn select() -> KernelSet {
     KernelSet {
         int_activations: !exact,
         dot_q4_0_tiles: simd.dot_q4_0_tiles.filter(|_| !one_token_tiles),
+        // `COLIBRI_NO_PANELS=1`: k-quant products token by token (to
+        // compare; the bits are the same).
+        dot_k_panels: simd
+            .dot_k_panels
+            .filter(|_| std::env::var_os("COLIBRI_NO_PANELS").is_none_or(|v| v == "0")),
         ..simd
     }
 }
@@ -1145,6 +1157,8 @@ impl Pool {
             chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
         } else if w.is_quads() {
             chunk.next_multiple_of(quads16::QUAD_ROWS)
+        } else if k_panels::super_bytes(w.format).is_some() {
+            chunk.next_multiple_of(k_panels::PANEL_ROWS)
         } else {
             chunk
         }
@@ -1604,6 +1618,49 @@ impl<'a> Batch<'a> {
     }
 }
 
+/// Rows `r0..r0 + len` of a Q4_K or Q5_K matrix against every token of
+/// `xs` into `out` (token-major, `len` per token): each full group of 16
+/// rows packed into a panel once ([`k_panels::pack`]) and multiplied by up
+/// to [`k_panels::PANEL_TOKENS`] tokens per pass, the rows past the last
+/// panel by the row kernel. Every value is the row kernel's, bit for bit.
+fn panel_rows(
+    k: &KernelSet,
+    panels: k_panels::PanelDot,
+    w: &QMatrix,
+    xs: &[&Q8Activation],
+    r0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    use k_panels::{PANEL_ROWS, PANEL_TOKENS};
+    let bytes = w.data().as_slice();
+    let rb = bytes.len() / w.rows;
+    let supers = w.cols / quant::QK_K;
+    let full = len / PANEL_ROWS * PANEL_ROWS;
+    let mut panel = vec![0u8; PANEL_ROWS * rb];
+    let mut res = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
+    for p in (0..full).step_by(PANEL_ROWS) {
+        let at = (r0 + p) * rb;
+        k_panels::pack(&bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
+        for (g, group) in xs.chunks(PANEL_TOKENS).enumerate() {
+            panels(w.format, &panel, supers, group, &mut res);
+            for (j, row) in res[..group.len()].iter().enumerate() {
+                let t = g * PANEL_TOKENS + j;
+                out[t * len + p..][..PANEL_ROWS].copy_from_slice(row);
+            }
+        }
+    }
+    for i in full..len {
+        let row = &bytes[(r0 + i) * rb..(r0 + i + 1) * rb];
+        for (t, x) in xs.iter().enumerate() {
+            out[t * len + i] = match w.format {
+                WeightFormat::Q4K => (k.dot_q4_k_q8)(row, x),
+                _ => (k.dot_q5_k_q8)(row, x),
+            };
+        }
+    }
+}
+
 /// `Y[t] = W X[t]` for a prepared batch (of `w`'s format).
 fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     let k = kernels();
@@ -1659,6 +1716,12 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         out[t * len + i] = *v;
                     }
                 }
+            } else if let Some(panels) = k.dot_k_panels.filter(|_| {
+                q8.len() == n
+                    && n >= k_panels::PANEL_MIN_TOKENS
+                    && k_panels::super_bytes(w.format).is_some()
+            }) {
+                panel_rows(k, panels, w, &q8, r0, len, &mut out);
             } else if let Some(multi) = match w.format {
                 WeightFormat::Q8_0 => Some(k.dot_q8_0_q8_multi),
                 WeightFormat::Q4_0 => k.dot_q4_0_q8_multi,
@@ -2435,6 +2498,50 @@ mod tests {
                             bits(&single[t]),
                             "{rows}x{cols}, batch {batch}, token {t}, {threads} threads"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Q4_K and Q5_K products over many tokens (panels of 16 rows, up to
+    /// 8 tokens a pass, the rows past the last panel by the row kernel)
+    /// give each token what a product of that token alone gives, whatever
+    /// the thread count; and the panels run where the CPU has them.
+    #[test]
+    fn k_quant_batches_equal_single_tokens_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+            let size = k_panels::super_bytes(format).unwrap();
+            for (rows, cols) in [(37usize, 256usize), (130, 768)] {
+                let bytes: Vec<u8> = (0..rows)
+                    .flat_map(|_| q4_k::tests::random_row(&mut rng, cols / 256, size))
+                    .collect();
+                let data = crate::tensor::Bytes::from_vec(bytes);
+                let m = QMatrix::new("k", rows, cols, format, data, None).unwrap();
+                let n = 19;
+                let x = rand_vec(&mut rng, n * cols);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                let one = Pool::new(1).unwrap();
+                let single: Vec<Vec<f32>> = (0..n)
+                    .map(|t| {
+                        let mut y = vec![f32::NAN; rows];
+                        matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
+                        y
+                    })
+                    .collect();
+                for threads in [1, 2, 3] {
+                    let pool = Pool::new(threads).unwrap();
+                    for batch in [2usize, 3, 8, 9, 16, 19] {
+                        let mut y = vec![f32::NAN; batch * rows];
+                        matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
+                        for t in 0..batch {
+                            assert_eq!(
+                                bits(&y[t * rows..(t + 1) * rows]),
+                                bits(&single[t]),
+                                "{format:?} {rows}x{cols}, batch {batch}, token {t}, {threads} threads"
+                            );
+                        }
                     }
                 }
             }
