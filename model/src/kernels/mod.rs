@@ -518,6 +518,17 @@ mod avx2_wrappers {
         super::check_tiles_args(tile, blocks, xs, out);
         unsafe { super::q4_0_tiles::avx2::dot_tiles(tile, blocks, xs, out, next) }
     }
+    /// Also checks the panel, every activation's length and the outputs.
+    pub fn dot_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        unsafe { super::k_panels::avx2::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -555,7 +566,7 @@ pub const AVX2: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
-    dot_k_panels: None,
+    dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     int_activations: true,
     vector_quantize: true,
 };
