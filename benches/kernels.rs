@@ -42,6 +42,13 @@
 //! token (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with
 //! AVX-512).
 //!
+//! `-- --panel-tokens` times the Q4_K and Q5_K panel kernels
+//! ([`colibri_model::kernels::k_panels`]) on one panel of 16 rows × 2048
+//! columns held in L1, one thread, 1 to 8 tokens per call (and the AVX2
+//! set's where the CPU's own set is another), against the row kernel
+//! called per row and token: ns per panel super-block (16 rows × 256
+//! columns) and token, best of 5.
+//!
 //! `-- --expert-tiles N` is the prefill's shape of the same kernel: 96
 //! expert matrices (81 MiB, read from memory), each tile against `N`
 //! tokens in the passes `tile_passes` makes, one thread; with and without
@@ -489,6 +496,10 @@ fn main() {
         tile_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
         return;
     }
+    if args.iter().any(|a| a == "--panel-tokens") {
+        panel_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
+        return;
+    }
     if args.iter().any(|a| a == "--attention") {
         attention(&pool, mib, threads);
         return;
@@ -737,6 +748,80 @@ fn expert_tiles(rng: &mut impl Rng, tokens: usize) {
     }
     for (mode, ns) in modes.iter().zip(best) {
         println!("  {mode}: {ns:.3} ns per block and token (best of 5)");
+    }
+}
+
+/// `--panel-tokens`: see the module notes.
+fn panel_tokens(rng: &mut impl Rng) {
+    use colibri_model::kernels::{KernelSet, Q8Activation, k_panels};
+    let mut sets: Vec<KernelSet> = vec![*kernels()];
+    #[cfg(target_arch = "x86_64")]
+    if kernels().name != colibri_model::kernels::AVX2.name {
+        sets.push(colibri_model::kernels::AVX2);
+    }
+    let cols = 2048usize;
+    let supers = cols / 256;
+    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        let w = matrix(format, 16, cols, rng);
+        let rows = w.data().as_slice();
+        let rb = rows.len() / 16;
+        let mut panel = vec![0u8; rows.len()];
+        k_panels::pack(rows, rb, &mut panel);
+        let acts: Vec<Q8Activation> = (0..8)
+            .map(|_| {
+                let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                Q8Activation::quantize(&x)
+            })
+            .collect();
+        let xs: Vec<&Q8Activation> = acts.iter().collect();
+        let reps = 20_000usize;
+        for k in &sets {
+            let row_dot = if format == WeightFormat::Q4K {
+                k.dot_q4_k_q8
+            } else {
+                k.dot_q5_k_q8
+            };
+            let mut line = format!(
+                "{format:?} {:<34} ns per panel super-block and token:",
+                k.name
+            );
+            for n in [1usize, 2, 3, 4, 8] {
+                let mut out = [[0.0f32; 16]; 8];
+                let mut best = f64::INFINITY;
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    for _ in 0..reps {
+                        match k.dot_k_panels {
+                            Some(dot) => dot(format, &panel, supers, &xs[..n], &mut out[..n]),
+                            None => {
+                                for (t, x) in xs[..n].iter().enumerate() {
+                                    for (r, row) in rows.chunks_exact(rb).enumerate() {
+                                        out[t][r] = row_dot(row, x);
+                                    }
+                                }
+                            }
+                        }
+                        std::hint::black_box(&out);
+                    }
+                    best = best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps * supers * n) as f64);
+                }
+                line += &format!(" {n} tok {best:.1}");
+            }
+            // The row kernel on the same 16 rows, a token at a time.
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let t0 = Instant::now();
+                for _ in 0..reps / 8 {
+                    for x in &xs {
+                        for row in rows.chunks_exact(rb) {
+                            std::hint::black_box(row_dot(row, x));
+                        }
+                    }
+                }
+                best = best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps / 8 * supers * 8) as f64);
+            }
+            println!("{line}; row kernel {best:.1}");
+        }
     }
 }
 

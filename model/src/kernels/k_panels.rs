@@ -276,31 +276,31 @@ pub mod avx512 {
                 }
                 for c in 0..4 {
                     let b0 = 8 * s + 2 * c;
+                    let bits = (
+                        _mm512_set1_epi8(1 << (2 * c)),
+                        _mm512_set1_epi8(1 << (2 * c + 1)),
+                    );
                     let mut lo = [_mm512_setzero_si512(); T];
                     let mut hi = [_mm512_setzero_si512(); T];
                     for g in 0..8 {
                         let w = word(codes_at + 8 * c + g);
                         let (wl, wh) = if FIVE {
                             // Fifth bits: bit 2c (2c + 1) of each byte of
-                            // qh's word g, moved to bit 4 (16-bit shifts by
-                            // at most 4 keep every byte's bits in the byte
-                            // the mask looks at).
+                            // qh's word g, as 16 added to the nibble (byte
+                            // masks; shifts chosen per pair by a `match`
+                            // ran Q5_K's passes of 1–3 tokens 2–3× slower,
+                            // `cargo bench --bench kernels --
+                            // --panel-tokens`).
                             let h = word(4 + g);
-                            let (f0, f1) = match c {
-                                0 => (_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<3>(h)),
-                                1 => (_mm512_slli_epi16::<2>(h), _mm512_slli_epi16::<1>(h)),
-                                2 => (h, _mm512_srli_epi16::<1>(h)),
-                                _ => (_mm512_srli_epi16::<2>(h), _mm512_srli_epi16::<3>(h)),
-                            };
+                            let (k0, k1) = (
+                                _mm512_test_epi8_mask(h, bits.0),
+                                _mm512_test_epi8_mask(h, bits.1),
+                            );
+                            let wl = _mm512_and_si512(w, low);
+                            let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
                             (
-                                _mm512_or_si512(
-                                    _mm512_and_si512(w, low),
-                                    _mm512_and_si512(f0, fifth),
-                                ),
-                                _mm512_or_si512(
-                                    _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
-                                    _mm512_and_si512(f1, fifth),
-                                ),
+                                _mm512_mask_add_epi8(wl, k0, wl, fifth),
+                                _mm512_mask_add_epi8(wh, k1, wh, fifth),
                             )
                         } else {
                             (_mm512_and_si512(w, low), _mm512_and_si512(w, high))

@@ -1644,6 +1644,7 @@ fn panel_rows(
     out: &mut [f32],
 ) {
     use k_panels::{PANEL_ROWS, PANEL_TOKENS};
+    const { assert!(PANEL_TOKENS == TILE_TOKENS) };
     let bytes = w.data().as_slice();
     let rb = bytes.len() / w.rows;
     let supers = w.cols / quant::QK_K;
@@ -1653,12 +1654,15 @@ fn panel_rows(
     for p in (0..full).step_by(PANEL_ROWS) {
         let at = (r0 + p) * rb;
         k_panels::pack(&bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
-        for (g, group) in xs.chunks(PANEL_TOKENS).enumerate() {
-            panels(w.format, &panel, supers, group, &mut res);
-            for (j, row) in res[..group.len()].iter().enumerate() {
-                let t = g * PANEL_TOKENS + j;
-                out[t * len + p..][..PANEL_ROWS].copy_from_slice(row);
+        // Passes as even as `tile_passes` makes them: a kernel runs its
+        // fewest tokens slowest.
+        let mut t0 = 0;
+        for size in tile_passes(xs.len()) {
+            panels(w.format, &panel, supers, &xs[t0..t0 + size], &mut res);
+            for (j, row) in res[..size].iter().enumerate() {
+                out[(t0 + j) * len + p..][..PANEL_ROWS].copy_from_slice(row);
             }
+            t0 += size;
         }
     }
     for i in full..len {
