@@ -761,12 +761,13 @@ fn panel_tokens(rng: &mut impl Rng) {
     }
     let cols = 2048usize;
     let supers = cols / 256;
-    for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+    for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
         let w = matrix(format, 16, cols, rng);
         let rows = w.data().as_slice();
         let rb = rows.len() / 16;
-        let mut panel = vec![0u8; rows.len()];
-        k_panels::pack(rows, rb, &mut panel);
+        let padded = k_panels::panel_super_bytes(format).expect("a panel format");
+        let mut panel = vec![0u8; 16 * supers * padded];
+        k_panels::pack_format(format, rows, rb, &mut panel);
         let acts: Vec<Q8Activation> = (0..8)
             .map(|_| {
                 let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -776,10 +777,10 @@ fn panel_tokens(rng: &mut impl Rng) {
         let xs: Vec<&Q8Activation> = acts.iter().collect();
         let reps = 20_000usize;
         for k in &sets {
-            let row_dot = if format == WeightFormat::Q4K {
-                k.dot_q4_k_q8
-            } else {
-                k.dot_q5_k_q8
+            let (row_dot, panel_dot) = match format {
+                WeightFormat::Q4K => (k.dot_q4_k_q8, k.dot_k_panels),
+                WeightFormat::Q5K => (k.dot_q5_k_q8, k.dot_k_panels),
+                _ => (k.dot_q6_k_q8, k.dot_q6_k_panels),
             };
             let mut line = format!(
                 "{format:?} {:<34} ns per panel super-block and token:",
@@ -791,7 +792,7 @@ fn panel_tokens(rng: &mut impl Rng) {
                 for _ in 0..5 {
                     let t0 = Instant::now();
                     for _ in 0..reps {
-                        match k.dot_k_panels {
+                        match panel_dot {
                             Some(dot) => dot(format, &panel, supers, &xs[..n], &mut out[..n]),
                             None => {
                                 for (t, x) in xs[..n].iter().enumerate() {

@@ -30,7 +30,7 @@
 
 use super::Q8Activation;
 use crate::format::WeightFormat;
-use crate::quant::{Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES};
+use crate::quant::{Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES};
 
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 16;
@@ -48,12 +48,58 @@ pub const PANEL_MIN_TOKENS: usize = 2;
 /// product of row `r` and `xs[t]`.
 pub type PanelDot = fn(WeightFormat, &[u8], usize, &[&Q8Activation], &mut [[f32; PANEL_ROWS]]);
 
-/// Bytes of one super-block of `format`, where panels take it.
+/// Words of one row's Q6_K super-block in a panel: its 210 bytes and two
+/// of zeros, so that `d` (bytes 208..210) has a word of its own.
+pub const Q6_K_PANEL_WORDS: usize = Q6_K_BLOCK_BYTES.div_ceil(4);
+
+/// Bytes of one super-block of `format` in a row, where panels take it.
 pub fn super_bytes(format: WeightFormat) -> Option<usize> {
     match format {
         WeightFormat::Q4K => Some(Q4_K_BLOCK_BYTES),
         WeightFormat::Q5K => Some(Q5_K_BLOCK_BYTES),
+        WeightFormat::Q6K => Some(Q6_K_BLOCK_BYTES),
         _ => None,
+    }
+}
+
+/// Bytes of one row's super-block in a panel of `format`: as in the row,
+/// but Q6_K's padded to whole words ([`Q6_K_PANEL_WORDS`]).
+pub fn panel_super_bytes(format: WeightFormat) -> Option<usize> {
+    match format {
+        WeightFormat::Q6K => Some(4 * Q6_K_PANEL_WORDS),
+        other => super_bytes(other),
+    }
+}
+
+/// Packs 16 consecutive rows of `format` (`rb` bytes each, whole
+/// super-blocks) into `out`, which is `16 × panel_super_bytes` per
+/// super-block: [`pack`] for Q4_K and Q5_K, [`pack_q6_k`] for Q6_K.
+pub fn pack_format(format: WeightFormat, rows: &[u8], rb: usize, out: &mut [u8]) {
+    match format {
+        WeightFormat::Q6K => pack_q6_k(rows, rb, out),
+        _ => pack(rows, rb, out),
+    }
+}
+
+/// Packs 16 consecutive Q6_K rows of `rb` bytes (whole super-blocks) one
+/// super-block at a time: word `w` (< 53) of row `r`'s super-block `s` to
+/// `64 (53 s + w) + 4r`, the last word's two bytes past the block zero.
+pub fn pack_q6_k(rows: &[u8], rb: usize, out: &mut [u8]) {
+    assert!(rb.is_multiple_of(Q6_K_BLOCK_BYTES), "whole super-blocks");
+    let supers = rb / Q6_K_BLOCK_BYTES;
+    let chunk = PANEL_ROWS * 4 * Q6_K_PANEL_WORDS;
+    assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
+    assert_eq!(out.len(), supers * chunk, "a panel of whole super-blocks");
+    // Words 0..52 (bytes 0..208) by transposes of four, word 52 (`d`) on
+    // its own.
+    let body = Q6_K_PANEL_WORDS - 1;
+    for (s, dst) in out.chunks_exact_mut(chunk).enumerate() {
+        let at = s * Q6_K_BLOCK_BYTES;
+        transpose_words(rows, rb, at, body, dst);
+        for r in 0..PANEL_ROWS {
+            let d = &rows[r * rb + at + 4 * body..][..2];
+            dst[64 * body + 4 * r..][..4].copy_from_slice(&[d[0], d[1], 0, 0]);
+        }
     }
 }
 
@@ -64,41 +110,55 @@ pub fn pack(rows: &[u8], rb: usize, out: &mut [u8]) {
     assert!(rb.is_multiple_of(16), "panel rows are whole 16-byte groups");
     assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
     assert_eq!(out.len(), rows.len(), "a panel is as long as its rows");
+    transpose_words(rows, rb, 0, rb / 4, out);
+}
+
+/// Words `0..words` (a multiple of 4) from byte `at` of each of the 16
+/// rows of `rb` bytes in `rows` to `out`: word `w` of row `r` at
+/// `64w + 4r`.
+fn transpose_words(rows: &[u8], rb: usize, at: usize, words: usize, out: &mut [u8]) {
+    assert!(
+        words.is_multiple_of(4) && at + 4 * words <= rb,
+        "whole groups of 4 words"
+    );
+    assert!(rows.len() >= PANEL_ROWS * rb && out.len() >= 64 * words);
     #[cfg(target_arch = "x86_64")]
     {
-        pack_sse2(rows, rb, out);
+        transpose_words_sse2(rows, rb, at, words, out);
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        pack_scalar(rows, rb, out);
+        transpose_words_scalar(rows, rb, at, words, out);
     }
 }
 
-/// The word-by-word form of [`pack`].
+/// The word-by-word form of [`transpose_words`].
 #[cfg(any(test, not(target_arch = "x86_64")))]
-fn pack_scalar(rows: &[u8], rb: usize, out: &mut [u8]) {
-    for (r, row) in rows.chunks_exact(rb).enumerate() {
+fn transpose_words_scalar(rows: &[u8], rb: usize, at: usize, words: usize, out: &mut [u8]) {
+    for r in 0..PANEL_ROWS {
+        let row = &rows[r * rb + at..][..4 * words];
         for (w, word) in row.chunks_exact(4).enumerate() {
             out[64 * w + 4 * r..][..4].copy_from_slice(word);
         }
     }
 }
 
-/// [`pack`] by 4 × 4 transposes of words in SSE2 registers (every x86-64
-/// CPU has SSE2).
+/// [`transpose_words`] by 4 × 4 transposes of words in SSE2 registers
+/// (every x86-64 CPU has SSE2).
 #[cfg(target_arch = "x86_64")]
-fn pack_sse2(rows: &[u8], rb: usize, out: &mut [u8]) {
+fn transpose_words_sse2(rows: &[u8], rb: usize, at: usize, words: usize, out: &mut [u8]) {
     use std::arch::x86_64::*;
     let (src, dst) = (rows.as_ptr(), out.as_mut_ptr());
-    for w in (0..rb / 4).step_by(4) {
+    for w in (0..words).step_by(4) {
         for q in 0..PANEL_ROWS / 4 {
             // SAFETY: SSE2 is part of x86-64. Each load reads bytes
-            // `4w..4w + 16` of row `4q + i` (< 16), inside `rows` as `rb`
-            // is a multiple of 16 and `w + 4 ≤ rb / 4`; each store writes
-            // 16 bytes at `64(w + k) + 16q` (k, q < 4), inside `out` of
-            // the same length (`64 (rb / 4) = 16 rb`). Unaligned forms.
+            // `at + 4w..at + 4w + 16` of row `4q + i` (< 16), inside
+            // `rows` as `w + 4 ≤ words` and `at + 4 words ≤ rb` (checked
+            // by `transpose_words`); each store writes 16 bytes at
+            // `64(w + k) + 16q` (k, q < 4), inside `out` of at least
+            // `64 words` bytes. Unaligned forms.
             unsafe {
-                let row = |i: usize| _mm_loadu_si128(src.add((4 * q + i) * rb + 4 * w).cast());
+                let row = |i: usize| _mm_loadu_si128(src.add((4 * q + i) * rb + at + 4 * w).cast());
                 let (a, b, c, d) = (row(0), row(1), row(2), row(3));
                 let ab_lo = _mm_unpacklo_epi32(a, b);
                 let cd_lo = _mm_unpacklo_epi32(c, d);
@@ -126,6 +186,26 @@ pub fn row_of(panel: &[u8], rb: usize, r: usize, out: &mut [u8]) {
     }
 }
 
+/// Row `r` of a panel of `supers` super-blocks of `format`, back in its
+/// row-major form (`supers × super_bytes` bytes).
+pub fn row_of_format(format: WeightFormat, panel: &[u8], supers: usize, r: usize, out: &mut [u8]) {
+    let (size, padded) = (
+        super_bytes(format).expect("a panel format"),
+        panel_super_bytes(format).expect("a panel format"),
+    );
+    if size == padded {
+        return row_of(panel, supers * size, r, out);
+    }
+    assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * supers * padded);
+    assert_eq!(out.len(), supers * size);
+    for (s, blk) in out.chunks_exact_mut(size).enumerate() {
+        let chunk = &panel[s * PANEL_ROWS * padded..];
+        for (w, bytes) in blk.chunks_mut(4).enumerate() {
+            bytes.copy_from_slice(&chunk[64 * w + 4 * r..][..bytes.len()]);
+        }
+    }
+}
+
 /// Scalar reference of the panel kernels: each row of the panel through
 /// the row kernel's reference, for each activation.
 pub fn dot_panel_ref(
@@ -138,11 +218,12 @@ pub fn dot_panel_ref(
     let size = super_bytes(format).expect("a panel format");
     let dot = match format {
         WeightFormat::Q4K => super::q4_k::dot_q4_k_q8,
-        _ => super::q4_k::dot_q5_k_q8,
+        WeightFormat::Q5K => super::q4_k::dot_q5_k_q8,
+        _ => super::q6_k::dot_q6_k_q8,
     };
     let mut row = vec![0u8; supers * size];
     for r in 0..PANEL_ROWS {
-        row_of(panel, supers * size, r, &mut row);
+        row_of_format(format, panel, supers, r, &mut row);
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             o[r] = dot(&row, x);
         }
@@ -357,6 +438,228 @@ pub mod avx512 {
     }
 }
 
+/// The Q6_K panel kernel on AVX-512 VNNI: the 16 rows in the 16 lanes of a
+/// register, as [`avx512`]'s. A super-block's half `n` (128 elements) is
+/// 16 words of `ql` and 8 of `qh`; ql word `8c + i` (c < 2, i < 8) holds
+/// elements `4i..4i + 4` of block `4n + c` in its low nibbles and of block
+/// `4n + c + 2` in its high ones, qh word `i` their fifth and sixth bits.
+/// The codes of such a pair of blocks (unsigned, 0..63) are built once for
+/// every token of the pass; per token, one `vpdpbusd` per word gives each
+/// 16-element sub-block's `Σ code · q`, less `32 · Σ q` (the codes' offset,
+/// the same for all rows) it is the row kernel's exact `Σ (code − 32) · q`,
+/// and the block's term follows with the row kernel's roundings.
+///
+/// # Safety
+/// Requires AVX-512 F, BW, VL and VNNI, FMA and F16C (checked by the
+/// caller with `is_x86_feature_detected!`), a Q6_K panel of `supers`
+/// whole super-blocks, at most [`PANEL_TOKENS`] activations of
+/// `supers × 256` quants and an output for each.
+#[cfg(target_arch = "x86_64")]
+pub mod avx512_q6_k {
+    use std::arch::x86_64::*;
+
+    use super::{PANEL_ROWS, Q6_K_PANEL_WORDS, Q8Activation};
+    use crate::format::WeightFormat;
+    use crate::kernels::q4_0::LANES;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_panel(
+        format: WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        assert_eq!(format, WeightFormat::Q6K, "a Q6_K panel");
+        macro_rules! by_tokens {
+            ($($t:literal)*) => {
+                match xs.len() {
+                    0 => {}
+                    $(
+                        // SAFETY: forwarded contract, with `xs.len() == T`.
+                        $t => unsafe { panel_n::<$t>(panel, supers, xs, out) },
+                    )*
+                    n => panic!("a panel pass takes at most 8 tokens, not {n}"),
+                }
+            };
+        }
+        by_tokens!(1 2 3 4 5 6 7 8);
+    }
+
+    /// 32 × the sums of each 16 quants of super-block `s` of an activation
+    /// (`q` its quants), the codes' offset times the quants.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW (caller) and 256 quants at `q + 256 s`.
+    #[inline(always)]
+    unsafe fn offsets(q: *const i8, s: usize) -> [i32; 16] {
+        let mut o = [0i32; 16];
+        // SAFETY: 4 loads of 64 quants inside super-block `s` (contract);
+        // two 32-byte stores into `o`.
+        unsafe {
+            let bias = _mm512_set1_epi8(0x80u8 as i8);
+            // |q| + 128 as bytes, summed 8 at a time: Σ q + 1024 per lane.
+            let sums: [__m512i; 4] = std::array::from_fn(|v| {
+                let x = _mm512_loadu_si512(q.add(256 * s + 64 * v) as *const __m512i);
+                _mm512_sad_epu8(_mm512_xor_si512(x, bias), _mm512_setzero_si512())
+            });
+            let even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+            let odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+            for p in 0..2 {
+                let (a, b) = (sums[2 * p], sums[2 * p + 1]);
+                let pair = _mm512_add_epi64(
+                    _mm512_permutex2var_epi64(a, even, b),
+                    _mm512_permutex2var_epi64(a, odd, b),
+                );
+                let x32 = _mm512_slli_epi64::<5>(_mm512_sub_epi64(pair, _mm512_set1_epi64(2048)));
+                _mm256_storeu_si256(
+                    o.as_mut_ptr().add(8 * p) as *mut __m256i,
+                    _mm512_cvtepi64_epi32(x32),
+                );
+            }
+        }
+        o
+    }
+
+    /// The unsigned codes of blocks `4n + C` (low nibbles) and `4n + C + 2`
+    /// (high nibbles) of the panel super-block at `base`, word by word.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW (caller), a whole panel super-block at `base`.
+    #[inline(always)]
+    unsafe fn codes<const C: usize>(base: *const u8, n: usize) -> ([__m512i; 8], [__m512i; 8]) {
+        // SAFETY: words `16n + 8C + i` and `32 + 8n + i` (< 48) of the
+        // super-block, 64 bytes each.
+        unsafe {
+            let (low, top) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+            let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+            let mut a = [_mm512_setzero_si512(); 8];
+            let mut b = [_mm512_setzero_si512(); 8];
+            for i in 0..8 {
+                let (ql, qh) = (word(16 * n + 8 * C + i), word(32 + 8 * n + i));
+                // qh's bit pairs 2C and 2C + 4 moved to bits 4–5 (16-bit
+                // shifts: the mask drops what crosses a byte).
+                let (ha, hb) = if C == 0 {
+                    (_mm512_slli_epi16::<4>(qh), qh)
+                } else {
+                    (_mm512_slli_epi16::<2>(qh), _mm512_srli_epi16::<2>(qh))
+                };
+                a[i] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(ha, top));
+                b[i] = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low),
+                    _mm512_and_si512(hb, top),
+                );
+            }
+            (a, b)
+        }
+    }
+
+    /// Sub-block `j`'s scale of each row (`w`: scale word `j / 4`),
+    /// sign-extended.
+    #[inline(always)]
+    unsafe fn scale(w: __m512i, j: usize) -> __m512i {
+        // SAFETY: register arithmetic (AVX-512 F, caller).
+        unsafe {
+            let up = _mm_cvtsi32_si128(24 - 8 * (j % 4) as i32);
+            _mm512_srai_epi32::<24>(_mm512_sll_epi32(w, up))
+        }
+    }
+
+    /// `T` tokens through the panel.
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes xs, q, the offsets and acc
+    unsafe fn panel_n<const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        const W: usize = Q6_K_PANEL_WORDS;
+        debug_assert_eq!(panel.len(), supers * W * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i8; T] = std::array::from_fn(|t| xs[t].quants.as_ptr());
+        // SAFETY: super-block `s < supers` reads words `s W..(s + 1) W` of
+        // the panel (64 bytes each) and, for each token, quants
+        // `256 s..+256` and scales `8 s..+8`, all in bounds by the module
+        // contract; the rest is register arithmetic and local arrays.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); LANES]; T];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * W * 64);
+                let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+                // `d`: each lane's low 16 bits of word 52.
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word(W - 1)));
+                let off: [[i32; 16]; T] = std::array::from_fn(|t| offsets(q[t], s));
+                for n in 0..2 {
+                    for c in 0..2 {
+                        let (ca, cb) = if c == 0 {
+                            codes::<0>(base, n)
+                        } else {
+                            codes::<1>(base, n)
+                        };
+                        // Blocks ga and ga + 2 of the super-block, their
+                        // sub-blocks 2ga, 2ga + 1 and 2ga + 4, 2ga + 5.
+                        let ga = 4 * n + c;
+                        let sc: [__m512i; 4] = std::array::from_fn(|k| {
+                            let j = 2 * ga + 4 * (k / 2) + k % 2;
+                            scale(word(48 + j / 4), j)
+                        });
+                        for t in 0..T {
+                            let x = xs.get_unchecked(t);
+                            let mut sums = [_mm512_setzero_si512(); 4];
+                            for i in 0..8 {
+                                let a = q[t].add(32 * (8 * s + ga) + 4 * i) as *const i32;
+                                let sub = i / 4;
+                                sums[sub] = _mm512_dpbusd_epi32(
+                                    sums[sub],
+                                    ca[i],
+                                    _mm512_set1_epi32(a.read_unaligned()),
+                                );
+                                sums[2 + sub] = _mm512_dpbusd_epi32(
+                                    sums[2 + sub],
+                                    cb[i],
+                                    _mm512_set1_epi32(a.add(16).read_unaligned()),
+                                );
+                            }
+                            for k in 0..2 {
+                                let g = ga + 2 * k;
+                                // s_b = sc₀ Σ₀ + sc₁ Σ₁ with Σ = Σ code·q −
+                                // 32 Σ q: exact integers below 2²⁴.
+                                let part = |h: usize| {
+                                    let j = 2 * g + h;
+                                    _mm512_mullo_epi32(
+                                        _mm512_sub_epi32(
+                                            sums[2 * k + h],
+                                            _mm512_set1_epi32(off[t][j]),
+                                        ),
+                                        sc[2 * k + h],
+                                    )
+                                };
+                                let sb = _mm512_cvtepi32_ps(_mm512_add_epi32(part(0), part(1)));
+                                let b = 8 * s + g;
+                                let db =
+                                    _mm512_mul_ps(d, _mm512_set1_ps(*x.scales.get_unchecked(b)));
+                                let lane = &mut acc[t][b % LANES];
+                                *lane = _mm512_fmadd_ps(db, sb, *lane);
+                            }
+                        }
+                    }
+                }
+            }
+            for t in 0..T {
+                let a = &acc[t];
+                let v = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                _mm512_storeu_ps(out.get_unchecked_mut(t).as_mut_ptr(), v);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -372,7 +675,7 @@ pub(crate) mod tests {
             let mut fast = vec![0u8; rows.len()];
             let mut slow = vec![0u8; rows.len()];
             pack(&rows, rb, &mut fast);
-            pack_scalar(&rows, rb, &mut slow);
+            transpose_words_scalar(&rows, rb, 0, rb / 4, &mut slow);
             assert_eq!(fast, slow, "rb {rb}");
             // Word 1 of row 3 is the panel's bytes 64 + 12..64 + 16.
             assert_eq!(fast[76..80], rows[3 * rb + 4..3 * rb + 8]);
@@ -393,10 +696,13 @@ pub(crate) mod tests {
     ) -> (Vec<u8>, Vec<u8>) {
         let size = super_bytes(format).unwrap();
         let rows: Vec<u8> = (0..PANEL_ROWS)
-            .flat_map(|_| random_row(rng, supers, size))
+            .flat_map(|_| match format {
+                WeightFormat::Q6K => crate::kernels::q6_k::tests::random_row(rng, supers),
+                _ => random_row(rng, supers, size),
+            })
             .collect();
-        let mut panel = vec![0u8; rows.len()];
-        pack(&rows, supers * size, &mut panel);
+        let mut panel = vec![0u8; PANEL_ROWS * supers * panel_super_bytes(format).unwrap()];
+        pack_format(format, &rows, supers * size, &mut panel);
         (panel, rows)
     }
 
@@ -421,7 +727,7 @@ pub(crate) mod tests {
     #[test]
     fn the_reference_is_the_row_kernel_on_each_row() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(61);
-        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
             let (panel, rows) = random_panel(&mut rng, format, 3);
             let xs = activations(&mut rng, 3, 3);
             let refs: Vec<&Q8Activation> = xs.iter().collect();
@@ -433,7 +739,8 @@ pub(crate) mod tests {
                     let row = &rows[r * rb..(r + 1) * rb];
                     let want = match format {
                         WeightFormat::Q4K => crate::kernels::q4_k::dot_q4_k_q8(row, x),
-                        _ => crate::kernels::q4_k::dot_q5_k_q8(row, x),
+                        WeightFormat::Q5K => crate::kernels::q4_k::dot_q5_k_q8(row, x),
+                        _ => crate::kernels::q6_k::dot_q6_k_q8(row, x),
                     };
                     assert_eq!(out[t][r].to_bits(), want.to_bits());
                     assert!(want != 0.0);
@@ -447,10 +754,15 @@ pub(crate) mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(62);
         let sets: Vec<_> = crate::kernels::tests::simd_sets()
             .into_iter()
-            .filter_map(|k| k.dot_k_panels.map(|p| (k.name, p)))
+            .flat_map(|k| {
+                let k4 = k.dot_k_panels.into_iter().flat_map(move |p| {
+                    [WeightFormat::Q4K, WeightFormat::Q5K].map(|f| (k.name, f, p))
+                });
+                k4.chain(k.dot_q6_k_panels.map(|p| (k.name, WeightFormat::Q6K, p)))
+            })
             .collect();
-        for (name, kernel) in sets {
-            for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        for (name, format, kernel) in sets {
+            {
                 for supers in [1, 2, 3, 8] {
                     let (panel, _) = random_panel(&mut rng, format, supers);
                     for n in 1..=PANEL_TOKENS {
@@ -497,6 +809,35 @@ pub(crate) mod tests {
                     let mut got = [[0.0f32; PANEL_ROWS]; 1];
                     kernel(format, &panel, 1, &[&x], &mut got);
                     assert_eq!(got, want, "{} {format:?}", k.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_q6_k_codes_and_scales_stay_exact_in_every_panel_kernel() {
+        // Codes −32 with scales −128, and codes 31 with scales −1, against
+        // quants −127: the largest block sums of both signs.
+        use crate::quant::{Q6_K_D, Q6_K_SCALES};
+        for (code_byte, scale) in [(0x00u8, 0x80u8), (0xff, 0xff)] {
+            let mut blk = vec![code_byte; Q6_K_BLOCK_BYTES];
+            blk[Q6_K_SCALES..Q6_K_D].fill(scale);
+            blk[Q6_K_D..].copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+            let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
+            let mut panel = vec![0u8; PANEL_ROWS * 4 * Q6_K_PANEL_WORDS];
+            pack_q6_k(&rows, Q6_K_BLOCK_BYTES, &mut panel);
+            let x = Q8Activation::quantize(&vec![-1.0f32; QK_K]);
+            let mut want = [[0.0f32; PANEL_ROWS]; 1];
+            dot_panel_ref(WeightFormat::Q6K, &panel, 1, &[&x], &mut want);
+            // 16 sub-blocks of 16 · code · scale · (−127) each.
+            let code = if code_byte == 0 { -32.0 } else { 31.0 };
+            let sc = scale as i8 as f32;
+            assert_eq!(want[0][0], 16.0 * 16.0 * code * sc * -127.0 * x.scales[0]);
+            for k in crate::kernels::tests::simd_sets() {
+                if let Some(kernel) = k.dot_q6_k_panels {
+                    let mut got = [[0.0f32; PANEL_ROWS]; 1];
+                    kernel(WeightFormat::Q6K, &panel, 1, &[&x], &mut got);
+                    assert_eq!(got, want, "{}", k.name);
                 }
             }
         }

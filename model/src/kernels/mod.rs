@@ -157,6 +157,10 @@ pub struct KernelSet {
     /// (prefill, batched decode; [`k_panels`]), each result identical to
     /// the row kernel's; `None` takes the tokens one by one.
     pub dot_k_panels: Option<k_panels::PanelDot>,
+    /// The same for panels of 16 Q6_K rows (llama.cpp's Q4_K_M and Q5_K_M
+    /// files have their down projections in Q6_K in a third of the
+    /// layers, some all of them).
+    pub dot_q6_k_panels: Option<k_panels::PanelDot>,
     /// Matrix products over block-quantized weights (every ggml format)
     /// quantize their input to 8-bit blocks and use the integer kernels
     /// (the default); false keeps the exact dequantize-then-multiply
@@ -212,7 +216,7 @@ fn check_panel_args(
     xs: &[&Q8Activation],
     out: &[[f32; 16]],
 ) {
-    let size = k_panels::super_bytes(format).expect("a Q4_K or Q5_K panel");
+    let size = k_panels::panel_super_bytes(format).expect("a Q4_K, Q5_K or Q6_K panel");
     assert_eq!(
         panel.len(),
         k_panels::PANEL_ROWS * supers * size,
@@ -330,6 +334,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
     dot_k_panels: None,
+    dot_q6_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -567,6 +572,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
+    dot_q6_k_panels: None,
     int_activations: true,
     vector_quantize: true,
 };
@@ -630,6 +636,18 @@ mod avx512_wrappers {
         super::check_panel_args(format, panel, supers, xs, out);
         unsafe { super::k_panels::avx512::dot_panel(format, panel, supers, xs, out) }
     }
+    /// Also checks the panel, every activation's length and the outputs.
+    pub fn dot_q6_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        assert_eq!(format, super::WeightFormat::Q6K, "a Q6_K panel");
+        unsafe { super::k_panels::avx512_q6_k::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
@@ -646,6 +664,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
     dot_k_panels: Some(avx512_wrappers::dot_k_panels),
+    dot_q6_k_panels: Some(avx512_wrappers::dot_q6_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     ..AVX2
@@ -805,6 +824,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
     dot_k_panels: None,
+    dot_q6_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -881,14 +901,14 @@ fn select() -> KernelSet {
         || std::env::var_os("COLIBRI_EXACT_QUANT").is_some_and(|v| v != "0");
     let simd = select_simd();
     let one_token_tiles = std::env::var_os("COLIBRI_TILE_TOKENS").is_some_and(|v| v == "1");
+    let panels = std::env::var_os("COLIBRI_NO_PANELS").is_none_or(|v| v == "0");
     KernelSet {
         int_activations: !exact,
         dot_q4_0_tiles: simd.dot_q4_0_tiles.filter(|_| !one_token_tiles),
         // `COLIBRI_NO_PANELS=1`: k-quant products token by token (to
         // compare; the bits are the same).
-        dot_k_panels: simd
-            .dot_k_panels
-            .filter(|_| std::env::var_os("COLIBRI_NO_PANELS").is_none_or(|v| v == "0")),
+        dot_k_panels: simd.dot_k_panels.filter(|_| panels),
+        dot_q6_k_panels: simd.dot_q6_k_panels.filter(|_| panels),
         ..simd
     }
 }
@@ -1629,7 +1649,7 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Rows `r0..r0 + len` of a Q4_K or Q5_K matrix against every token of
+/// Rows `r0..r0 + len` of a Q4_K, Q5_K or Q6_K matrix against every token of
 /// `xs` into `out` (token-major, `len` per token): each full group of 16
 /// rows packed into a panel once ([`k_panels::pack`]) and multiplied by up
 /// to [`k_panels::PANEL_TOKENS`] tokens per pass, the rows past the last
@@ -1649,11 +1669,12 @@ fn panel_rows(
     let rb = bytes.len() / w.rows;
     let supers = w.cols / quant::QK_K;
     let full = len / PANEL_ROWS * PANEL_ROWS;
-    let mut panel = vec![0u8; PANEL_ROWS * rb];
+    let padded = k_panels::panel_super_bytes(w.format).expect("a panel format");
+    let mut panel = vec![0u8; PANEL_ROWS * supers * padded];
     let mut res = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
     for p in (0..full).step_by(PANEL_ROWS) {
         let at = (r0 + p) * rb;
-        k_panels::pack(&bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
+        k_panels::pack_format(w.format, &bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
         // Passes as even as `tile_passes` makes them: a kernel runs its
         // fewest tokens slowest.
         let mut t0 = 0;
@@ -1670,7 +1691,8 @@ fn panel_rows(
         for (t, x) in xs.iter().enumerate() {
             out[t * len + i] = match w.format {
                 WeightFormat::Q4K => (k.dot_q4_k_q8)(row, x),
-                _ => (k.dot_q5_k_q8)(row, x),
+                WeightFormat::Q5K => (k.dot_q5_k_q8)(row, x),
+                _ => (k.dot_q6_k_q8)(row, x),
             };
         }
     }
@@ -1731,11 +1753,13 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         out[t * len + i] = *v;
                     }
                 }
-            } else if let Some(panels) = k.dot_k_panels.filter(|_| {
-                q8.len() == n
-                    && n >= k_panels::PANEL_MIN_TOKENS
-                    && k_panels::super_bytes(w.format).is_some()
-            }) {
+            } else if let Some(panels) = match w.format {
+                WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
+                WeightFormat::Q6K => k.dot_q6_k_panels,
+                _ => None,
+            }
+            .filter(|_| q8.len() == n && n >= k_panels::PANEL_MIN_TOKENS)
+            {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
             } else if let Some(multi) = match w.format {
                 WeightFormat::Q8_0 => Some(k.dot_q8_0_q8_multi),
@@ -2519,18 +2543,21 @@ mod tests {
         }
     }
 
-    /// Q4_K and Q5_K products over many tokens (panels of 16 rows, up to
+    /// Q4_K, Q5_K and Q6_K products over many tokens (panels of 16 rows, up to
     /// 8 tokens a pass, the rows past the last panel by the row kernel)
     /// give each token what a product of that token alone gives, whatever
     /// the thread count; and the panels run where the CPU has them.
     #[test]
     fn k_quant_batches_equal_single_tokens_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
-        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
             let size = k_panels::super_bytes(format).unwrap();
             for (rows, cols) in [(37usize, 256usize), (130, 768)] {
                 let bytes: Vec<u8> = (0..rows)
-                    .flat_map(|_| q4_k::tests::random_row(&mut rng, cols / 256, size))
+                    .flat_map(|_| match format {
+                        WeightFormat::Q6K => q6_k::tests::random_row(&mut rng, cols / 256),
+                        _ => q4_k::tests::random_row(&mut rng, cols / 256, size),
+                    })
                     .collect();
                 let data = crate::tensor::Bytes::from_vec(bytes);
                 let m = QMatrix::new("k", rows, cols, format, data, None).unwrap();

@@ -176,13 +176,13 @@ pub mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{dequantize_q6_k, quantize_q6_k};
     use rand::{Rng, SeedableRng};
 
     /// Random super-blocks: every code, every scale sign, finite `d`s.
-    fn random_row(rng: &mut impl Rng, supers: usize) -> Vec<u8> {
+    pub(crate) fn random_row(rng: &mut impl Rng, supers: usize) -> Vec<u8> {
         let mut w: Vec<u8> = (0..supers * Q6_K_BLOCK_BYTES)
             .map(|_| rng.random())
             .collect();
