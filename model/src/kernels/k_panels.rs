@@ -241,6 +241,9 @@ const fn super_words(five: bool) -> usize {
 pub mod avx2;
 
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_q6_k;
+
+#[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     //! The panel kernel on AVX-512 VNNI: the 16 rows in the 16 lanes of a
     //! register. A super-block's nibbles come 32 bytes per row for two

@@ -534,6 +534,18 @@ mod avx2_wrappers {
         super::check_panel_args(format, panel, supers, xs, out);
         unsafe { super::k_panels::avx2::dot_panel(format, panel, supers, xs, out) }
     }
+    /// Also checks the panel, every activation's length and the outputs.
+    pub fn dot_q6_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        assert_eq!(format, super::WeightFormat::Q6K, "a Q6_K panel");
+        unsafe { super::k_panels::avx2_q6_k::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -572,7 +584,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
-    dot_q6_k_panels: None,
+    dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
     int_activations: true,
     vector_quantize: true,
 };
