@@ -178,6 +178,27 @@ fn transpose_words_sse2(rows: &[u8], rb: usize, at: usize, words: usize, out: &m
     }
 }
 
+/// Asks L2 for `bytes` (the rows the next panel will be packed from,
+/// while this one is multiplied: packing reads 16 rows side by side, which
+/// the hardware prefetchers do not follow). A hint only: it never faults
+/// and changes no result.
+pub fn ask_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // From the start of the cache line that holds the first byte.
+        let lead = bytes.as_ptr() as usize % 64;
+        let first = bytes.as_ptr().wrapping_sub(lead);
+        for at in (0..lead + bytes.len()).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults, whatever the
+            // address; `wrapping_*` keeps the pointer arithmetic defined.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(first.wrapping_add(at) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Row `r` of a panel of rows of `rb` bytes, back in its row-major form.
 pub fn row_of(panel: &[u8], rb: usize, r: usize, out: &mut [u8]) {
     assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * rb && out.len() == rb);
