@@ -258,6 +258,27 @@ const fn super_words(five: bool) -> usize {
     if five { 44 } else { 36 }
 }
 
+/// Runs `$call` with `$t` a constant equal to `$n` (1..=8: the kernels'
+/// passes are generic over their token count); nothing for 0.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_tokens {
+    ($n:expr, $t:ident => $call:expr) => {
+        for_tokens!(@ $n, $t => $call; 1 2 3 4 5 6 7 8)
+    };
+    (@ $n:expr, $t:ident => $call:expr; $($k:literal)*) => {
+        match $n {
+            0 => {}
+            $(
+                $k => {
+                    const $t: usize = $k;
+                    $call
+                }
+            )*
+            n => panic!("a panel pass takes at most {} tokens, not {n}", $crate::kernels::k_panels::PANEL_TOKENS),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 
@@ -304,20 +325,13 @@ pub mod avx512 {
             WeightFormat::Q5K => true,
             other => panic!("no panels of {other:?}"),
         };
-        macro_rules! by_tokens {
-            ($($t:literal)*) => {
-                match (five, xs.len()) {
-                    (_, 0) => {}
-                    $(
-                        // SAFETY: forwarded contract, with `xs.len() == T`.
-                        (false, $t) => unsafe { panel_n::<false, $t>(panel, supers, xs, out) },
-                        (true, $t) => unsafe { panel_n::<true, $t>(panel, supers, xs, out) },
-                    )*
-                    (_, n) => panic!("a panel pass takes at most 8 tokens, not {n}"),
-                }
-            };
-        }
-        by_tokens!(1 2 3 4 5 6 7 8);
+        for_tokens!(xs.len(), T => if five {
+            // SAFETY: forwarded contract, with `xs.len() == T`.
+            unsafe { panel_n::<true, T>(panel, supers, xs, out) }
+        } else {
+            // SAFETY: as above.
+            unsafe { panel_n::<false, T>(panel, supers, xs, out) }
+        });
     }
 
     /// `T` tokens through the panel (`FIVE`: Q5_K, else Q4_K).
@@ -497,19 +511,8 @@ pub mod avx512_q6_k {
         out: &mut [[f32; PANEL_ROWS]],
     ) {
         assert_eq!(format, WeightFormat::Q6K, "a Q6_K panel");
-        macro_rules! by_tokens {
-            ($($t:literal)*) => {
-                match xs.len() {
-                    0 => {}
-                    $(
-                        // SAFETY: forwarded contract, with `xs.len() == T`.
-                        $t => unsafe { panel_n::<$t>(panel, supers, xs, out) },
-                    )*
-                    n => panic!("a panel pass takes at most 8 tokens, not {n}"),
-                }
-            };
-        }
-        by_tokens!(1 2 3 4 5 6 7 8);
+        // SAFETY: forwarded contract, with `xs.len() == T`.
+        for_tokens!(xs.len(), T => unsafe { panel_n::<T>(panel, supers, xs, out) });
     }
 
     /// 32 × the sums of each 16 quants of super-block `s` of an activation

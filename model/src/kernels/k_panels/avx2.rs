@@ -58,20 +58,13 @@ pub unsafe fn dot_panel(
         WeightFormat::Q5K => true,
         other => panic!("no panels of {other:?}"),
     };
-    macro_rules! by_tokens {
-        ($($t:literal)*) => {
-            match (five, xs.len()) {
-                (_, 0) => {}
-                $(
-                    // SAFETY: forwarded contract, with `xs.len() == T`.
-                    (false, $t) => unsafe { panel_n::<false, $t>(panel, supers, xs, out) },
-                    (true, $t) => unsafe { panel_n::<true, $t>(panel, supers, xs, out) },
-                )*
-                (_, n) => panic!("a panel pass takes at most 8 tokens, not {n}"),
-            }
-        };
-    }
-    by_tokens!(1 2 3 4 5 6 7 8);
+    for_tokens!(xs.len(), T => if five {
+        // SAFETY: forwarded contract, with `xs.len() == T`.
+        unsafe { panel_n::<true, T>(panel, supers, xs, out) }
+    } else {
+        // SAFETY: as above.
+        unsafe { panel_n::<false, T>(panel, supers, xs, out) }
+    });
 }
 
 /// `T` tokens through the panel (`FIVE`: Q5_K, else Q4_K): a function of
@@ -296,14 +289,28 @@ unsafe fn panel_n<const FIVE: bool, const T: usize>(
                 }
             }
         }
-        for t in 0..T {
-            for h in 0..2 {
-                let a = &acc[t];
-                let v = _mm256_add_ps(
-                    _mm256_add_ps(a[0][h], a[2][h]),
-                    _mm256_add_ps(a[1][h], a[3][h]),
-                );
-                _mm256_storeu_ps(out.get_unchecked_mut(t).as_mut_ptr().add(8 * h), v);
+        store(&acc, out);
+    }
+}
+
+/// Each token's four accumulator lanes (rows 0..8, 8..16) reduced as
+/// `(a0 + a2) + (a1 + a3)`, the row kernels' `tree4`, into `out[t]`.
+///
+/// # Safety
+/// AVX2 (caller); `out` has an entry for each of `acc`'s tokens.
+#[inline(always)]
+pub(super) unsafe fn store<const T: usize>(
+    acc: &[[[__m256; 2]; LANES]; T],
+    out: &mut [[f32; PANEL_ROWS]],
+) {
+    assert!(out.len() >= T);
+    for ([a0, a1, a2, a3], o) in acc.iter().zip(out.iter_mut()) {
+        for (h, half) in o.chunks_exact_mut(8).enumerate() {
+            // SAFETY: register arithmetic (AVX2, caller) and an unaligned
+            // store of 8 floats into `half`, 8 long.
+            unsafe {
+                let v = _mm256_add_ps(_mm256_add_ps(a0[h], a2[h]), _mm256_add_ps(a1[h], a3[h]));
+                _mm256_storeu_ps(half.as_mut_ptr(), v);
             }
         }
     }

@@ -65,19 +65,8 @@ pub unsafe fn dot_panel(
     out: &mut [[f32; PANEL_ROWS]],
 ) {
     assert_eq!(format, WeightFormat::Q6K, "a Q6_K panel");
-    macro_rules! by_tokens {
-        ($($t:literal)*) => {
-            match xs.len() {
-                0 => {}
-                $(
-                    // SAFETY: forwarded contract, with `xs.len() == T`.
-                    $t => unsafe { panel_n::<$t>(panel, supers, xs, out) },
-                )*
-                n => panic!("a panel pass takes at most 8 tokens, not {n}"),
-            }
-        };
-    }
-    by_tokens!(1 2 3 4 5 6 7 8);
+    // SAFETY: forwarded contract, with `xs.len() == T`.
+    for_tokens!(xs.len(), T => unsafe { panel_n::<T>(panel, supers, xs, out) });
 }
 
 /// A `vpshufb` control that puts byte `m` of each 32-bit lane in bytes 1
@@ -277,15 +266,6 @@ unsafe fn panel_n<const T: usize>(
                 }
             }
         }
-        for t in 0..T {
-            for h in 0..2 {
-                let a = &acc[t];
-                let v = _mm256_add_ps(
-                    _mm256_add_ps(a[0][h], a[2][h]),
-                    _mm256_add_ps(a[1][h], a[3][h]),
-                );
-                _mm256_storeu_ps(out.get_unchecked_mut(t).as_mut_ptr().add(8 * h), v);
-            }
-        }
+        super::avx2::store(&acc, out);
     }
 }
