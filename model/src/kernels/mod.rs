@@ -797,6 +797,16 @@ mod neon_wrappers {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q4_0_q8_multi(w, xs, out) }
     }
+    pub fn dot_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_k_panels(format, panel, supers, xs, out) }
+    }
 }
 
 /// NEON, baseline on aarch64. FP8 keeps the scalar kernel (NEON has no
@@ -835,7 +845,7 @@ pub const NEON: KernelSet = KernelSet {
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
-    dot_k_panels: None,
+    dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
     int_activations: true,
     vector_quantize: false,
@@ -875,6 +885,16 @@ mod dotprod_wrappers {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q4_0_q8_multi(w, xs, out) }
     }
+    pub fn dot_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_k_panels(format, panel, supers, xs, out) }
+    }
 }
 
 /// [`NEON`] with the integer kernels on SDOT (ARMv8.2 `dotprod`): the same
@@ -889,6 +909,7 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     dot_q5_k_q8: dotprod_wrappers::dot_q5_k_q8,
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
+    dot_k_panels: Some(dotprod_wrappers::dot_k_panels),
     ..NEON
 };
 

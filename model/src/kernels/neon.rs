@@ -838,6 +838,148 @@ unsafe fn k4_row<const SDOT: bool, const Q5: bool>(
     }
 }
 
+/// Tokens a NEON panel pass multiplies at once (their 8 accumulator
+/// registers each, with the 8 of a word's codes, fill the 32 registers).
+const PANEL_GROUP: usize = 2;
+
+/// `T` activations against a Q4_K or (`Q5`) Q5_K panel of `supers`
+/// super-blocks ([`super::k_panels`]: word `w` of row `r` at `64w + 4r`),
+/// `out[t][r]` equal to `dot_q4_k_q8` (`dot_q5_k_q8`) of row `r` and
+/// `xs[t]` bit for bit: the arithmetic of [`k4_row`] with 4 rows in each
+/// of 4 registers. Each 64-byte word of codes is 4 registers of 4 rows'
+/// 4 bytes; [`dot4`] against the word's 4 activation bytes, broadcast,
+/// advances all 16 rows' block sums (as one `vpdpbusd` does on AVX-512),
+/// with no reduction across lanes.
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `panel` at least `supers × words × 64`
+/// bytes (36 words a super-block for Q4_K, 44 for Q5_K), each activation's
+/// quants `supers · 256` long and its scales and bsums8 `supers · 8`,
+/// `out.len() ≥ T`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // t and q index several arrays at once
+unsafe fn k4_panel<const SDOT: bool, const Q5: bool, const T: usize>(
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &mut [[f32; 16]],
+) {
+    let words = if Q5 { 44 } else { 36 };
+    let codes_at = if Q5 { 12 } else { 4 };
+    // SAFETY: super-block `s < supers` reads words `s · words..+words` of
+    // the panel (64 bytes each) and, per token, quants `256 s..+256`,
+    // scales and bsums8 `8 s..+8` (caller); SDOT only when the caller has
+    // it; the rest is register arithmetic on local arrays.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let low = vdupq_n_u8(0x0f);
+        let fifth = vdupq_n_u8(0x10);
+        let mut acc = [[[vdupq_n_f32(0.0); 4]; 4]; T];
+        for s in 0..supers {
+            let base = panel.as_ptr().add(s * words * 64);
+            // Word `k`, rows 4q..4q + 4.
+            let word = |k: usize, q: usize| vld1q_u32(base.add(64 * k + 16 * q) as *const u32);
+            let mut d = [vdupq_n_f32(0.0); 4];
+            let mut dmin = [vdupq_n_f32(0.0); 4];
+            // Each row's 8 scales and mins (ggml's get_scale_min_k4, lane
+            // by lane), as f32: exact small integers.
+            let mut sc = [[vdupq_n_f32(0.0); 4]; 8];
+            let mut mn = [[vdupq_n_f32(0.0); 4]; 8];
+            for q in 0..4 {
+                let dd = word(0, q);
+                d[q] = f16x4_to_f32(vmovn_u32(dd));
+                dmin[q] = f16x4_to_f32(vshrn_n_u32::<16>(dd));
+                let (w0, w1, w2) = (word(1, q), word(2, q), word(3, q));
+                let shr = |v: uint32x4_t, n: usize| vshlq_u32(v, vdupq_n_s32(-(n as i32)));
+                let (m6, m4, m2) = (vdupq_n_u32(0x3f), vdupq_n_u32(0x0f), vdupq_n_u32(0x03));
+                for j in 0..4 {
+                    sc[j][q] = vcvtq_f32_u32(vandq_u32(shr(w0, 8 * j), m6));
+                    mn[j][q] = vcvtq_f32_u32(vandq_u32(shr(w1, 8 * j), m6));
+                    let top = |w: uint32x4_t| vshlq_n_u32::<4>(vandq_u32(shr(w, 8 * j + 6), m2));
+                    sc[j + 4][q] = vcvtq_f32_u32(vorrq_u32(vandq_u32(shr(w2, 8 * j), m4), top(w0)));
+                    mn[j + 4][q] =
+                        vcvtq_f32_u32(vorrq_u32(vandq_u32(shr(w2, 8 * j + 4), m4), top(w1)));
+                }
+            }
+            for c in 0..4 {
+                let b0 = 8 * s + 2 * c;
+                let bits = (vdupq_n_u8(1 << (2 * c)), vdupq_n_u8(1 << (2 * c + 1)));
+                let mut lo = [[zero; 4]; T];
+                let mut hi = [[zero; 4]; T];
+                for g in 0..8 {
+                    for q in 0..4 {
+                        let w = vreinterpretq_u8_u32(word(codes_at + 8 * c + g, q));
+                        let (mut wl, mut wh) = (vandq_u8(w, low), vshrq_n_u8::<4>(w));
+                        if Q5 {
+                            // Fifth bits: bits 2c, 2c + 1 of qh word g.
+                            let h = vreinterpretq_u8_u32(word(4 + g, q));
+                            wl = vorrq_u8(wl, vandq_u8(vtstq_u8(h, bits.0), fifth));
+                            wh = vorrq_u8(wh, vandq_u8(vtstq_u8(h, bits.1), fifth));
+                        }
+                        let (wl, wh) = (vreinterpretq_s8_u8(wl), vreinterpretq_s8_u8(wh));
+                        for t in 0..T {
+                            let a =
+                                (xs.get_unchecked(t).quants.as_ptr() as *const i32).add(8 * b0 + g);
+                            let al = vreinterpretq_s8_s32(vdupq_n_s32(a.read_unaligned()));
+                            let ah = vreinterpretq_s8_s32(vdupq_n_s32(a.add(8).read_unaligned()));
+                            lo[t][q] = dot4::<SDOT>(lo[t][q], wl, al);
+                            hi[t][q] = dot4::<SDOT>(hi[t][q], wh, ah);
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let x = xs.get_unchecked(t);
+                    for (k, dots) in [lo[t], hi[t]].into_iter().enumerate() {
+                        let (b, j) = (b0 + k, 2 * c + k);
+                        let sum = vdupq_n_f32((*x.bsums8.get_unchecked(b) >> 3) as f32);
+                        let xd = vdupq_n_f32(*x.scales.get_unchecked(b));
+                        for q in 0..4 {
+                            // A = sc · Σ code·q and B = m · Σ q: integers
+                            // below 2²⁴, so these products are exact.
+                            let a = vmulq_f32(vcvtq_f32_s32(dots[q]), sc[j][q]);
+                            let bm = vmulq_f32(mn[j][q], sum);
+                            let min_term = vmulq_f32(vmulq_f32(dmin[q], xd), bm);
+                            let term = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d[q], xd), a);
+                            let lane = &mut acc[t][b % 4][q];
+                            *lane = vaddq_f32(*lane, term);
+                        }
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            let a = &acc[t];
+            for q in 0..4 {
+                // (a0 + a2) + (a1 + a3), as `tree4`.
+                let v = vaddq_f32(vaddq_f32(a[0][q], a[2][q]), vaddq_f32(a[1][q], a[3][q]));
+                vst1q_f32(out.get_unchecked_mut(t).as_mut_ptr().add(4 * q), v);
+            }
+        }
+    }
+}
+
+/// [`k4_panel`] over any number of tokens, [`PANEL_GROUP`] at a time.
+///
+/// # Safety
+/// As [`k4_panel`], for every token of `xs`.
+#[inline(always)]
+unsafe fn k4_panels<const SDOT: bool, const Q5: bool>(
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &mut [[f32; 16]],
+) {
+    for (x, o) in xs.chunks(PANEL_GROUP).zip(out.chunks_mut(PANEL_GROUP)) {
+        // SAFETY: forwarded contract, with `x.len()` tokens.
+        unsafe {
+            match x.len() {
+                1 => k4_panel::<SDOT, Q5, 1>(panel, supers, x, o),
+                _ => k4_panel::<SDOT, Q5, PANEL_GROUP>(panel, supers, x, o),
+            }
+        }
+    }
+}
+
 /// Runs `kernel::<N>` for `N = xs.len()` (at most [`MULTI`]).
 macro_rules! by_count {
     ($kernel:ident, $sdot:expr, $w:expr, $xs:expr, $out:expr) => {{
@@ -975,6 +1117,47 @@ macro_rules! integer_kernels {
                 check_acts(&[x], supers * (QK_K / QK));
                 // SAFETY: as in dot_q4_k_q8.
                 unsafe { k4_row::<$sdot, true>(w, x, supers) }
+            }
+            /// Q4_K or Q5_K panel ([`super::super::k_panels`]) · up to
+            /// [`super::super::k_panels::PANEL_TOKENS`] activations;
+            /// `out[t][r]` equals the row kernel's product of row `r` and
+            /// `xs[t]` bit for bit. Panics on a panel or activations of
+            /// the wrong length, or another format.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_k_panels(
+                format: crate::format::WeightFormat,
+                panel: &[u8],
+                supers: usize,
+                xs: &[&Q8Activation],
+                out: &mut [[f32; 16]],
+            ) {
+                use crate::format::WeightFormat;
+                let words = match format {
+                    WeightFormat::Q4K => 36,
+                    WeightFormat::Q5K => 44,
+                    other => panic!("no NEON panels of {other:?}"),
+                };
+                assert_eq!(panel.len(), supers * words * 64, "whole super-blocks");
+                assert!(
+                    xs.len() <= super::super::k_panels::PANEL_TOKENS && out.len() >= xs.len(),
+                    "tokens"
+                );
+                check_acts(xs, supers * (QK_K / QK));
+                // SAFETY: the panel, the activations and the outputs are
+                // as long as the kernel reads (checked); this function has
+                // the features the kernel's build needs.
+                unsafe {
+                    if format == WeightFormat::Q4K {
+                        k4_panels::<$sdot, false>(panel, supers, xs, out)
+                    } else {
+                        k4_panels::<$sdot, true>(panel, supers, xs, out)
+                    }
+                }
             }
         }
     };
