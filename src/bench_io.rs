@@ -254,6 +254,8 @@ struct DecodeRun {
     predictor: Option<Predictor>,
     tokens: usize,
     tok_s: f64,
+    /// Tokens in the prompt (its prefill is `ttft_s`).
+    prompt_tokens: usize,
     ttft_s: f64,
     disk_bytes_per_token: f64,
     disk_read_mb_s: f64,
@@ -487,6 +489,7 @@ fn decode_run(
         predictor,
         tokens: generated,
         tok_s: (generated - 1) as f64 / decode_s,
+        prompt_tokens: setup.prompt.len(),
         ttft_s: prompt_end.at.duration_since(start.at).as_secs_f64(),
         disk_bytes_per_token: decode_bytes as f64 / decode_tokens,
         disk_read_mb_s: decode_bytes as f64 / decode_s / 1e6,
@@ -581,6 +584,7 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         (lo.min(m.gb_s), hi.max(m.gb_s))
     });
     let decode_disk = run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
+    let prefill_tok_s = run.prompt_tokens as f64 / run.ttft_s;
     if args.json {
         let v = json!({
             "model": dir.display().to_string(),
@@ -589,7 +593,10 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "threads": engine.pool.threads(),
             "kernels": colibri_model::kernels::kernels().name,
             "tok_s": run.tok_s,
+            "prompt_tokens": run.prompt_tokens,
             "ttft_s": run.ttft_s,
+            "prefill_tok_s": prefill_tok_s,
+            "prefill_over_decode": prefill_tok_s / run.tok_s,
             "weight_bytes_per_token": per_token,
             "memory_read_gb_s": bandwidth_gb_s,
             "memory_read_gb_s_range": [bw_low, bw_high],
@@ -612,6 +619,13 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         run.tokens,
         engine.pool.threads(),
         colibri_model::kernels::kernels().name
+    );
+    println!(
+        "prefill {} prompt tokens in {:.2} s: {:.2} tok/s, {:.2}× the decode per token",
+        run.prompt_tokens,
+        run.ttft_s,
+        prefill_tok_s,
+        prefill_tok_s / run.tok_s
     );
     println!(
         "decode {:.2} tok/s; RAM hit rate {:.1}%, {} read from disk during decode",
@@ -844,8 +858,10 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         ByteSize(plan.staging_bytes)
     );
     println!(
-        "time to first token {:.3} s ({} read, hit rate {:.1}%)",
+        "time to first token {:.3} s ({} prompt tokens, {:.2} tok/s; {} read, hit rate {:.1}%)",
         run.ttft_s,
+        run.prompt_tokens,
+        run.prompt_tokens as f64 / run.ttft_s,
         ByteSize(run.prefill_disk_bytes),
         run.prefill_hit_rate * 100.0
     );

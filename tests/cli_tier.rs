@@ -227,6 +227,18 @@ fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
     let per_token = v["weight_bytes_per_token"].as_f64().unwrap();
     assert!((roof - bw * 1e9 / per_token).abs() <= 1e-6 * roof, "{v}");
     assert!((v["tok_s_of_roofline"].as_f64().unwrap() - tok_s / roof).abs() < 1e-9);
+    // The default prompt (16 tokens) and its prefill rate against the
+    // decode's.
+    assert_eq!(v["prompt_tokens"], 16);
+    let (ttft, prefill) = (
+        v["ttft_s"].as_f64().unwrap(),
+        v["prefill_tok_s"].as_f64().unwrap(),
+    );
+    assert!(
+        ttft > 0.0 && (prefill - 16.0 / ttft).abs() <= 1e-9 * prefill,
+        "{v}"
+    );
+    assert!((v["prefill_over_decode"].as_f64().unwrap() - prefill / tok_s).abs() <= 1e-9 * prefill);
 
     // A budget that cannot hold every expert is refused, saying so.
     let out = colibri(
