@@ -30,9 +30,10 @@
 //!
 //! The scalar `dot_*_q8` functions are the references (a block's codes
 //! decoded into an array first, so that the integer products vectorize
-//! with the baseline SIMD, SSE2 or NEON); the AVX2 kernels ([`avx2`])
-//! give their bits: the integers are exact whichever way they
-//! are summed, and the f32 operations are the same ones in the same order.
+//! with the baseline SIMD, SSE2 or NEON); the AVX2 kernels ([`avx2`]) and
+//! the AVX-512 VNNI ones for Q2_K and Q3_K ([`avx512`]) give their bits:
+//! the integers are exact whichever way they are summed, and the f32
+//! operations are the same ones in the same order.
 
 use super::q4_0::{LANES, tree4};
 use super::q4_k::term;
@@ -223,7 +224,7 @@ pub mod avx2 {
 
     /// Asks L2 for the `lines` cache lines `PREFETCH` bytes past `blk`.
     #[inline(always)]
-    fn prefetch(blk: *const u8, lines: usize) {
+    pub(super) fn prefetch(blk: *const u8, lines: usize) {
         for line in 0..lines {
             // SAFETY: a hint: it never faults (past the row it reaches
             // the task's next rows); SSE per the module contract.
@@ -303,7 +304,7 @@ pub mod avx2 {
     /// The f16 at `p` as f32 lanes (the 4 bytes from `p` read: `d` in lane
     /// 0, the next f16 in lane 1).
     #[inline(always)]
-    unsafe fn halves(p: *const u8) -> __m128 {
+    pub(super) unsafe fn halves(p: *const u8) -> __m128 {
         // SAFETY: 4 bytes at `p` (caller); F16C per the module contract.
         unsafe {
             let bits = u32::from_le_bytes(std::ptr::read_unaligned(p as *const [u8; 4]));
@@ -313,7 +314,7 @@ pub mod avx2 {
 
     /// The 4 lanes' final reduction, `(a0 + a2) + (a1 + a3)` as `tree4`.
     #[inline(always)]
-    fn reduce(acc: __m128) -> f32 {
+    pub(super) fn reduce(acc: __m128) -> f32 {
         // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
             let h2 = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
@@ -398,7 +399,7 @@ pub mod avx2 {
     /// nibbles 8–15's; bits `2·(j / 4)`, `2·(j / 4) + 1` of byte `8 + j mod
     /// 4` their high 2).
     #[inline(always)]
-    unsafe fn q3_scales(s: *const u8) -> __m128i {
+    pub(super) unsafe fn q3_scales(s: *const u8) -> __m128i {
         // SAFETY: 12 bytes at `s` (caller); SSE2 per the module contract.
         unsafe {
             let word = |k: usize| {
@@ -550,6 +551,325 @@ pub mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! # Safety
+    //! Every function needs AVX-512 F, BW, VL, VNNI and VBMI, AVX2, FMA and
+    //! F16C, and [`dot_q3_k_q8`] GFNI too (the caller checked them at run
+    //! time); `w` whole super-blocks and `x` of `w`'s length in elements
+    //! (its `split` quants and `bsums8` included).
+    //!
+    //! A super-block is taken through the activation's `split` layout: its
+    //! 256 quants are 4 vectors `S_t` (t = 2n + h) whose 128-bit lane `k`
+    //! holds half `h` (16 quants) of block `4n + k`, that is sub-block `j =
+    //! 8n + 2k + h`. The codes of `S_t`'s lane `k` are bits `2k`, `2k + 1`
+    //! of the 16 code bytes at `16t`, so lane `k` of every vector is one
+    //! sub-block, and `S_{2n}`, `S_{2n+1}` both cover blocks `4n .. 4n + 4`:
+    //! one `vpdpbusd` accumulator per `n` sums block `4n + k`'s products in
+    //! lane `k`, with the sub-block scale already in the unsigned byte
+    //! `vpdpbusd` takes, looked up in a table built once per super-block
+    //! (one `vpmulld` of the scales by constant bytes; no carries, as every
+    //! byte of the products is in 0..=255).
+    //!
+    //! - **Q2_K**: the table is `sc_j · code` at byte `4j + code` (≤ 45),
+    //!   looked up by `vpermb` with the codes (`vpsrlvw` by `2k`, per lane)
+    //!   or'ed with `4j`: `A_b`. `B_b` from the mins spread over their
+    //!   lanes (`vpermb`) times the quants, a second accumulator.
+    //! - **Q3_K**: `q` = code − 4 unless the hmask bit is set (then code),
+    //!   `sc` signed. The byte is `124 + sc·q` (0..=252), at byte `u` of
+    //!   qword `j` with `u = q + 4` (8 bytes a sub-block: lane `k` of the
+    //!   table of `n` holds sub-blocks `8n + 2k`, `8n + 2k + 1`, looked up
+    //!   by `vpshufb`). The index comes from two `vgf2p8affineqb`s (bits
+    //!   `2k`, `2k + 1` of the code byte to bits 0–1, hmask bit `4n + k` to
+    //!   bit 2, `8h` added as the constant), or'ed. The block's sum is then
+    //!   `A_b + 124 · Σ a`, and `Σ a` is `bsums8 / 8`.
+    //!
+    //! All integers are exact, so they equal the reference's. Two rounds of
+    //! unpack-and-add leave each block's sum (and Q2_K's `B_b`) in one
+    //! 32-bit lane, permuted to block order; the f32 steps are then the
+    //! reference's, lane for lane, blocks 0–3 before 4–7, as the AVX2
+    //! kernels do them.
+
+    use std::arch::x86_64::*;
+
+    use super::super::q8act::Q8Activation;
+    use super::BLOCKS;
+    use super::avx2::{halves, prefetch, q3_scales, reduce};
+    use crate::quant::{
+        Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
+    };
+
+    /// Sub-block `j` of lane `k` of `S_t`.
+    const fn sub(t: usize, k: usize) -> usize {
+        8 * (t / 2) + 2 * k + t % 2
+    }
+
+    /// 64 bytes whose lane `k` (16 bytes) is `f(k)` throughout.
+    const fn lanes(f: [u8; 4]) -> [u8; 64] {
+        let mut v = [0u8; 64];
+        let mut e = 0;
+        while e < 64 {
+            v[e] = f[e / 16];
+            e += 1;
+        }
+        v
+    }
+
+    /// Per lane `k` of `S_t`, every byte `times · sub(t, k)`.
+    const fn sub_lanes(t: usize, times: usize) -> [u8; 64] {
+        let s = [sub(t, 0), sub(t, 1), sub(t, 2), sub(t, 3)];
+        lanes([
+            (times * s[0]) as u8,
+            (times * s[1]) as u8,
+            (times * s[2]) as u8,
+            (times * s[3]) as u8,
+        ])
+    }
+
+    /// Per lane `k` of `S_t`: `4·sub(t, k)`, the table index of its codes.
+    const OFFSETS: [[u8; 64]; 4] = [
+        sub_lanes(0, 4),
+        sub_lanes(1, 4),
+        sub_lanes(2, 4),
+        sub_lanes(3, 4),
+    ];
+
+    /// Per lane `k` of `S_t`: `sub(t, k)` (Q2_K's min of the lane).
+    const SUBS: [[u8; 64]; 4] = [
+        sub_lanes(0, 1),
+        sub_lanes(1, 1),
+        sub_lanes(2, 1),
+        sub_lanes(3, 1),
+    ];
+
+    /// Per lane `k`: `2k`, the shift of its codes (bytes; as 16-bit
+    /// counts, the high byte 0).
+    const SHIFTS: [u8; 64] = {
+        let mut v = lanes([0, 2, 4, 6]);
+        let mut e = 1;
+        while e < 64 {
+            v[e] = 0;
+            e += 2;
+        }
+        v
+    };
+
+    /// Where the two unpack rounds leave block `b`'s sum (lane `k` of the
+    /// result holds blocks `k`, `4 + k`, then Q2_K's `B_k`, `B_{4+k}`):
+    /// blocks 0–7, then their `B`.
+    const BACK: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+
+    /// A constant's 64 bytes.
+    #[inline(always)]
+    fn load(v: &[u8; 64]) -> __m512i {
+        // SAFETY: 64 bytes at `v`; AVX-512F per the module contract.
+        unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) }
+    }
+
+    /// The 16 bytes at `p` in every 128-bit lane.
+    #[inline(always)]
+    unsafe fn lanes16(p: *const u8) -> __m512i {
+        // SAFETY: 16 bytes at `p` (caller); AVX-512F per the module contract.
+        unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    /// The table of `s_j · c` at byte `4j + c` (c < 4) from 16 byte scales
+    /// `s` (each product < 256; `mul` the bytes c0, c1, c2, c3 as one i32).
+    #[inline(always)]
+    fn table(s: __m128i, mul: i32) -> __m512i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe { _mm512_mullo_epi32(_mm512_cvtepu8_epi32(s), _mm512_set1_epi32(mul)) }
+    }
+
+    /// Each lane's table index: `4j` of its sub-block or'ed with the 2-bit
+    /// codes of the 16 code bytes at `p` (lane `k`'s shifted by `2k`).
+    #[inline(always)]
+    unsafe fn indices(p: *const u8, t: usize) -> __m512i {
+        // SAFETY: 16 bytes at `p` (caller); register arithmetic under the
+        // module's guarantee.
+        unsafe {
+            let c = _mm512_srlv_epi16(lanes16(p), load(&SHIFTS));
+            // (c & 3) | offset.
+            _mm512_ternarylogic_epi32::<0xea>(c, _mm512_set1_epi8(3), load(&OFFSETS[t]))
+        }
+    }
+
+    /// Lane `k` of `a` and of `b` (4 i32 each): their sums, in lanes `4k`
+    /// and `4k + 1`, with those of `c`, `d` in `4k + 2`, `4k + 3`.
+    #[inline(always)]
+    fn lane_sums(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> __m512i {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe {
+            let ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+            _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
+        }
+    }
+
+    /// The high 256 bits of `v`.
+    #[inline(always)]
+    fn high(v: __m512) -> __m256 {
+        // SAFETY: register arithmetic under the module's guarantee.
+        unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))) }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q2_K_BLOCK_BYTES;
+        let (wp, sp) = (w.as_ptr(), x.split.as_ptr());
+        // SAFETY: super-blocks i < supers are read (84 bytes each: 16 of
+        // scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D), with their
+        // 256 split quants (2 groups of 4 blocks, 128 bytes each) and 8
+        // scales (module docs).
+        unsafe {
+            let m4 = _mm_set1_epi8(0x0f);
+            let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q2_K_BLOCK_BYTES);
+                prefetch(blk, 2);
+                let bytes = _mm_loadu_si128(blk as *const __m128i);
+                let scaled = table(_mm_and_si128(bytes, m4), 0x0302_0100);
+                let mins = _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16::<4>(bytes), m4));
+                let dd = halves(blk.add(Q2_K_D));
+                let d = _mm256_broadcastss_ps(dd);
+                let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+                let q = sp.add(i * QK_K);
+                let mut a = [_mm512_setzero_si512(); 2];
+                let mut b = [_mm512_setzero_si512(); 2];
+                for t in 0..4 {
+                    let u = _mm512_permutexvar_epi8(indices(blk.add(Q2_K_QS + 16 * t), t), scaled);
+                    let m = _mm512_permutexvar_epi8(load(&SUBS[t]), mins);
+                    let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
+                    a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], u, xq);
+                    b[t / 2] = _mm512_dpbusd_epi32(b[t / 2], m, xq);
+                }
+                let ab = _mm512_permutexvar_ps(
+                    back,
+                    _mm512_cvtepi32_ps(lane_sums(a[0], a[1], b[0], b[1])),
+                );
+                let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
+                // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
+                let t = _mm256_fmsub_ps(
+                    _mm256_mul_ps(d, xd),
+                    _mm512_castps512_ps256(ab),
+                    _mm256_mul_ps(_mm256_mul_ps(dmin, xd), high(ab)),
+                );
+                acc = _mm_add_ps(acc, _mm256_castps256_ps128(t));
+                acc = _mm_add_ps(acc, _mm256_extractf128_ps::<1>(t));
+            }
+            reduce(acc)
+        }
+    }
+
+    /// Per lane `k` (both its qwords), the GF(2) matrix taking bits `2k`,
+    /// `2k + 1` of a byte to bits 0, 1 (`vgf2p8affineqb`: output bit `i` is
+    /// the parity of the input and byte `7 − i` of the qword).
+    const CODE_BITS: [u64; 8] = {
+        let mut v = [0u64; 8];
+        let mut e = 0;
+        while e < 8 {
+            let k = e / 2;
+            v[e] = (1u64 << (2 * k)) << 56 | (1u64 << (2 * k + 1)) << 48;
+            e += 1;
+        }
+        v
+    };
+
+    /// Per lane `k`, for `n` = 0, 1: the matrix taking bit `4n + k` of a
+    /// byte to bit 2.
+    const HIGH_BITS: [[u64; 8]; 2] = {
+        let mut v = [[0u64; 8]; 2];
+        let mut n = 0;
+        while n < 2 {
+            let mut e = 0;
+            while e < 8 {
+                v[n][e] = (1u64 << (4 * n + e / 2)) << 40;
+                e += 1;
+            }
+            n += 1;
+        }
+        v
+    };
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q3_K_BLOCK_BYTES;
+        let (wp, sp) = (w.as_ptr(), x.split.as_ptr());
+        // SAFETY: super-blocks i < supers are read (110 bytes each: 32 of
+        // hmask, 64 of codes at Q3_K_QS, 12 of scales at Q3_K_SCALES, d at
+        // Q3_K_D), with their 256 split quants, 8 scales and 8 bsums8
+        // (module docs).
+        unsafe {
+            let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
+            let zero = _mm512_setzero_si512();
+            // Qword j of a table is 124·(1, …, 1) + sc_j·(−4, …, 3) as
+            // bytes: its low i32 124·0x01010101 − sc_j·0x01020304, its high
+            // 124·0x01010101 + sc_j·0x03020100.
+            let mul = _mm512_set1_epi64(0x0302_0100 << 32 | (-0x0102_0304i32 as u32 as i64));
+            let base = _mm512_set1_epi8(124);
+            let code_bits = _mm512_loadu_si512(CODE_BITS.as_ptr() as *const __m512i);
+            let high_bits = HIGH_BITS.map(|b| _mm512_loadu_si512(b.as_ptr() as *const __m512i));
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q3_K_BLOCK_BYTES);
+                prefetch(blk, 2);
+                let sc = q3_scales(blk.add(Q3_K_SCALES));
+                // Table n, qword j − 8n, byte u: 124 + sc_j·(u − 4).
+                let tabs = [sc, _mm_unpackhi_epi64(sc, sc)].map(|m| {
+                    let q = _mm512_shuffle_epi32::<0b10_10_00_00>(_mm512_cvtepi8_epi64(m));
+                    _mm512_add_epi32(_mm512_mullo_epi32(q, mul), base)
+                });
+                let dd = halves(blk.add(Q3_K_D - 2));
+                let d = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+                let q = sp.add(i * QK_K);
+                let mut a = [_mm512_setzero_si512(); 2];
+                for t in 0..4 {
+                    let (n, h) = (t / 2, t % 2);
+                    let c = _mm512_gf2p8affine_epi64_epi8::<0>(
+                        lanes16(blk.add(Q3_K_QS + 16 * t)),
+                        code_bits,
+                    );
+                    // Bit 2: the hmask bit; bit 3: h, the qword of the lane.
+                    let hm = lanes16(blk.add(16 * h));
+                    let high = if h == 0 {
+                        _mm512_gf2p8affine_epi64_epi8::<0>(hm, high_bits[n])
+                    } else {
+                        _mm512_gf2p8affine_epi64_epi8::<8>(hm, high_bits[n])
+                    };
+                    let idx = _mm512_or_si512(c, high);
+                    let u = _mm512_shuffle_epi8(tabs[n], idx);
+                    let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
+                    a[n] = _mm512_dpbusd_epi32(a[n], u, xq);
+                }
+                let s = _mm512_permutexvar_epi32(back, lane_sums(a[0], a[1], zero, zero));
+                // Less 124·Σ a of each block (bsums8 = 8·Σ a).
+                let sums = _mm256_srai_epi32::<3>(_mm256_loadu_si256(
+                    x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i,
+                ));
+                let s = _mm256_sub_epi32(
+                    _mm512_castsi512_si256(s),
+                    _mm256_mullo_epi32(sums, _mm256_set1_epi32(124)),
+                );
+                let s = _mm256_cvtepi32_ps(s);
+                let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
+                let dx = _mm256_mul_ps(d, xd);
+                acc = _mm_fmadd_ps(_mm256_castps256_ps128(dx), _mm256_castps256_ps128(s), acc);
+                acc = _mm_fmadd_ps(
+                    _mm256_extractf128_ps::<1>(dx),
+                    _mm256_extractf128_ps::<1>(s),
+                    acc,
+                );
+            }
+            reduce(acc)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,6 +877,10 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     type Dot = fn(&[u8], &Q8Activation) -> f32;
+
+    /// A vector kernel (its CPU features checked by the caller).
+    #[cfg(target_arch = "x86_64")]
+    type UnsafeDot = unsafe fn(&[u8], &Q8Activation) -> f32;
 
     /// f32's unit roundoff.
     const U: f64 = f32::EPSILON as f64 / 2.0;
@@ -605,6 +929,21 @@ mod tests {
                 Format::Q2K => avx2::dot_q2_k_q8,
                 Format::Q3K => avx2::dot_q3_k_q8,
                 Format::Iq4Xs => avx2::dot_iq4_xs_q8,
+            }
+        }
+
+        /// The AVX-512 kernel, where there is one, and whether this CPU
+        /// runs it.
+        #[cfg(target_arch = "x86_64")]
+        fn avx512(self) -> Option<(UnsafeDot, bool)> {
+            let vnni = crate::kernels::has_avx512_vnni();
+            match self {
+                Format::Q2K => Some((avx512::dot_q2_k_q8, vnni)),
+                Format::Q3K => Some((
+                    avx512::dot_q3_k_q8,
+                    vnni && is_x86_feature_detected!("gfni"),
+                )),
+                Format::Iq4Xs => None,
             }
         }
 
@@ -746,6 +1085,61 @@ mod tests {
             );
         } else {
             eprintln!("SKIP avx2: this CPU has no AVX2+FMA+F16C");
+        }
+        same_bits_as_the_kernels(f, w, x, got, at);
+    }
+
+    /// Every vector kernel of `f` this CPU runs (the AVX-512 one and the
+    /// one the chosen kernel set dispatches to, as well as AVX2's, which
+    /// [`check`] runs) gives `want`, the reference's bits.
+    fn same_bits_as_the_kernels(f: Format, w: &[u8], x: &Q8Activation, want: f32, at: &str) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some((kernel, runs)) = f.avx512() {
+            if runs {
+                // SAFETY: the CPU has everything the AVX-512 module asks
+                // for; `w` is whole super-blocks and `x` of its length.
+                let v = unsafe { kernel(w, x) };
+                assert_eq!(
+                    v.to_bits(),
+                    want.to_bits(),
+                    "{f:?} {at}: avx512 {v:e} vs reference {want:e}"
+                );
+            } else {
+                eprintln!("SKIP avx512 {f:?}: this CPU has no AVX-512 VNNI (or GFNI)");
+            }
+        }
+        let wf = match f {
+            Format::Q2K => crate::format::WeightFormat::Q2K,
+            Format::Q3K => crate::format::WeightFormat::Q3K,
+            Format::Iq4Xs => crate::format::WeightFormat::Iq4Xs,
+        };
+        for set in crate::kernels::tests::simd_sets() {
+            let v = (set.dot_more_q8)(wf, w, x);
+            assert_eq!(
+                v.to_bits(),
+                want.to_bits(),
+                "{f:?} {at}: kernel set {} {v:e} vs reference {want:e}",
+                set.name
+            );
+        }
+    }
+
+    /// Rows of 1 to 64 super-blocks, every byte random (so every code,
+    /// scale, min and hmask bit), f16 scales from subnormal to ±6·10⁴,
+    /// activations of magnitudes 10⁻³..10³ with a ±127 block: each vector
+    /// kernel gives the reference's bits.
+    #[test]
+    fn every_vector_kernel_gives_the_reference_bits_on_rows_of_1_to_64_super_blocks() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0512);
+        for f in FORMATS {
+            for supers in (1..=64).chain([64, 64, 33, 17]) {
+                for r in 0..4 {
+                    let w = random_row(&mut rng, f, supers);
+                    let x = random_x(&mut rng, supers * QK_K);
+                    let want = (f.reference())(&w, &x);
+                    same_bits_as_the_kernels(f, &w, &x, want, &format!("{supers}, row {r}"));
+                }
+            }
         }
     }
 
