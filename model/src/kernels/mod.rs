@@ -413,16 +413,7 @@ mod avx2_wrappers {
     pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) -> f32 {
         use super::WeightFormat;
         use super::{legacy_q8::avx2 as legacy, low_k::avx2 as low};
-        let (elements, bytes) = super::more_q8_block(f);
-        assert!(w.len().is_multiple_of(bytes), "whole blocks");
-        let blocks = w.len() / bytes * elements / crate::quant::QK;
-        assert!(
-            x.quants.len() >= blocks * crate::quant::QK
-                && x.scales.len() >= blocks
-                && x.bsums8.len() >= blocks
-                && x.split.len() >= blocks.div_ceil(4) * 128,
-            "an activation of the row's length"
-        );
+        more_q8_lengths(f, w, x);
         unsafe {
             match f {
                 WeightFormat::Q4_1 => legacy::dot_q4_1_q8(w, x),
@@ -435,6 +426,20 @@ mod avx2_wrappers {
                 other => panic!("{other:?} has a kernel of its own"),
             }
         }
+    }
+    /// Checks that `w` is whole blocks of `f` and `x` of its length (its
+    /// split quants included), which the kernels' contract asks for.
+    pub(super) fn more_q8_lengths(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) {
+        let (elements, bytes) = super::more_q8_block(f);
+        assert!(w.len().is_multiple_of(bytes), "whole blocks");
+        let blocks = w.len() / bytes * elements / crate::quant::QK;
+        assert!(
+            x.quants.len() >= blocks * crate::quant::QK
+                && x.scales.len() >= blocks
+                && x.bsums8.len() >= blocks
+                && x.split.len() >= blocks.div_ceil(4) * 128,
+            "an activation of the row's length"
+        );
     }
     fn k4_lengths(supers: usize, x: &super::Q8Activation) {
         let blocks = supers * crate::quant::QK_K / crate::quant::QK;
@@ -597,6 +602,27 @@ mod avx512_wrappers {
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q4_0::avx512::dot_q4_0_q8(w, x) }
     }
+    /// Q2_K and Q3_K (where the CPU has GFNI, as every AVX-512 VNNI CPU
+    /// since Ice Lake and Zen 4 does) by their AVX-512 kernels, after the
+    /// length checks their contract asks for; the other formats by AVX2's.
+    pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) -> f32 {
+        use super::WeightFormat;
+        use super::low_k::avx512 as low;
+        match f {
+            WeightFormat::Q2K => {
+                super::avx2_wrappers::more_q8_lengths(f, w, x);
+                // SAFETY: `select` installs this set only on a CPU with
+                // everything the module asks for; the lengths were checked.
+                unsafe { low::dot_q2_k_q8(w, x) }
+            }
+            WeightFormat::Q3K if is_x86_feature_detected!("gfni") => {
+                super::avx2_wrappers::more_q8_lengths(f, w, x);
+                // SAFETY: as for Q2_K, and the CPU has GFNI (checked here).
+                unsafe { low::dot_q3_k_q8(w, x) }
+            }
+            _ => super::avx2_wrappers::dot_more_q8(f, w, x),
+        }
+    }
     /// Also checks the lengths its safety contract asks for.
     pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
         super::check_rows_group(qs, g, k, stride, out);
@@ -663,7 +689,8 @@ mod avx512_wrappers {
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
-/// reaches memory bandwidth with AVX2; docs/benchmarks.md).
+/// reaches memory bandwidth with AVX2; docs/benchmarks.md), and Q2_K's
+/// and Q3_K's (compute-bound with AVX2: [`low_k::avx512`]).
 #[cfg(target_arch = "x86_64")]
 pub const AVX512_VNNI: KernelSet = KernelSet {
     name: "avx512-vnni",
@@ -679,6 +706,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_q6_k_panels: Some(avx512_wrappers::dot_q6_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
+    dot_more_q8: avx512_wrappers::dot_more_q8,
     ..AVX2
 };
 
