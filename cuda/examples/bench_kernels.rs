@@ -1,7 +1,7 @@
 //! Matvec throughput on expert-sized matrices against the device's own
 //! memory bandwidth, measured in the same run (DESIGN.md principle 6).
 //!
-//!     cargo run --release -p colibri-cuda --example bench_kernels
+//!     cargo run --release -p colibri-cuda --example bench_kernels [-- --all]
 //!
 //! Ceiling: a large device-to-device copy, counting bytes read + written.
 //! Matvec: an expert matrix of 768×2048 (gate/up of a 2048-hidden MoE) and
@@ -80,6 +80,30 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
             blk[..2].copy_from_slice(&scale);
             blk[2..4].copy_from_slice(&scale);
         }),
+        // d (and Q4_1/Q5_1's min).
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let size = fmt.row_bytes(32).unwrap_or(32);
+            b.chunks_exact_mut(size).for_each(|blk| {
+                blk[..2].copy_from_slice(&scale);
+                if fmt != WeightFormat::Q5_0 {
+                    blk[2..4].copy_from_slice(&scale);
+                }
+            })
+        }
+        // d (Q2_K's dmin too); the codes and sub-block scales are random.
+        WeightFormat::Q2K => b.chunks_exact_mut(84).for_each(|blk| {
+            blk[80..82].copy_from_slice(&scale);
+            blk[82..84].copy_from_slice(&scale);
+        }),
+        WeightFormat::Q3K => b
+            .chunks_exact_mut(110)
+            .for_each(|blk| blk[108..110].copy_from_slice(&scale)),
+        WeightFormat::Iq4Nl => b
+            .chunks_exact_mut(18)
+            .for_each(|blk| blk[..2].copy_from_slice(&scale)),
+        WeightFormat::Iq4Xs => b
+            .chunks_exact_mut(136)
+            .for_each(|blk| blk[..2].copy_from_slice(&scale)),
         // bf16 with exponent bits forced into [2^-8, 2^0): finite, non-zero.
         WeightFormat::Bf16 | WeightFormat::F16 => b
             .chunks_exact_mut(2)
@@ -123,15 +147,34 @@ fn main() -> colibri_cuda::Result<()> {
         "\n{:<8} {:>10} {:>8} {:>5} {:>9} {:>11} {:>9} {:>8}",
         "format", "shape", "mode", "ntok", "experts", "us/expert", "GB/s", "of copy"
     );
+    // `--all`: every format, the k-quants and llama.cpp's fallbacks too.
+    let mut formats = vec![
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_0Q8,
+        WeightFormat::Q8_0,
+        WeightFormat::Q8_0Q8,
+        WeightFormat::Bf16,
+        WeightFormat::F8E4M3,
+    ];
+    if std::env::args().any(|a| a == "--all") {
+        formats.extend([
+            WeightFormat::Q6K,
+            WeightFormat::Q6KQ8,
+            WeightFormat::Q4K,
+            WeightFormat::Q4KQ8,
+            WeightFormat::Q5K,
+            WeightFormat::Q5KQ8,
+            WeightFormat::Q4_1,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Q2K,
+            WeightFormat::Q3K,
+            WeightFormat::Iq4Nl,
+            WeightFormat::Iq4Xs,
+        ]);
+    }
     for (rows, cols) in [(768usize, 2048usize), (2048, 768)] {
-        for fmt in [
-            WeightFormat::Q4_0,
-            WeightFormat::Q4_0Q8,
-            WeightFormat::Q8_0,
-            WeightFormat::Q8_0Q8,
-            WeightFormat::Bf16,
-            WeightFormat::F8E4M3,
-        ] {
+        for &fmt in &formats {
             let Some(rb) = fmt.row_bytes(cols) else {
                 continue;
             };

@@ -368,6 +368,62 @@ __device__ __forceinline__ float weight_elem(const u8* __restrict__ w, u32 fmt, 
             const float dmin = f16_bits_to_f32((u32)b[2] | ((u32)b[3] << 8));
             return fmaf(__fmul_rn(d, (float)sc), (float)code, -__fmul_rn(dmin, (float)m));
         }
+        case FMT_Q4_1:
+        case FMT_Q5_0:
+        case FMT_Q5_1: {
+            // ggml's layouts (model/src/quant.rs `dequantize_q4_1`, `_q5_0`,
+            // `_q5_1`): d · code is exact in f32, the min's addition rounds.
+            const bool min = fmt != FMT_Q5_0, five = fmt != FMT_Q4_1;
+            const u32 size = fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q5_0 ? 22 : 24;
+            const u8* b = w + row * (cols / 32) * size + (col / 32) * size;
+            const u32 j = col % 32, qh = min ? 4 : 2, qs = qh + (five ? 4 : 0);
+            const u32 byte = b[qs + j % 16];
+            u32 code = j < 16 ? (byte & 15u) : (byte >> 4);
+            if (five) code |= ((b[qh + j / 8] >> (j % 8)) & 1u) << 4;
+            const float d = f16_bits_to_f32((u32)b[0] | ((u32)b[1] << 8));
+            if (!min) return __fmul_rn(d, (float)((int)code - 16));
+            const float m = f16_bits_to_f32((u32)b[2] | ((u32)b[3] << 8));
+            return fmaf(d, (float)code, m);
+        }
+        case FMT_Q2_K: {
+            // ggml's layout (matvec.cu `Group<FMT_Q2_K>`): dl · code exact,
+            // the subtraction of ml rounds once.
+            const u8* b = w + row * (cols / 256) * 84 + (col / 256) * 84;
+            const u32 e = col % 256, n = e / 128, k = (e % 128) / 32, l = e % 32;
+            const u32 code = (b[16 + 32 * n + l] >> (2 * k)) & 3u;
+            const u32 sc = b[e / 16];
+            const float d = f16_bits_to_f32((u32)b[80] | ((u32)b[81] << 8));
+            const float dmin = f16_bits_to_f32((u32)b[82] | ((u32)b[83] << 8));
+            return fmaf(__fmul_rn(d, (float)(sc & 15u)), (float)code,
+                        -__fmul_rn(dmin, (float)(sc >> 4)));
+        }
+        case FMT_Q3_K: {
+            // ggml's layout (matvec.cu `Group<FMT_Q3_K>`), exact in f32.
+            const u8* b = w + row * (cols / 256) * 110 + (col / 256) * 110;
+            const u32 e = col % 256, n = e / 128, k = (e % 128) / 32, l = e % 32;
+            const u32 code = ((b[32 + 32 * n + l] >> (2 * k)) & 3u) | (((b[l] >> (e / 32)) & 1u) << 2);
+            const u32 i = e / 16;
+            const u32 sc = ((b[96 + i % 8] >> (4 * (i / 8))) & 15u) | (((b[104 + i % 4] >> (2 * (i / 4))) & 3u) << 4);
+            const float d = f16_bits_to_f32((u32)b[108] | ((u32)b[109] << 8));
+            return __fmul_rn(__fmul_rn(d, (float)((int)sc - 32)), (float)((int)code - 4));
+        }
+        case FMT_IQ4_NL:
+        case FMT_IQ4_XS: {
+            // ggml's layouts and table (matvec.cu `GroupIq4`), exact in f32.
+            const bool xs = fmt == FMT_IQ4_XS;
+            const u8* b = xs ? w + row * (cols / 256) * 136 + (col / 256) * 136
+                             : w + row * (cols / 32) * 18 + (col / 32) * 18;
+            const u32 e = xs ? col % 256 : col % 32, ib = e / 32, j = e % 32;
+            const u32 byte = b[(xs ? 8 + 16 * ib : 2) + j % 16];
+            const u32 code = j < 16 ? (byte & 15u) : (byte >> 4);
+            float dl = f16_bits_to_f32((u32)b[0] | ((u32)b[1] << 8));
+            if (xs) {
+                const u32 sh = (u32)b[2] | ((u32)b[3] << 8);
+                const u32 sc = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15u) | (((sh >> (2 * ib)) & 3u) << 4);
+                dl = __fmul_rn(dl, (float)((int)sc - 32));
+            }
+            return __fmul_rn(dl, (float)(signed char)(iq4_values(code) & 0xffu));
+        }
         default: {
             const u8* b = w + row * (cols / 32) * 18 + (col / 32) * 18;
             const float d = f16_bits_to_f32(*(const u16*)b);

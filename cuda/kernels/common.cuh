@@ -43,6 +43,35 @@ typedef unsigned long long u64;
 #define FMT_Q5_K 12
 // Q5_K weights with 8-bit activations (the CPU tier's `dot_q5_k_q8`).
 #define FMT_Q5_K_Q8 13
+// ggml Q4_1, Q5_0 and Q5_1 (blocks of 32 with a scale, Q4_1/Q5_1 a min as
+// well, Q5_0/Q5_1 a fifth bit per element: 20, 22 and 24 bytes), exact
+// dequantized products: llama.cpp's fallback where a k-quant's 256-element
+// super-blocks do not fit a row.
+#define FMT_Q4_1 14
+#define FMT_Q5_0 15
+#define FMT_Q5_1 16
+// ggml Q2_K and Q3_K (super-blocks of 256 in 84 and 110 bytes: llama.cpp's
+// Q2_K and Q3_K_S/M/L files), IQ4_NL (blocks of 32 in 18 bytes) and
+// IQ4_XS (super-blocks of 256 in 136 bytes), whose 4-bit codes index a
+// fixed table of 16 values: exact dequantized products.
+#define FMT_Q2_K 17
+#define FMT_Q3_K 18
+#define FMT_IQ4_NL 19
+#define FMT_IQ4_XS 20
+
+// Four IQ4 codes (bytes 0..15 of `c`) through ggml's kvalues_iq4nl table
+// {−127, −104, −83, −65, −49, −35, −22, −10, 1, 13, 25, 38, 53, 69, 89, 113},
+// as four signed bytes: two byte permutes pick each code's entry (by its
+// low 3 bits) from the table's low and high halves, bit 3 chooses.
+__device__ __forceinline__ u32 iq4_values(u32 c) {
+    const u32 s = c & 0x07070707u;
+    const u32 t = s | s >> 4;
+    const u32 sel = (t & 0xffu) | (t >> 8 & 0xff00u);
+    const u32 lo = __byte_perm(0xbfad9881u, 0xf6eaddcfu, sel);
+    const u32 hi = __byte_perm(0x26190d01u, 0x71594535u, sel);
+    const u32 m = ((c >> 3) & 0x01010101u) * 0xffu;
+    return (lo & ~m) | (hi & m);
+}
 
 // Programmatic dependent launch (sm_90 and later; nothing before). The
 // host launches every kernel with programmatic stream serialization

@@ -420,6 +420,198 @@ template <u32 SB, bool FIVE> struct GroupK4 {
 template <> struct Group<FMT_Q4_K> : GroupK4<144, false> {};
 template <> struct Group<FMT_Q5_K> : GroupK4<176, true> {};
 
+// The fifth bits of four consecutive elements (bits 0..3 of `b`) as bit
+// 4 of four bytes.
+__device__ __forceinline__ u32 fifth_bits(u32 b) {
+    return ((b & 1u) | (b & 2u) << 7 | (b & 4u) << 14 | (b & 8u) << 21) << 4;
+}
+
+// ggml Q4_1, Q5_0 and Q5_1: blocks of 32 elements, one per group (model/src/
+// quant.rs `dequantize_q4_1`, `_q5_0`, `_q5_1`): f16 d, then Q4_1/Q5_1's
+// f16 min m, then Q5_0/Q5_1's 32 fifth bits qh (u32, element e's is bit
+// e), then 16 bytes of nibbles (element j < 16 the low nibble of byte j,
+// j + 16 its high nibble); 20, 22 or 24 bytes, 2-byte aligned. q holds the
+// 32 codes as bytes. Element = d · (code − 16) for Q5_0 (exact), d · code
+// + m for the others: d · code is exact in f32 (4 or 5 bits times f16's
+// 11), so the one rounding is the addition's, as the CPU's two roundings
+// give.
+template <u32 SB, bool MIN, bool FIVE> struct GroupLegacy {
+    u32 q[8];
+    float d, m;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = row + (u64)g * SB;
+        d = f16_bits_to_f32((u32)__ldg((const unsigned short*)b));
+        m = MIN ? f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 2))) : 0.0f;
+        constexpr u32 QH = MIN ? 4 : 2, QS = QH + (FIVE ? 4 : 0);
+        u32 lo[4];
+        load_realigned<4>(b + QS, lo, 16);
+        u32 qh = 0;
+        if (FIVE) {
+            u32 h[1];
+            load_realigned<1>(b + QH, h, 4);
+            qh = h[0];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = (lo[i] & 0x0f0f0f0fu) | fifth_bits(qh >> (4 * i));
+            q[i + 4] = ((lo[i] >> 4) & 0x0f0f0f0fu) | fifth_bits(qh >> (16 + 4 * i));
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0;
+        d = m = 0.0f;
+    }
+    __device__ __forceinline__ float el(u32 v, int k) const {
+        if (MIN) return fmaf(d, magic_byte(v, k) - 8388608.0f, m);
+        return __fmul_rn(d, magic_byte(v, k) - 8388624.0f);
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const u32 v = q[sub];
+        return make_float4(el(v, 0), el(v, 1), el(v, 2), el(v, 3));
+    }
+};
+template <> struct Group<FMT_Q4_1> : GroupLegacy<20, true, false> {};
+template <> struct Group<FMT_Q5_0> : GroupLegacy<22, false, true> {};
+template <> struct Group<FMT_Q5_1> : GroupLegacy<24, true, true> {};
+
+// ggml Q2_K: super-blocks of 256 elements (scales[16]: a 4-bit scale and
+// min per 16 elements; qs[64]: 2-bit codes; f16 d, f16 dmin; 84 bytes,
+// 2-byte aligned), read as groups of 32: group g is part j = g mod 8 of
+// super-block g / 8, whose element l (< 32) is bits 2k, 2k + 1 (k = j mod
+// 4) of qs[32 (j / 4) + l], its first 16 elements under scale byte 2j, the
+// last 16 under 2j + 1. Element = dl · code − ml with dl = d · (sc & 15)
+// and ml = dmin · (sc >> 4) rounded to f32, as ggml forms them; dl · code
+// is exact, so the one rounding is the subtraction's.
+template <> struct Group<FMT_Q2_K> {
+    u32 q[8];
+    float dl[2], ml[2];
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = row + (u64)(g / 8) * 84;
+        const u32 j = g % 8;
+        u32 w[8];
+        load_realigned<8>(b + 16 + 32 * (j / 4), w, 32);
+        const u32 sh = 2 * (j % 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = (w[i] >> sh) & 0x03030303u;
+        const u32 sc = (u32)__ldg((const unsigned short*)(b + 2 * j));
+        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 80)));
+        const float dmin = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 82)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 s = (sc >> (8 * h)) & 0xffu;
+            dl[h] = __fmul_rn(d, (float)(s & 15u));
+            ml[h] = __fmul_rn(dmin, (float)(s >> 4));
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0;
+        dl[0] = dl[1] = ml[0] = ml[1] = 0.0f;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const float a = dl[sub / 4], m = ml[sub / 4];
+        const u32 v = q[sub];
+        return make_float4(fmaf(a, magic_byte(v, 0) - 8388608.0f, -m),
+                           fmaf(a, magic_byte(v, 1) - 8388608.0f, -m),
+                           fmaf(a, magic_byte(v, 2) - 8388608.0f, -m),
+                           fmaf(a, magic_byte(v, 3) - 8388608.0f, -m));
+    }
+};
+
+// ggml Q3_K: super-blocks of 256 elements (hmask[32], qs[64]: 2-bit codes,
+// 12 bytes of 16 packed 6-bit scales, f16 d; 110 bytes, 2-byte aligned),
+// read as groups of 32: group g is part j = g mod 8 of super-block g / 8,
+// whose element l (< 32) has the low bits 2k, 2k + 1 (k = j mod 4) of
+// qs[32 (j / 4) + l] and, as bit 2, bit j of hmask[l]; value = code − 4.
+// Scale i (= 2j for the first 16 elements, 2j + 1 for the last) is the
+// low (i < 8) or high nibble of byte i mod 8 under bits 2 (i / 4), +1 of
+// byte 8 + i mod 4, minus 32. Element = (d · sc) · (code − 4), exact in
+// f32 (11 + 6 + 3 significant bits).
+template <> struct Group<FMT_Q3_K> {
+    u32 q[8];
+    float ds[2];
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = row + (u64)(g / 8) * 110;
+        const u32 j = g % 8;
+        u32 lo[8], hm[8];
+        load_realigned<8>(b + 32 + 32 * (j / 4), lo, 32);
+        load_realigned<8>(b, hm, 32);
+        const u32 sh = 2 * (j % 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            q[i] = ((lo[i] >> sh) & 0x03030303u) | (((hm[i] >> j) & 0x01010101u) << 2);
+        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 108)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 i = 2 * j + h;
+            const u32 low = (u32)__ldg(b + 96 + i % 8) >> (4 * (i / 8)) & 15u;
+            const u32 high = (u32)__ldg(b + 104 + i % 4) >> (2 * (i / 4)) & 3u;
+            ds[h] = __fmul_rn(d, (float)((int)(low | high << 4) - 32));
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0x04040404u;
+        ds[0] = ds[1] = 0.0f;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const float a = ds[sub / 4];
+        const u32 v = q[sub];
+        return make_float4(__fmul_rn(a, magic_byte(v, 0) - 8388612.0f),
+                           __fmul_rn(a, magic_byte(v, 1) - 8388612.0f),
+                           __fmul_rn(a, magic_byte(v, 2) - 8388612.0f),
+                           __fmul_rn(a, magic_byte(v, 3) - 8388612.0f));
+    }
+};
+
+// ggml IQ4_NL (f16 d, 16 bytes of nibbles: 18 bytes, 2-byte aligned; Q4_0's
+// nibble order) and IQ4_XS (super-blocks of 256: f16 d, u16 scales_h,
+// scales_l[4], qs[128]; 136 bytes; group g is block ib = g mod 8 of
+// super-block g / 8, its nibbles qs[16 ib ..], its 6-bit scale the nibble
+// ib mod 2 of scales_l[ib / 2] under bits 2 ib, +1 of scales_h, minus 32).
+// q holds the table values as signed bytes (^ 0x80, as Q8_0's). Element =
+// dl · value with dl = d (IQ4_NL) or d · scale (IQ4_XS, exact); exact in
+// f32 (11 + 6 + 7 significant bits).
+template <bool XS> struct GroupIq4 {
+    u32 q[8];
+    float dl;
+    __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
+        const u8* b = XS ? row + (u64)(g / 8) * 136 : row + (u64)g * 18;
+        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)b));
+        u32 w[4];
+        if (XS) {
+            const u32 ib = g % 8;
+            load_realigned<4>(b + 8 + 16 * ib, w, 16);
+            const u32 sh = (u32)__ldg((const unsigned short*)(b + 2));
+            const u32 low = (u32)__ldg(b + 4 + ib / 2) >> (4 * (ib % 2)) & 15u;
+            dl = __fmul_rn(d, (float)((int)(low | (sh >> (2 * ib) & 3u) << 4) - 32));
+        } else {
+            load_realigned<4>(b + 2, w, 16);
+            dl = d;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = iq4_values(w[i] & 0x0f0f0f0fu) ^ 0x80808080u;
+            q[i + 4] = iq4_values((w[i] >> 4) & 0x0f0f0f0fu) ^ 0x80808080u;
+        }
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0x80808080u;
+        dl = 0.0f;
+    }
+    __device__ __forceinline__ float4 get4(int sub) const {
+        const u32 v = q[sub];
+        return make_float4(__fmul_rn(dl, magic_byte(v, 0) - 8388736.0f),
+                           __fmul_rn(dl, magic_byte(v, 1) - 8388736.0f),
+                           __fmul_rn(dl, magic_byte(v, 2) - 8388736.0f),
+                           __fmul_rn(dl, magic_byte(v, 3) - 8388736.0f));
+    }
+};
+template <> struct Group<FMT_IQ4_NL> : GroupIq4<false> {};
+template <> struct Group<FMT_IQ4_XS> : GroupIq4<true> {};
+
 template <int FMT>
 __device__ __forceinline__ u64 row_bytes(u32 cols) {
     switch (FMT) {
@@ -431,6 +623,12 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
         case FMT_Q6_K: return (u64)(cols / 256) * 210;
         case FMT_Q4_K: return (u64)(cols / 256) * 144;
         case FMT_Q5_K: return (u64)(cols / 256) * 176;
+        case FMT_Q4_1: return (u64)(cols / 32) * 20;
+        case FMT_Q5_0: return (u64)(cols / 32) * 22;
+        case FMT_Q5_1: return (u64)(cols / 32) * 24;
+        case FMT_Q2_K: return (u64)(cols / 256) * 84;
+        case FMT_Q3_K: return (u64)(cols / 256) * 110;
+        case FMT_IQ4_XS: return (u64)(cols / 256) * 136;
         default: return (u64)(cols / 32) * 18;
     }
 }
@@ -1408,3 +1606,10 @@ MATVEC_FORMAT(matvec_q4_k, FMT_Q4_K)
 MATVEC_FORMAT(matvec_q4_kq8, FMT_Q4_K_Q8)
 MATVEC_FORMAT(matvec_q5_k, FMT_Q5_K)
 MATVEC_FORMAT(matvec_q5_kq8, FMT_Q5_K_Q8)
+MATVEC_FORMAT(matvec_q4_1, FMT_Q4_1)
+MATVEC_FORMAT(matvec_q5_0, FMT_Q5_0)
+MATVEC_FORMAT(matvec_q5_1, FMT_Q5_1)
+MATVEC_FORMAT(matvec_q2_k, FMT_Q2_K)
+MATVEC_FORMAT(matvec_q3_k, FMT_Q3_K)
+MATVEC_FORMAT(matvec_iq4_nl, FMT_IQ4_NL)
+MATVEC_FORMAT(matvec_iq4_xs, FMT_IQ4_XS)

@@ -55,6 +55,26 @@ pub enum WeightFormat {
     /// Q5_K storage with the CPU tier's default arithmetic (`dot_q5_k_q8`
     /// of colibri-model).
     Q5KQ8,
+    /// ggml Q4_1: 32 × 4 bit, f16 scale and min per 20-byte block, the exact
+    /// dequantized product (llama.cpp's fallback for rows that are not whole
+    /// 256-element super-blocks, and older files).
+    Q4_1,
+    /// ggml Q5_0: 32 × 5 bit and an f16 scale per 22-byte block, exact.
+    Q5_0,
+    /// ggml Q5_1: 32 × 5 bit, f16 scale and min per 24-byte block, exact.
+    Q5_1,
+    /// ggml Q2_K: super-blocks of 256 elements in 84 bytes (2-bit codes,
+    /// 4-bit scales and mins per 16; llama.cpp's Q2_K files), exact.
+    Q2K,
+    /// ggml Q3_K: super-blocks of 256 elements in 110 bytes (3-bit codes,
+    /// 6-bit scales per 16; llama.cpp's Q3_K_S/M/L files), exact.
+    Q3K,
+    /// ggml IQ4_NL: 32 4-bit indices into a fixed table of 16 values and an
+    /// f16 scale per 18-byte block, exact.
+    Iq4Nl,
+    /// ggml IQ4_XS: IQ4_NL's table in super-blocks of 256 elements (136
+    /// bytes, a 6-bit scale per 32), exact.
+    Iq4Xs,
 }
 
 impl WeightFormat {
@@ -80,6 +100,13 @@ impl WeightFormat {
             WeightFormat::Q5K | WeightFormat::Q5KQ8 => {
                 cols.is_multiple_of(256).then(|| cols / 256 * 176)
             }
+            WeightFormat::Q4_1 => cols.is_multiple_of(32).then(|| cols / 32 * 20),
+            WeightFormat::Q5_0 => cols.is_multiple_of(32).then(|| cols / 32 * 22),
+            WeightFormat::Q5_1 => cols.is_multiple_of(32).then(|| cols / 32 * 24),
+            WeightFormat::Q2K => cols.is_multiple_of(256).then(|| cols / 256 * 84),
+            WeightFormat::Q3K => cols.is_multiple_of(256).then(|| cols / 256 * 110),
+            WeightFormat::Iq4Nl => cols.is_multiple_of(32).then(|| cols / 32 * 18),
+            WeightFormat::Iq4Xs => cols.is_multiple_of(256).then(|| cols / 256 * 136),
         }
     }
 
@@ -114,6 +141,13 @@ impl WeightFormat {
             WeightFormat::Q4KQ8 => 11,
             WeightFormat::Q5K => 12,
             WeightFormat::Q5KQ8 => 13,
+            WeightFormat::Q4_1 => 14,
+            WeightFormat::Q5_0 => 15,
+            WeightFormat::Q5_1 => 16,
+            WeightFormat::Q2K => 17,
+            WeightFormat::Q3K => 18,
+            WeightFormat::Iq4Nl => 19,
+            WeightFormat::Iq4Xs => 20,
         }
     }
 
@@ -212,6 +246,48 @@ impl WeightFormat {
                 "matvec_q5_kq8_t4",
                 "matvec_q5_kq8_t8",
             ],
+            WeightFormat::Q4_1 => [
+                "matvec_q4_1_t1",
+                "matvec_q4_1_t2",
+                "matvec_q4_1_t4",
+                "matvec_q4_1_t8",
+            ],
+            WeightFormat::Q5_0 => [
+                "matvec_q5_0_t1",
+                "matvec_q5_0_t2",
+                "matvec_q5_0_t4",
+                "matvec_q5_0_t8",
+            ],
+            WeightFormat::Q5_1 => [
+                "matvec_q5_1_t1",
+                "matvec_q5_1_t2",
+                "matvec_q5_1_t4",
+                "matvec_q5_1_t8",
+            ],
+            WeightFormat::Q2K => [
+                "matvec_q2_k_t1",
+                "matvec_q2_k_t2",
+                "matvec_q2_k_t4",
+                "matvec_q2_k_t8",
+            ],
+            WeightFormat::Q3K => [
+                "matvec_q3_k_t1",
+                "matvec_q3_k_t2",
+                "matvec_q3_k_t4",
+                "matvec_q3_k_t8",
+            ],
+            WeightFormat::Iq4Nl => [
+                "matvec_iq4_nl_t1",
+                "matvec_iq4_nl_t2",
+                "matvec_iq4_nl_t4",
+                "matvec_iq4_nl_t8",
+            ],
+            WeightFormat::Iq4Xs => [
+                "matvec_iq4_xs_t1",
+                "matvec_iq4_xs_t2",
+                "matvec_iq4_xs_t4",
+                "matvec_iq4_xs_t8",
+            ],
         }
     }
 }
@@ -244,6 +320,13 @@ impl WeightFormat {
             WeightFormat::Q4KQ8 => "matvec_q4_kq8_seg_t1",
             WeightFormat::Q5K => "matvec_q5_k_seg_t1",
             WeightFormat::Q5KQ8 => "matvec_q5_kq8_seg_t1",
+            WeightFormat::Q4_1 => "matvec_q4_1_seg_t1",
+            WeightFormat::Q5_0 => "matvec_q5_0_seg_t1",
+            WeightFormat::Q5_1 => "matvec_q5_1_seg_t1",
+            WeightFormat::Q2K => "matvec_q2_k_seg_t1",
+            WeightFormat::Q3K => "matvec_q3_k_seg_t1",
+            WeightFormat::Iq4Nl => "matvec_iq4_nl_seg_t1",
+            WeightFormat::Iq4Xs => "matvec_iq4_xs_seg_t1",
         }
     }
 }

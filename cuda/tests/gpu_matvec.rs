@@ -533,3 +533,50 @@ fn matvec_rejects_bad_views() {
     );
     g.dev.synchronize().unwrap();
 }
+
+/// Q4_1, Q5_0 and Q5_1 (llama.cpp's fallbacks for rows that are not whole
+/// super-blocks: DeepSeek-V2-Lite's 1408-wide down projections), exact:
+/// the dequantized twin's bits; rows of 1, 3, 44 (1408 columns) and 45
+/// blocks, odd row lengths misaligning the rows.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_1_q5_0_q5_1() {
+    for (i, fmt) in [WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q5_1]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 130 + 4 * i as u64;
+        check(fmt, 301, 32, seed);
+        check(fmt, 7, 96, seed + 1);
+        check(fmt, 45, 1408, seed + 2);
+        check(fmt, 33, 1440, seed + 3);
+    }
+}
+
+/// Q2_K, Q3_K, IQ4_NL and IQ4_XS (llama.cpp's Q2_K, Q3_K_S/M/L and IQ4
+/// files), exact: the dequantized twin's bits; rows of 1, 3, 9 and 17
+/// super-blocks (IQ4_NL: blocks of 32, 1408-wide rows among them).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q2_k_q3_k_iq4() {
+    for (i, fmt) in [
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Iq4Nl,
+        WeightFormat::Iq4Xs,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 150 + 4 * i as u64;
+        check(fmt, 301, 768, seed);
+        check(fmt, 7, 256, seed + 1);
+        check(fmt, 45, 2304, seed + 2);
+        let wide = if fmt == WeightFormat::Iq4Nl {
+            1408
+        } else {
+            4352
+        };
+        check(fmt, 33, wide, seed + 3);
+    }
+}

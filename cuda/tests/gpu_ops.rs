@@ -792,7 +792,9 @@ fn split_attention_has_the_bits_of_attention() {
     }
 }
 
-/// MLA in absorbed form: query absorption through kv_b (bf16 and q8_0),
+/// MLA in absorbed form: query absorption through kv_b (bf16, q8_0 and
+/// the legacy q4_1/q5_0/q5_1 and iq4_nl, whose elements `mla_absorb` reads
+/// one by one),
 /// attention over the latent + rotary caches, and W_uv as a grouped matvec
 /// over the heads' value rows of kv_b.
 #[test]
@@ -807,7 +809,14 @@ fn mla_absorbed_attention_matches_f64() {
     let q = nonzero(&mut rng, rows_n * nh * (dn + dr), 0.01, 1.0);
     let pos: Vec<u32> = vec![0, 100, 257, 299];
     let scale = 0.11f32;
-    for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0] {
+    for fmt in [
+        WeightFormat::Bf16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Iq4Nl,
+    ] {
         let w = random_weights(&mut rng, fmt, nh * (dn + dv), r);
         let wb = upload(&w.bytes);
         let view = WeightView {

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 14] = [
+pub const FORMATS: [WeightFormat; 21] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
@@ -26,6 +26,13 @@ pub const FORMATS: [WeightFormat; 14] = [
     WeightFormat::Q4KQ8,
     WeightFormat::Q5K,
     WeightFormat::Q5KQ8,
+    WeightFormat::Q4_1,
+    WeightFormat::Q5_0,
+    WeightFormat::Q5_1,
+    WeightFormat::Q2K,
+    WeightFormat::Q3K,
+    WeightFormat::Iq4Nl,
+    WeightFormat::Iq4Xs,
 ];
 
 pub struct Gpu {
@@ -219,8 +226,121 @@ pub fn random_weights(
                 w.bytes.extend_from_slice(&blk);
             }
         }
+        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            assert!(cols.is_multiple_of(32));
+            let size = fmt.row_bytes(32).expect("a block");
+            for _ in 0..rows * cols / 32 {
+                // Random codes and fifth bits; d (and the min) of both
+                // signs.
+                let mut blk: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+                let halves = if fmt == WeightFormat::Q5_0 { 1 } else { 2 };
+                for at in 0..halves {
+                    let v = rng.random_range(0.0005f32..0.05);
+                    let v = if rng.random::<bool>() { v } else { -v };
+                    blk[2 * at..2 * at + 2]
+                        .copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                }
+                w.f32.extend((0..32).map(|e| legacy_value(fmt, &blk, e)));
+                w.bytes.extend_from_slice(&blk);
+            }
+        }
+        WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => {
+            // Random codes and scales; d (Q2_K's dmin too) of both signs at
+            // the scale that keeps elements near those of the other formats.
+            let block = if fmt == WeightFormat::Iq4Nl { 32 } else { 256 };
+            assert!(cols.is_multiple_of(block));
+            let size = fmt.row_bytes(block).expect("a block");
+            let (d_at, range): (&[usize], _) = match fmt {
+                WeightFormat::Q2K => (&[80, 82], 0.0005f32..0.005),
+                WeightFormat::Q3K => (&[108], 0.0002f32..0.002),
+                _ => (&[0], 0.00005f32..0.0005),
+            };
+            for _ in 0..rows * cols / block {
+                let mut blk: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+                for &at in d_at {
+                    let v = rng.random_range(range.clone());
+                    let v = if rng.random::<bool>() { v } else { -v };
+                    blk[at..at + 2]
+                        .copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                }
+                w.f32.extend((0..block).map(|e| low_value(fmt, &blk, e)));
+                w.bytes.extend_from_slice(&blk);
+            }
+        }
     }
     w
+}
+
+/// ggml's table of IQ4_NL and IQ4_XS values (`kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// Element `e` of a Q2_K, Q3_K or IQ4_XS super-block (or an IQ4_NL block)
+/// as ggml dequantizes it (`dequantize_row_q2_K`, `_q3_K`, `_iq4_nl`,
+/// `_iq4_xs`): the scale of its 16 (Q2_K/Q3_K) or 32 elements rounded to
+/// f32 first, then one more rounding (Q2_K's min) or none (the others'
+/// products are exact).
+pub fn low_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
+    let h = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    match fmt {
+        WeightFormat::Q2K => {
+            let code = (blk[16 + 32 * n + l] >> (2 * k)) & 3;
+            let sc = blk[e / 16];
+            let dl = h(80) * (sc & 15) as f32;
+            let ml = h(82) * (sc >> 4) as f32;
+            dl * code as f32 - ml
+        }
+        WeightFormat::Q3K => {
+            let low = (blk[32 + 32 * n + l] >> (2 * k)) & 3;
+            let high = (blk[l] >> (e / 32)) & 1;
+            let i = e / 16;
+            let sc = ((blk[96 + i % 8] >> (4 * (i / 8))) & 15)
+                | (((blk[104 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+            h(108) * (sc as i32 - 32) as f32 * ((low | high << 2) as i32 - 4) as f32
+        }
+        WeightFormat::Iq4Nl => {
+            let byte = blk[2 + e % 16];
+            let code = if e < 16 { byte & 15 } else { byte >> 4 };
+            h(0) * IQ4_VALUES[code as usize] as f32
+        }
+        WeightFormat::Iq4Xs => {
+            let (ib, j) = (e / 32, e % 32);
+            let byte = blk[8 + 16 * ib + j % 16];
+            let code = if j < 16 { byte & 15 } else { byte >> 4 };
+            let sh = u16::from_le_bytes([blk[2], blk[3]]);
+            let sc = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) as i32
+                | (((sh >> (2 * ib)) & 3) << 4) as i32;
+            h(0) * (sc - 32) as f32 * IQ4_VALUES[code as usize] as f32
+        }
+        other => panic!("{other:?} is not a low-bit format"),
+    }
+}
+
+/// Element `e` of a Q4_1, Q5_0 or Q5_1 block as ggml dequantizes it:
+/// `d · (code − 16)` for Q5_0, `d · code + m` (two roundings, the first
+/// exact) for the others (colibri-model's `quant::dequantize_q4_1`, written
+/// out from ggml's layout: f16 d, Q4_1/Q5_1's f16 m, Q5_0/Q5_1's u32 of
+/// fifth bits, 16 bytes of nibbles with element j < 16 in the low nibble of
+/// byte j and j + 16 in its high one).
+pub fn legacy_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
+    let h = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+    let min = fmt != WeightFormat::Q5_0;
+    let five = fmt != WeightFormat::Q4_1;
+    let qh = if min { 4 } else { 2 };
+    let qs = qh + if five { 4 } else { 0 };
+    let byte = blk[qs + e % 16];
+    let mut code = if e < 16 { byte & 15 } else { byte >> 4 } as i32;
+    if five {
+        let bits = u32::from_le_bytes([blk[qh], blk[qh + 1], blk[qh + 2], blk[qh + 3]]);
+        code |= (((bits >> e) & 1) << 4) as i32;
+    }
+    if min {
+        h(0) * code as f32 + h(2)
+    } else {
+        h(0) * (code - 16) as f32
+    }
 }
 
 /// The f16 `d` and `dmin` of a Q4_K/Q5_K super-block.

@@ -176,11 +176,12 @@ impl From<GpuError> for ModelError {
     }
 }
 
-/// The device format of a matrix stored as `f`. Q4_0 and Q8_0 products
-/// take the CPU tier's arithmetic: 8-bit activations and integer sums
-/// unless `--exact-quant` asked for the exact dequantized product. Q4_1,
-/// Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS have no device kernels: a
-/// model with them runs on the CPU tier.
+/// The device format of a matrix stored as `f`. Its products take the CPU
+/// tier's arithmetic: 8-bit activations and integer sums unless
+/// `--exact-quant` asked for the exact dequantized product. Q4_1, Q5_0,
+/// Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS have exact device kernels only:
+/// with 8-bit activations they return `GpuError::Unsupported`, so that a
+/// model with them runs on the CPU tier (`--device auto` says why).
 pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
     let int = colibri_model::kernels::kernels().int_activations;
     Ok(match f {
@@ -204,12 +205,21 @@ pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
         | WeightFormat::Q2K
         | WeightFormat::Q3K
         | WeightFormat::Iq4Nl
-        | WeightFormat::Iq4Xs => {
+        | WeightFormat::Iq4Xs
+            if int =>
+        {
             return Err(GpuError::Unsupported(format!(
-                "no device kernels for {} weights",
+                "no device kernels for {} weights with 8-bit activations (--exact-quant has them)",
                 f.name()
             )));
         }
+        WeightFormat::Q4_1 => DevFormat::Q4_1,
+        WeightFormat::Q5_0 => DevFormat::Q5_0,
+        WeightFormat::Q5_1 => DevFormat::Q5_1,
+        WeightFormat::Q2K => DevFormat::Q2K,
+        WeightFormat::Q3K => DevFormat::Q3K,
+        WeightFormat::Iq4Nl => DevFormat::Iq4Nl,
+        WeightFormat::Iq4Xs => DevFormat::Iq4Xs,
     })
 }
 

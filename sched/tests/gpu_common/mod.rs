@@ -46,8 +46,18 @@ pub fn models() -> Vec<PathBuf> {
         "mixtral.q8_0.gguf",
         "deepseek_v3.q4_0.gguf",
         "olmoe.bf16.gguf",
+        // Experts in Q4_1/Q5_1/Q5_0, attention projections in Q5_0/Q4_1.
+        "qwen3_moe.legacy.gguf",
+        // Experts and attention in Q2_K/Q3_K/IQ4_XS/IQ4_NL (256 wide).
+        "qwen3_moe.low.gguf",
     ] {
         out.push(f.join("gguf").join(g));
+    }
+    // `COLIBRI_GPU_MODELS=text`: only the models whose path contains it
+    // (to look into one model's failure).
+    if let Some(only) = std::env::var_os("COLIBRI_GPU_MODELS") {
+        let only = only.to_string_lossy().into_owned();
+        out.retain(|m| m.to_string_lossy().contains(&only));
     }
     out
 }
