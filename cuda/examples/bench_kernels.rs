@@ -81,27 +81,32 @@ fn expert(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
             blk[2..4].copy_from_slice(&scale);
         }),
         // d (and Q4_1/Q5_1's min).
-        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+        WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q4_1Q8
+        | WeightFormat::Q5_0Q8
+        | WeightFormat::Q5_1Q8 => {
             let size = fmt.row_bytes(32).unwrap_or(32);
             b.chunks_exact_mut(size).for_each(|blk| {
                 blk[..2].copy_from_slice(&scale);
-                if fmt != WeightFormat::Q5_0 {
+                if !matches!(fmt, WeightFormat::Q5_0 | WeightFormat::Q5_0Q8) {
                     blk[2..4].copy_from_slice(&scale);
                 }
             })
         }
         // d (Q2_K's dmin too); the codes and sub-block scales are random.
-        WeightFormat::Q2K => b.chunks_exact_mut(84).for_each(|blk| {
+        WeightFormat::Q2K | WeightFormat::Q2KQ8 => b.chunks_exact_mut(84).for_each(|blk| {
             blk[80..82].copy_from_slice(&scale);
             blk[82..84].copy_from_slice(&scale);
         }),
-        WeightFormat::Q3K => b
+        WeightFormat::Q3K | WeightFormat::Q3KQ8 => b
             .chunks_exact_mut(110)
             .for_each(|blk| blk[108..110].copy_from_slice(&scale)),
-        WeightFormat::Iq4Nl => b
+        WeightFormat::Iq4Nl | WeightFormat::Iq4NlQ8 => b
             .chunks_exact_mut(18)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
-        WeightFormat::Iq4Xs => b
+        WeightFormat::Iq4Xs | WeightFormat::Iq4XsQ8 => b
             .chunks_exact_mut(136)
             .for_each(|blk| blk[..2].copy_from_slice(&scale)),
         // bf16 with exponent bits forced into [2^-8, 2^0): finite, non-zero.
@@ -171,6 +176,13 @@ fn main() -> colibri_cuda::Result<()> {
             WeightFormat::Q3K,
             WeightFormat::Iq4Nl,
             WeightFormat::Iq4Xs,
+            WeightFormat::Q4_1Q8,
+            WeightFormat::Q5_0Q8,
+            WeightFormat::Q5_1Q8,
+            WeightFormat::Q2KQ8,
+            WeightFormat::Q3KQ8,
+            WeightFormat::Iq4NlQ8,
+            WeightFormat::Iq4XsQ8,
         ]);
     }
     for (rows, cols) in [(768usize, 2048usize), (2048, 768)] {

@@ -58,6 +58,20 @@ typedef unsigned long long u64;
 #define FMT_Q3_K 18
 #define FMT_IQ4_NL 19
 #define FMT_IQ4_XS 20
+// The same seven with 8-bit activations: the CPU tier's default arithmetic
+// (model/src/kernels/legacy_q8.rs `dot_q4_1_q8`, `_q5_0_q8`, `_q5_1_q8`,
+// `dot_iq4_nl_q8`; low_k.rs `dot_q2_k_q8`, `_q3_k_q8`, `dot_iq4_xs_q8`).
+#define FMT_Q4_1_Q8 21
+#define FMT_Q5_0_Q8 22
+#define FMT_Q5_1_Q8 23
+#define FMT_Q2_K_Q8 24
+#define FMT_Q3_K_Q8 25
+#define FMT_IQ4_NL_Q8 26
+#define FMT_IQ4_XS_Q8 27
+// Whether FMT takes the 8-bit-activation path (matvec_core_q8).
+#define FMT_INT_ACT(FMT)                                                                    \
+    ((FMT) == FMT_Q4_0_Q8 || (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_Q6_K_Q8 ||                \
+     (FMT) == FMT_Q4_K_Q8 || (FMT) == FMT_Q5_K_Q8 || ((FMT) >= FMT_Q4_1_Q8 && (FMT) <= FMT_IQ4_XS_Q8))
 
 // Four IQ4 codes (bytes 0..15 of `c`) through ggml's kvalues_iq4nl table
 // {−127, −104, −83, −65, −49, −35, −22, −10, 1, 13, 25, 38, 53, 69, 89, 113},

@@ -44,19 +44,18 @@
 #define MV_THREADS (MV_WARPS * 32)
 // Columns staged per tile: 1024 (32 groups, one per lane), or 2048 for one
 // token of a format whose groups are loaded whole into registers (q8_0,
-// q4_0, fp8, q6_k, q4_k and q5_k with 8-bit activations; f16/bf16 where
+// q4_0, fp8, and every 8-bit-activation format but Q2_K; f16/bf16 where
 // matvec_core_f takes GroupHalfReg): its lanes
 // then own two groups of a tile and load both before using either (twice
 // the loads in flight, half the barriers). Either way lane l meets its
 // groups in increasing order. (f32 groups, and the other f16/bf16 ones,
 // load as they are used; two of them per lane made ptxas spill, as did
 // two exact Q6_K groups in its one-token table launch on sm_90, and two
-// exact Q5_K groups in its q/k/v launch there.)
+// exact Q5_K groups in its q/k/v launch there, and two Q2_K groups with
+// 8-bit activations in its one-token GLU table launch on sm_80.)
 #define MV_TILE_FOR(FMT, NT) \
-    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_Q4_0_Q8 || \
-                    (FMT) == FMT_Q8_0_Q8 || (FMT) == FMT_F8E4M3 ||                         \
-                    (FMT) == FMT_Q6_K_Q8 || (FMT) == FMT_Q4_K_Q8 ||                        \
-                    (FMT) == FMT_Q5_K_Q8)) ? 2048 : 1024)
+    (((NT) == 1 && ((FMT) == FMT_Q8_0 || (FMT) == FMT_Q4_0 || (FMT) == FMT_F8E4M3 || \
+                    (FMT_INT_ACT(FMT) && (FMT) != FMT_Q2_K_Q8))) ? 2048 : 1024)
 
 // Which plain launches load their first tile before `pdl_entry()`: the
 // one-token ones of the formats whose groups are loaded whole into
@@ -486,6 +485,10 @@ template <> struct Group<FMT_Q5_1> : GroupLegacy<24, true, true> {};
 template <> struct Group<FMT_Q2_K> {
     u32 q[8];
     float dl[2], ml[2];
+    // For the 8-bit-activation path: d, dmin and the two scale bytes
+    // (scale in the low nibble, min in the high one).
+    float d, dmin;
+    u32 sc;
     __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
         const u8* b = row + (u64)(g / 8) * 84;
         const u32 j = g % 8;
@@ -494,9 +497,9 @@ template <> struct Group<FMT_Q2_K> {
         const u32 sh = 2 * (j % 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (w[i] >> sh) & 0x03030303u;
-        const u32 sc = (u32)__ldg((const unsigned short*)(b + 2 * j));
-        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 80)));
-        const float dmin = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 82)));
+        sc = (u32)__ldg((const unsigned short*)(b + 2 * j));
+        d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 80)));
+        dmin = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 82)));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const u32 s = (sc >> (8 * h)) & 0xffu;
@@ -508,6 +511,8 @@ template <> struct Group<FMT_Q2_K> {
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = 0;
         dl[0] = dl[1] = ml[0] = ml[1] = 0.0f;
+        d = dmin = 0.0f;
+        sc = 0;
     }
     __device__ __forceinline__ float4 get4(int sub) const {
         const float a = dl[sub / 4], m = ml[sub / 4];
@@ -531,6 +536,8 @@ template <> struct Group<FMT_Q2_K> {
 template <> struct Group<FMT_Q3_K> {
     u32 q[8];
     float ds[2];
+    float d;  // for the 8-bit-activation path: d and the two scales
+    int sc[2];
     __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
         const u8* b = row + (u64)(g / 8) * 110;
         const u32 j = g % 8;
@@ -541,19 +548,21 @@ template <> struct Group<FMT_Q3_K> {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
             q[i] = ((lo[i] >> sh) & 0x03030303u) | (((hm[i] >> j) & 0x01010101u) << 2);
-        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 108)));
+        d = f16_bits_to_f32((u32)__ldg((const unsigned short*)(b + 108)));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const u32 i = 2 * j + h;
             const u32 low = (u32)__ldg(b + 96 + i % 8) >> (4 * (i / 8)) & 15u;
             const u32 high = (u32)__ldg(b + 104 + i % 4) >> (2 * (i / 4)) & 3u;
-            ds[h] = __fmul_rn(d, (float)((int)(low | high << 4) - 32));
+            sc[h] = (int)(low | high << 4) - 32;
+            ds[h] = __fmul_rn(d, (float)sc[h]);
         }
     }
     __device__ __forceinline__ void zero() {
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = 0x04040404u;
-        ds[0] = ds[1] = 0.0f;
+        ds[0] = ds[1] = d = 0.0f;
+        sc[0] = sc[1] = 0;
     }
     __device__ __forceinline__ float4 get4(int sub) const {
         const float a = ds[sub / 4];
@@ -576,19 +585,23 @@ template <> struct Group<FMT_Q3_K> {
 template <bool XS> struct GroupIq4 {
     u32 q[8];
     float dl;
+    float d;  // for the 8-bit-activation path: d and IQ4_XS's scale
+    int ls;
     __device__ __forceinline__ void load(const u8* row, u32 g, u32, float) {
         const u8* b = XS ? row + (u64)(g / 8) * 136 : row + (u64)g * 18;
-        const float d = f16_bits_to_f32((u32)__ldg((const unsigned short*)b));
+        d = f16_bits_to_f32((u32)__ldg((const unsigned short*)b));
         u32 w[4];
         if (XS) {
             const u32 ib = g % 8;
             load_realigned<4>(b + 8 + 16 * ib, w, 16);
             const u32 sh = (u32)__ldg((const unsigned short*)(b + 2));
             const u32 low = (u32)__ldg(b + 4 + ib / 2) >> (4 * (ib % 2)) & 15u;
-            dl = __fmul_rn(d, (float)((int)(low | (sh >> (2 * ib) & 3u) << 4) - 32));
+            ls = (int)(low | (sh >> (2 * ib) & 3u) << 4) - 32;
+            dl = __fmul_rn(d, (float)ls);
         } else {
             load_realigned<4>(b + 2, w, 16);
             dl = d;
+            ls = 1;
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -599,7 +612,8 @@ template <bool XS> struct GroupIq4 {
     __device__ __forceinline__ void zero() {
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = 0x80808080u;
-        dl = 0.0f;
+        dl = d = 0.0f;
+        ls = 0;
     }
     __device__ __forceinline__ float4 get4(int sub) const {
         const u32 v = q[sub];
@@ -885,7 +899,10 @@ template <int NT, u32 TILE>
 __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __restrict__ xm,
                                          u32 x_tstride, const u32* __restrict__ xrows, u32 nt,
                                          u32 c0, u32 cols) {
-    static_assert((NT * TILE / 8) % MV_THREADS == 0, "every thread takes every step");
+    // Whole warps take a step or skip it (the butterflies need all 32
+    // lanes): every thread takes every step, or (a one-token tile of 1024)
+    // the first warps do.
+    static_assert((NT * TILE / 8) % 32 == 0, "whole warps per step");
     for (u32 i = threadIdx.x; i < NT * TILE / 8; i += MV_THREADS) {
         const u32 t = i / (TILE / 8), j = 8 * (i % (TILE / 8)), col = c0 + j;
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
@@ -1066,6 +1083,178 @@ template <> struct Q8Dot<FMT_Q4_K_Q8> : Q8DotK4<FMT_Q4_K> {
 };
 template <> struct Q8Dot<FMT_Q5_K_Q8> : Q8DotK4<FMT_Q5_K> {
     __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q5_K>& g) : Q8DotK4<FMT_Q5_K>(g) {}
+};
+
+// The seven formats below meet the activations as the CPU's integer
+// kernels do (model/src/kernels/legacy_q8.rs, low_k.rs): every block of 32
+// gives exact integers (DP4A), then the f32 steps of the CPU's reference in
+// its order, into accumulator b mod 4 (A = 4, K = 1), reduced as Q4_0's.
+// A group's q[8] holds its 32 codes as bytes, element 4i + e in byte e of
+// word i (the first 16 meet the tile's `lo`, the last 16 its `hi`).
+
+// Σ code · q over a block's first 16 elements (`lo`) and its last 16
+// (`hi`), the codes as signed bytes.
+template <int NT, u32 TILE>
+__device__ __forceinline__ int2 dp4a_halves(const u32 (&q)[8], const Q8Tile<NT, TILE>& xs, u32 t,
+                                            u32 b) {
+    const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+    const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+    int u = dp4a_s8(q[0], xl.x, 0);
+    u = dp4a_s8(q[1], xl.y, u);
+    u = dp4a_s8(q[2], xl.z, u);
+    u = dp4a_s8(q[3], xl.w, u);
+    int v = dp4a_s8(q[4], xh.x, 0);
+    v = dp4a_s8(q[5], xh.y, v);
+    v = dp4a_s8(q[6], xh.z, v);
+    v = dp4a_s8(q[7], xh.w, v);
+    return make_int2(u, v);
+}
+
+// Σ code · q over a block (exact whichever way it is summed).
+template <int NT, u32 TILE>
+__device__ __forceinline__ int dp4a_block(const u32 (&q)[8], const Q8Tile<NT, TILE>& xs, u32 t,
+                                          u32 b) {
+    const int2 h = dp4a_halves(q, xs, t, b);
+    return h.x + h.y;
+}
+
+// Q4_1 and Q5_1 (`dot_q4_1_q8`, `dot_q5_1_q8`): A_b = Σ code · q (codes
+// below 32) and B_b = Σ q (the tile's z / 8) give t_b = fmaf(d · x.d_b,
+// A_b, (m · x.d_b) · B_b): the min is added (Q4_K's is subtracted).
+template <int WF> struct Q8DotMin {
+    static constexpr int WFMT = WF, A = 4, K = 1;
+    static constexpr bool TERM = true;
+    u32 q[8];
+    float d, m;
+    __device__ __forceinline__ explicit Q8DotMin(const Group<WF>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i];
+        d = g.d;
+        m = g.m;
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ float term(const Q8Tile<NT, TILE>& xs, u32 t, u32 b) const {
+        const int a = dp4a_block(q, xs, t, b);
+        const float xd = xs.d[t][b];
+        return fmaf(__fmul_rn(d, xd), (float)a, __fmul_rn(__fmul_rn(m, xd), (float)(xs.z[t][b] / 8)));
+    }
+};
+template <> struct Q8Dot<FMT_Q4_1_Q8> : Q8DotMin<FMT_Q4_1> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q4_1>& g) : Q8DotMin<FMT_Q4_1>(g) {}
+};
+template <> struct Q8Dot<FMT_Q5_1_Q8> : Q8DotMin<FMT_Q5_1> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q5_1>& g) : Q8DotMin<FMT_Q5_1>(g) {}
+};
+
+// Q5_0 (`dot_q5_0_q8`): S_b = Σ (code − 16) · q = Σ code · q − 16 · Σ q
+// (the tile's z is 8 · Σ q), scaled by f16(d) · x.d_b as Q4_0's.
+template <> struct Q8Dot<FMT_Q5_0_Q8> {
+    static constexpr int WFMT = FMT_Q5_0, A = 4, K = 1;
+    static constexpr bool TERM = false;
+    u32 q[8];
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q5_0>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i];
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        s[0] = dp4a_block(q, xs, t, b) - 2 * xs.z[t][b];
+    }
+};
+
+// IQ4_NL and IQ4_XS (`dot_iq4_nl_q8`, `dot_iq4_xs_q8`): S_b = ls · Σ v · q
+// with v the table's signed values (IQ4_NL: ls = 1), scaled by f16(d) ·
+// x.d_b (IQ4_XS: the super-block's d).
+template <int WF> struct Q8DotIq4 {
+    static constexpr int WFMT = WF, A = 4, K = 1;
+    static constexpr bool TERM = false;
+    u32 q[8];
+    int ls;
+    __device__ __forceinline__ explicit Q8DotIq4(const Group<WF>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i] ^ 0x80808080u;  // the values again
+        ls = g.ls;
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        s[0] = ls * dp4a_block(q, xs, t, b);
+    }
+};
+template <> struct Q8Dot<FMT_IQ4_NL_Q8> : Q8DotIq4<FMT_IQ4_NL> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_IQ4_NL>& g) : Q8DotIq4<FMT_IQ4_NL>(g) {}
+};
+template <> struct Q8Dot<FMT_IQ4_XS_Q8> : Q8DotIq4<FMT_IQ4_XS> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_IQ4_XS>& g) : Q8DotIq4<FMT_IQ4_XS>(g) {}
+};
+
+// Q3_K (`dot_q3_k_q8`): the signed codes (−4..3) by DP4A, each half of 16
+// times its sub-block scale, S_b = sc₀ · Σ₀ + sc₁ · Σ₁, scaled by
+// f16(d) · x.d_b as Q6_K's.
+template <> struct Q8Dot<FMT_Q3_K_Q8> {
+    static constexpr int WFMT = FMT_Q3_K, A = 4, K = 1;
+    static constexpr bool TERM = false;
+    u32 q[8];
+    int sc[2];
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q3_K>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __vsub4(g.q[i], 0x04040404u);
+        sc[0] = g.sc[0];
+        sc[1] = g.sc[1];
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
+                                         int (&s)[K]) const {
+        const int2 h = dp4a_halves(q, xs, t, b);
+        s[0] = sc[0] * h.x + sc[1] * h.y;
+    }
+};
+
+// Q2_K (`dot_q2_k_q8`): codes 0..3 under a 4-bit scale and min per half
+// of 16: A_b = sc₀ · Σ₀ code · q + sc₁ · Σ₁ code · q and B_b = m₀ · Σ₀ q +
+// m₁ · Σ₁ q give t_b = fmaf(d · x.d_b, A_b, −((dmin · x.d_b) · B_b)), as
+// Q4_K's.
+template <> struct Q8Dot<FMT_Q2_K_Q8> {
+    static constexpr int WFMT = FMT_Q2_K, A = 4, K = 1;
+    static constexpr bool TERM = true;
+    u32 q[8];
+    float d, dmin;
+    u32 sc;
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q2_K>& g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = g.q[i];
+        d = g.d;
+        dmin = g.dmin;
+        sc = g.sc;
+    }
+    template <int NT, u32 TILE>
+    __device__ __forceinline__ float term(const Q8Tile<NT, TILE>& xs, u32 t, u32 b) const {
+        // B_b = Σ_l m(l) · q_l by DP4A with each half's min in every byte
+        // (a half's Σ q alone would hold one more register).
+        const u32 m0 = (sc >> 4 & 15u) * 0x01010101u, m1 = (sc >> 12 & 15u) * 0x01010101u;
+        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
+        int u = dp4a_s8(q[0], xl.x, 0);
+        u = dp4a_s8(q[1], xl.y, u);
+        u = dp4a_s8(q[2], xl.z, u);
+        u = dp4a_s8(q[3], xl.w, u);
+        int ib = dp4a_s8(m0, xl.x, 0);
+        ib = dp4a_s8(m0, xl.y, ib);
+        ib = dp4a_s8(m0, xl.z, ib);
+        ib = dp4a_s8(m0, xl.w, ib);
+        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
+        int v = dp4a_s8(q[4], xh.x, 0);
+        v = dp4a_s8(q[5], xh.y, v);
+        v = dp4a_s8(q[6], xh.z, v);
+        v = dp4a_s8(q[7], xh.w, v);
+        ib = dp4a_s8(m1, xh.x, ib);
+        ib = dp4a_s8(m1, xh.y, ib);
+        ib = dp4a_s8(m1, xh.z, ib);
+        ib = dp4a_s8(m1, xh.w, ib);
+        const int ia = (int)(sc & 15u) * u + (int)(sc >> 8 & 15u) * v;
+        const float xd = xs.d[t][b];
+        return fmaf(__fmul_rn(d, xd), (float)ia, -__fmul_rn(__fmul_rn(dmin, xd), (float)ib));
+    }
 };
 
 // The final sum of C accumulator chains held by C consecutive lanes (C a
@@ -1255,8 +1444,7 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt, const u8* ahead = nullptr,
                                             u64 ahead_bytes = 0) {
-    if constexpr (FMT == FMT_Q4_0_Q8 || FMT == FMT_Q8_0_Q8 || FMT == FMT_Q6_K_Q8 ||
-                  FMT == FMT_Q4_K_Q8 || FMT == FMT_Q5_K_Q8) {
+    if constexpr (FMT_INT_ACT(FMT)) {
         matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
                                                rows, cols, nt, ahead, ahead_bytes);
     } else {
@@ -1613,3 +1801,10 @@ MATVEC_FORMAT(matvec_q2_k, FMT_Q2_K)
 MATVEC_FORMAT(matvec_q3_k, FMT_Q3_K)
 MATVEC_FORMAT(matvec_iq4_nl, FMT_IQ4_NL)
 MATVEC_FORMAT(matvec_iq4_xs, FMT_IQ4_XS)
+MATVEC_FORMAT(matvec_q4_1q8, FMT_Q4_1_Q8)
+MATVEC_FORMAT(matvec_q5_0q8, FMT_Q5_0_Q8)
+MATVEC_FORMAT(matvec_q5_1q8, FMT_Q5_1_Q8)
+MATVEC_FORMAT(matvec_q2_kq8, FMT_Q2_K_Q8)
+MATVEC_FORMAT(matvec_q3_kq8, FMT_Q3_K_Q8)
+MATVEC_FORMAT(matvec_iq4_nlq8, FMT_IQ4_NL_Q8)
+MATVEC_FORMAT(matvec_iq4_xsq8, FMT_IQ4_XS_Q8)

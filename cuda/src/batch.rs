@@ -68,7 +68,7 @@ pub struct MatvecTable<'a> {
 }
 
 fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 21] = [
+    const NAMES: [[&str; 4]; 28] = [
         [
             "matvec_f32_table_t1",
             "matvec_f32_table_t2",
@@ -195,8 +195,50 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
             "matvec_iq4_xs_table_t4",
             "matvec_iq4_xs_table_t8",
         ],
+        [
+            "matvec_q4_1q8_table_t1",
+            "matvec_q4_1q8_table_t2",
+            "matvec_q4_1q8_table_t4",
+            "matvec_q4_1q8_table_t8",
+        ],
+        [
+            "matvec_q5_0q8_table_t1",
+            "matvec_q5_0q8_table_t2",
+            "matvec_q5_0q8_table_t4",
+            "matvec_q5_0q8_table_t8",
+        ],
+        [
+            "matvec_q5_1q8_table_t1",
+            "matvec_q5_1q8_table_t2",
+            "matvec_q5_1q8_table_t4",
+            "matvec_q5_1q8_table_t8",
+        ],
+        [
+            "matvec_q2_kq8_table_t1",
+            "matvec_q2_kq8_table_t2",
+            "matvec_q2_kq8_table_t4",
+            "matvec_q2_kq8_table_t8",
+        ],
+        [
+            "matvec_q3_kq8_table_t1",
+            "matvec_q3_kq8_table_t2",
+            "matvec_q3_kq8_table_t4",
+            "matvec_q3_kq8_table_t8",
+        ],
+        [
+            "matvec_iq4_nlq8_table_t1",
+            "matvec_iq4_nlq8_table_t2",
+            "matvec_iq4_nlq8_table_t4",
+            "matvec_iq4_nlq8_table_t8",
+        ],
+        [
+            "matvec_iq4_xsq8_table_t1",
+            "matvec_iq4_xsq8_table_t2",
+            "matvec_iq4_xsq8_table_t4",
+            "matvec_iq4_xsq8_table_t8",
+        ],
     ];
-    const GLU_NAMES: [[&str; 2]; 21] = [
+    const GLU_NAMES: [[&str; 2]; 28] = [
         ["matvec_f32_table_glu_t1", "matvec_f32_table_glu_t2"],
         ["matvec_f16_table_glu_t1", "matvec_f16_table_glu_t2"],
         ["matvec_bf16_table_glu_t1", "matvec_bf16_table_glu_t2"],
@@ -218,6 +260,19 @@ fn table_kernel(format: WeightFormat, nt: usize, glu: bool) -> &'static str {
         ["matvec_q3_k_table_glu_t1", "matvec_q3_k_table_glu_t2"],
         ["matvec_iq4_nl_table_glu_t1", "matvec_iq4_nl_table_glu_t2"],
         ["matvec_iq4_xs_table_glu_t1", "matvec_iq4_xs_table_glu_t2"],
+        ["matvec_q4_1q8_table_glu_t1", "matvec_q4_1q8_table_glu_t2"],
+        ["matvec_q5_0q8_table_glu_t1", "matvec_q5_0q8_table_glu_t2"],
+        ["matvec_q5_1q8_table_glu_t1", "matvec_q5_1q8_table_glu_t2"],
+        ["matvec_q2_kq8_table_glu_t1", "matvec_q2_kq8_table_glu_t2"],
+        ["matvec_q3_kq8_table_glu_t1", "matvec_q3_kq8_table_glu_t2"],
+        [
+            "matvec_iq4_nlq8_table_glu_t1",
+            "matvec_iq4_nlq8_table_glu_t2",
+        ],
+        [
+            "matvec_iq4_xsq8_table_glu_t1",
+            "matvec_iq4_xsq8_table_glu_t2",
+        ],
     ];
     let i = match nt {
         1 => 0,

@@ -75,6 +75,27 @@ pub enum WeightFormat {
     /// ggml IQ4_XS: IQ4_NL's table in super-blocks of 256 elements (136
     /// bytes, a 6-bit scale per 32), exact.
     Iq4Xs,
+    /// ggml Q4_1 storage with the CPU tier's default arithmetic (`dot_q4_1_q8`
+    /// of colibri-model).
+    Q4_1Q8,
+    /// ggml Q5_0 storage with the CPU tier's default arithmetic (`dot_q5_0_q8`
+    /// of colibri-model).
+    Q5_0Q8,
+    /// ggml Q5_1 storage with the CPU tier's default arithmetic (`dot_q5_1_q8`
+    /// of colibri-model).
+    Q5_1Q8,
+    /// ggml Q2_K storage with the CPU tier's default arithmetic (`dot_q2_k_q8`
+    /// of colibri-model).
+    Q2KQ8,
+    /// ggml Q3_K storage with the CPU tier's default arithmetic (`dot_q3_k_q8`
+    /// of colibri-model).
+    Q3KQ8,
+    /// ggml IQ4_NL storage with the CPU tier's default arithmetic (`dot_iq4_nl_q8`
+    /// of colibri-model).
+    Iq4NlQ8,
+    /// ggml IQ4_XS storage with the CPU tier's default arithmetic (`dot_iq4_xs_q8`
+    /// of colibri-model).
+    Iq4XsQ8,
 }
 
 impl WeightFormat {
@@ -100,13 +121,27 @@ impl WeightFormat {
             WeightFormat::Q5K | WeightFormat::Q5KQ8 => {
                 cols.is_multiple_of(256).then(|| cols / 256 * 176)
             }
-            WeightFormat::Q4_1 => cols.is_multiple_of(32).then(|| cols / 32 * 20),
-            WeightFormat::Q5_0 => cols.is_multiple_of(32).then(|| cols / 32 * 22),
-            WeightFormat::Q5_1 => cols.is_multiple_of(32).then(|| cols / 32 * 24),
-            WeightFormat::Q2K => cols.is_multiple_of(256).then(|| cols / 256 * 84),
-            WeightFormat::Q3K => cols.is_multiple_of(256).then(|| cols / 256 * 110),
-            WeightFormat::Iq4Nl => cols.is_multiple_of(32).then(|| cols / 32 * 18),
-            WeightFormat::Iq4Xs => cols.is_multiple_of(256).then(|| cols / 256 * 136),
+            WeightFormat::Q4_1 | WeightFormat::Q4_1Q8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 20)
+            }
+            WeightFormat::Q5_0 | WeightFormat::Q5_0Q8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 22)
+            }
+            WeightFormat::Q5_1 | WeightFormat::Q5_1Q8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 24)
+            }
+            WeightFormat::Q2K | WeightFormat::Q2KQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 84)
+            }
+            WeightFormat::Q3K | WeightFormat::Q3KQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 110)
+            }
+            WeightFormat::Iq4Nl | WeightFormat::Iq4NlQ8 => {
+                cols.is_multiple_of(32).then(|| cols / 32 * 18)
+            }
+            WeightFormat::Iq4Xs | WeightFormat::Iq4XsQ8 => {
+                cols.is_multiple_of(256).then(|| cols / 256 * 136)
+            }
         }
     }
 
@@ -120,6 +155,13 @@ impl WeightFormat {
             WeightFormat::Q6KQ8 => WeightFormat::Q6K,
             WeightFormat::Q4KQ8 => WeightFormat::Q4K,
             WeightFormat::Q5KQ8 => WeightFormat::Q5K,
+            WeightFormat::Q4_1Q8 => WeightFormat::Q4_1,
+            WeightFormat::Q5_0Q8 => WeightFormat::Q5_0,
+            WeightFormat::Q5_1Q8 => WeightFormat::Q5_1,
+            WeightFormat::Q2KQ8 => WeightFormat::Q2K,
+            WeightFormat::Q3KQ8 => WeightFormat::Q3K,
+            WeightFormat::Iq4NlQ8 => WeightFormat::Iq4Nl,
+            WeightFormat::Iq4XsQ8 => WeightFormat::Iq4Xs,
             f => f,
         }
     }
@@ -148,6 +190,13 @@ impl WeightFormat {
             WeightFormat::Q3K => 18,
             WeightFormat::Iq4Nl => 19,
             WeightFormat::Iq4Xs => 20,
+            WeightFormat::Q4_1Q8 => 21,
+            WeightFormat::Q5_0Q8 => 22,
+            WeightFormat::Q5_1Q8 => 23,
+            WeightFormat::Q2KQ8 => 24,
+            WeightFormat::Q3KQ8 => 25,
+            WeightFormat::Iq4NlQ8 => 26,
+            WeightFormat::Iq4XsQ8 => 27,
         }
     }
 
@@ -288,6 +337,48 @@ impl WeightFormat {
                 "matvec_iq4_xs_t4",
                 "matvec_iq4_xs_t8",
             ],
+            WeightFormat::Q4_1Q8 => [
+                "matvec_q4_1q8_t1",
+                "matvec_q4_1q8_t2",
+                "matvec_q4_1q8_t4",
+                "matvec_q4_1q8_t8",
+            ],
+            WeightFormat::Q5_0Q8 => [
+                "matvec_q5_0q8_t1",
+                "matvec_q5_0q8_t2",
+                "matvec_q5_0q8_t4",
+                "matvec_q5_0q8_t8",
+            ],
+            WeightFormat::Q5_1Q8 => [
+                "matvec_q5_1q8_t1",
+                "matvec_q5_1q8_t2",
+                "matvec_q5_1q8_t4",
+                "matvec_q5_1q8_t8",
+            ],
+            WeightFormat::Q2KQ8 => [
+                "matvec_q2_kq8_t1",
+                "matvec_q2_kq8_t2",
+                "matvec_q2_kq8_t4",
+                "matvec_q2_kq8_t8",
+            ],
+            WeightFormat::Q3KQ8 => [
+                "matvec_q3_kq8_t1",
+                "matvec_q3_kq8_t2",
+                "matvec_q3_kq8_t4",
+                "matvec_q3_kq8_t8",
+            ],
+            WeightFormat::Iq4NlQ8 => [
+                "matvec_iq4_nlq8_t1",
+                "matvec_iq4_nlq8_t2",
+                "matvec_iq4_nlq8_t4",
+                "matvec_iq4_nlq8_t8",
+            ],
+            WeightFormat::Iq4XsQ8 => [
+                "matvec_iq4_xsq8_t1",
+                "matvec_iq4_xsq8_t2",
+                "matvec_iq4_xsq8_t4",
+                "matvec_iq4_xsq8_t8",
+            ],
         }
     }
 }
@@ -327,6 +418,13 @@ impl WeightFormat {
             WeightFormat::Q3K => "matvec_q3_k_seg_t1",
             WeightFormat::Iq4Nl => "matvec_iq4_nl_seg_t1",
             WeightFormat::Iq4Xs => "matvec_iq4_xs_seg_t1",
+            WeightFormat::Q4_1Q8 => "matvec_q4_1q8_seg_t1",
+            WeightFormat::Q5_0Q8 => "matvec_q5_0q8_seg_t1",
+            WeightFormat::Q5_1Q8 => "matvec_q5_1q8_seg_t1",
+            WeightFormat::Q2KQ8 => "matvec_q2_kq8_seg_t1",
+            WeightFormat::Q3KQ8 => "matvec_q3_kq8_seg_t1",
+            WeightFormat::Iq4NlQ8 => "matvec_iq4_nlq8_seg_t1",
+            WeightFormat::Iq4XsQ8 => "matvec_iq4_xsq8_seg_t1",
         }
     }
 }

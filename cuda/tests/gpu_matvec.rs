@@ -84,6 +84,34 @@ fn check(fmt: WeightFormat, rows: usize, cols: usize, seed: u64) {
         WeightFormat::Q6KQ8 => Some((dot_q6_k_q8_ref, "dot_q6_k_q8")),
         WeightFormat::Q4KQ8 => Some((dot_q4_k_q8_ref, "dot_q4_k_q8")),
         WeightFormat::Q5KQ8 => Some((dot_q5_k_q8_ref, "dot_q5_k_q8")),
+        WeightFormat::Q4_1Q8 => Some((
+            |r, x| dot_legacy_q8_ref(WeightFormat::Q4_1, r, x),
+            "dot_q4_1_q8",
+        )),
+        WeightFormat::Q5_0Q8 => Some((
+            |r, x| dot_legacy_q8_ref(WeightFormat::Q5_0, r, x),
+            "dot_q5_0_q8",
+        )),
+        WeightFormat::Q5_1Q8 => Some((
+            |r, x| dot_legacy_q8_ref(WeightFormat::Q5_1, r, x),
+            "dot_q5_1_q8",
+        )),
+        WeightFormat::Iq4NlQ8 => Some((
+            |r, x| dot_legacy_q8_ref(WeightFormat::Iq4Nl, r, x),
+            "dot_iq4_nl_q8",
+        )),
+        WeightFormat::Q2KQ8 => Some((
+            |r, x| dot_low_k_q8_ref(WeightFormat::Q2K, r, x),
+            "dot_q2_k_q8",
+        )),
+        WeightFormat::Q3KQ8 => Some((
+            |r, x| dot_low_k_q8_ref(WeightFormat::Q3K, r, x),
+            "dot_q3_k_q8",
+        )),
+        WeightFormat::Iq4XsQ8 => Some((
+            |r, x| dot_low_k_q8_ref(WeightFormat::Iq4Xs, r, x),
+            "dot_iq4_xs_q8",
+        )),
         _ => None,
     };
     if let Some((dot, dot_name)) = int_dot {
@@ -578,5 +606,52 @@ fn matvec_q2_k_q3_k_iq4() {
             4352
         };
         check(fmt, 33, wide, seed + 3);
+    }
+}
+
+/// Q4_1, Q5_0, Q5_1 and IQ4_NL with 8-bit activations: the CPU's
+/// `dot_*_q8` bits (legacy_q8.rs, written out in tests/common), for rows of
+/// 1, 3, 44, 45 and 72 blocks (partial rounds and tiles, misaligned rows).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q4_1_q5_0_q5_1_iq4_nl_q8_activations() {
+    for (i, fmt) in [
+        WeightFormat::Q4_1Q8,
+        WeightFormat::Q5_0Q8,
+        WeightFormat::Q5_1Q8,
+        WeightFormat::Iq4NlQ8,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 170 + 5 * i as u64;
+        check(fmt, 301, 32, seed);
+        check(fmt, 7, 96, seed + 1);
+        check(fmt, 45, 1408, seed + 2);
+        check(fmt, 33, 1440, seed + 3);
+        check(fmt, 130, 2304, seed + 4);
+    }
+}
+
+/// Q2_K, Q3_K and IQ4_XS with 8-bit activations: the CPU's `dot_*_q8` bits
+/// (low_k.rs, written out in tests/common), for rows of 1, 3, 9, 10 and 17
+/// super-blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_q2_k_q3_k_iq4_xs_q8_activations() {
+    for (i, fmt) in [
+        WeightFormat::Q2KQ8,
+        WeightFormat::Q3KQ8,
+        WeightFormat::Iq4XsQ8,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 190 + 5 * i as u64;
+        check(fmt, 301, 768, seed);
+        check(fmt, 7, 256, seed + 1);
+        check(fmt, 45, 2304, seed + 2);
+        check(fmt, 130, 2560, seed + 3);
+        check(fmt, 33, 4352, seed + 4);
     }
 }

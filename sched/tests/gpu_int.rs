@@ -1,15 +1,17 @@
-//! The GPU tier with the CPU tier's default arithmetic for Q4_0 and Q8_0:
+//! The GPU tier with the CPU tier's default arithmetic for the quantized
+//! formats (Q4_0, Q8_0, the k-quants, llama.cpp's fallbacks and IQ4):
 //! products quantize their input to 8-bit blocks and sum integers (no
 //! `--exact-quant`). The exact path is sched/tests/gpu.rs's.
 //!
 //! With a GPU (`cargo test -p colibri-sched --test gpu_int -- --ignored
 //! --test-threads=1`, `COLIBRI_NVRTC_DIR` pointing at libnvrtc.so.13):
 //!
-//! * a Q4_0 or Q8_0 product on the GPU has the bits of the CPU's own
-//!   `dot_q4_0_q8` / `dot_q8_0_q8` (the dispatched SIMD kernel and the
-//!   scalar reference), for one token and for a batch;
-//! * on the Q4_0 and Q8_0 GGUF fixtures, greedy continuations equal the CPU
-//!   tier's and per-position NLL is within [`NLL_REL_TOL`] of it;
+//! * a product on the GPU has the bits of the CPU's own `dot_*_q8` (the
+//!   dispatched SIMD kernel and the scalar reference), for one token and
+//!   for a batch, in every quantized format;
+//! * on the Q4_0, Q8_0, fallback-quant and low-bit GGUF fixtures, greedy
+//!   continuations equal the CPU tier's and per-position NLL is within
+//!   [`NLL_REL_TOL`] of it;
 //! * logits are bit-identical across VRAM budgets and pass sizes.
 
 use colibri_cuda::{WeightFormat as DevFormat, WeightView};
@@ -141,6 +143,76 @@ fn q8_0_products_have_the_cpu_kernel_bits() {
     });
 }
 
+/// Random super-blocks (or blocks of 32) of `format`'s storage: every code,
+/// scale, min and high-bit byte random, the f16 scales (Q2_K's dmin too,
+/// Q4_1/Q5_1's min) of either sign between 2^-13 and 2^-7 (exponent fields
+/// 2..8).
+fn random_rows(rng: &mut ChaCha8Rng, format: DevFormat, rows: usize, cols: usize) -> Vec<u8> {
+    let (block, f16s): (usize, &[usize]) = match format {
+        DevFormat::Q4_1Q8 | DevFormat::Q5_1Q8 => (32, &[0, 2]),
+        DevFormat::Q5_0Q8 | DevFormat::Iq4NlQ8 => (32, &[0]),
+        DevFormat::Q2KQ8 => (256, &[80, 82]),
+        DevFormat::Q3KQ8 => (256, &[108]),
+        DevFormat::Iq4XsQ8 => (256, &[0]),
+        other => panic!("{other:?}: not one of the seven"),
+    };
+    let size = format.row_bytes(block).unwrap();
+    let mut w = Vec::with_capacity(rows * cols / block * size);
+    for _ in 0..rows * cols / block {
+        let mut blk: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+        for &at in f16s {
+            let sign: u16 = if rng.random() { 0x8000 } else { 0 };
+            let v: u16 = rng.random_range(0x0800..0x2000) | sign;
+            blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        w.extend_from_slice(&blk);
+    }
+    w
+}
+
+/// Q4_1, Q5_0, Q5_1, IQ4_NL (legacy_q8.rs) and Q2_K, Q3_K, IQ4_XS
+/// (low_k.rs) products on the GPU have the bits of the CPU's dispatched
+/// kernel and of its scalar reference, for 97 rows of 2304 columns (72
+/// blocks: chains of 18, two tiles for one token), 6 tokens and one.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn legacy_and_low_bit_products_have_the_cpu_kernel_bits() {
+    use colibri_model::format::WeightFormat as F;
+    use colibri_model::kernels::{legacy_q8, low_k};
+    colibri_model::kernels::set_exact_quant(EXACT_QUANT);
+    type CpuDot = fn(&[u8], &Q8Activation) -> f32;
+    let cases: [(DevFormat, F, CpuDot, u64); 7] = [
+        (DevFormat::Q4_1Q8, F::Q4_1, legacy_q8::dot_q4_1_q8, 0x0e41),
+        (DevFormat::Q5_0Q8, F::Q5_0, legacy_q8::dot_q5_0_q8, 0x0e50),
+        (DevFormat::Q5_1Q8, F::Q5_1, legacy_q8::dot_q5_1_q8, 0x0e51),
+        (
+            DevFormat::Iq4NlQ8,
+            F::Iq4Nl,
+            legacy_q8::dot_iq4_nl_q8,
+            0x0e4e,
+        ),
+        (DevFormat::Q2KQ8, F::Q2K, low_k::dot_q2_k_q8, 0x0e2c),
+        (DevFormat::Q3KQ8, F::Q3K, low_k::dot_q3_k_q8, 0x0e3c),
+        (DevFormat::Iq4XsQ8, F::Iq4Xs, low_k::dot_iq4_xs_q8, 0x0e4c),
+    ];
+    let cpu = colibri_model::kernels::kernels();
+    for (format, cpu_format, scalar, seed) in cases {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (rows, cols, ntok) = (97usize, 2304usize, 6usize);
+        let w = random_rows(&mut rng, format, rows, cols);
+        let x = random_tokens(&mut rng, ntok, cols);
+        assert_cpu_bits(format, &w, rows, cols, &x, |row, a| {
+            let simd = (cpu.dot_more_q8)(cpu_format, row, a);
+            assert_eq!(
+                simd.to_bits(),
+                scalar(row, a).to_bits(),
+                "{format:?}: CPU kernels disagree"
+            );
+            simd
+        });
+    }
+}
+
 /// Greedy continuations, NLL against the CPU tier, and bit-identity across
 /// VRAM budgets and pass sizes, on each of `models` (with its reference
 /// prompt and text).
@@ -205,6 +277,18 @@ fn q4_0_models_match_the_cpu_tier_and_themselves() {
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn q8_0_models_match_the_cpu_tier_and_themselves() {
     models_match_the_cpu_tier_and_themselves(q8_0_models());
+}
+
+/// llama.cpp's fallback quants (experts in Q4_1/Q5_1/Q5_0, attention in
+/// Q5_0/Q4_1) and its small files' (Q2_K/Q3_K/IQ4_XS/IQ4_NL).
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn legacy_and_low_bit_models_match_the_cpu_tier_and_themselves() {
+    let f = fixtures().join("gguf");
+    models_match_the_cpu_tier_and_themselves(vec![
+        f.join("qwen3_moe.legacy.gguf"),
+        f.join("qwen3_moe.low.gguf"),
+    ]);
 }
 
 #[test]

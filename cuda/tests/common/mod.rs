@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Every weight format the kernels take.
-pub const FORMATS: [WeightFormat; 21] = [
+pub const FORMATS: [WeightFormat; 28] = [
     WeightFormat::F32,
     WeightFormat::F16,
     WeightFormat::Bf16,
@@ -33,7 +33,30 @@ pub const FORMATS: [WeightFormat; 21] = [
     WeightFormat::Q3K,
     WeightFormat::Iq4Nl,
     WeightFormat::Iq4Xs,
+    WeightFormat::Q4_1Q8,
+    WeightFormat::Q5_0Q8,
+    WeightFormat::Q5_1Q8,
+    WeightFormat::Q2KQ8,
+    WeightFormat::Q3KQ8,
+    WeightFormat::Iq4NlQ8,
+    WeightFormat::Iq4XsQ8,
 ];
+
+/// The format whose kernels take the exact product of `fmt`'s bytes (the
+/// 8-bit-activation twins of Q4_1, Q5_0, Q5_1, Q2_K, Q3_K and IQ4 map to
+/// them; the others are themselves).
+pub fn exact_twin(fmt: WeightFormat) -> WeightFormat {
+    match fmt {
+        WeightFormat::Q4_1Q8 => WeightFormat::Q4_1,
+        WeightFormat::Q5_0Q8 => WeightFormat::Q5_0,
+        WeightFormat::Q5_1Q8 => WeightFormat::Q5_1,
+        WeightFormat::Q2KQ8 => WeightFormat::Q2K,
+        WeightFormat::Q3KQ8 => WeightFormat::Q3K,
+        WeightFormat::Iq4NlQ8 => WeightFormat::Iq4Nl,
+        WeightFormat::Iq4XsQ8 => WeightFormat::Iq4Xs,
+        f => f,
+    }
+}
 
 pub struct Gpu {
     pub dev: CudaDevice,
@@ -226,7 +249,14 @@ pub fn random_weights(
                 w.bytes.extend_from_slice(&blk);
             }
         }
-        WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+        WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q4_1Q8
+        | WeightFormat::Q5_0Q8
+        | WeightFormat::Q5_1Q8 => {
+            // The 8-bit-activation twins share their exact format's bytes.
+            let fmt = exact_twin(fmt);
             assert!(cols.is_multiple_of(32));
             let size = fmt.row_bytes(32).expect("a block");
             for _ in 0..rows * cols / 32 {
@@ -244,7 +274,15 @@ pub fn random_weights(
                 w.bytes.extend_from_slice(&blk);
             }
         }
-        WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => {
+        WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Iq4Nl
+        | WeightFormat::Iq4Xs
+        | WeightFormat::Q2KQ8
+        | WeightFormat::Q3KQ8
+        | WeightFormat::Iq4NlQ8
+        | WeightFormat::Iq4XsQ8 => {
+            let fmt = exact_twin(fmt);
             // Random codes and scales; d (Q2_K's dmin too) of both signs at
             // the scale that keeps elements near those of the other formats.
             let block = if fmt == WeightFormat::Iq4Nl { 32 } else { 256 };
@@ -276,43 +314,71 @@ pub const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+fn f16_at(blk: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32()
+}
+
+/// The 2-bit code of element `e` of a Q2_K super-block (the low bits of a
+/// Q3_K code, 32 bytes later): bits `2k`, `2k + 1` (`k = (e mod 128) / 32`)
+/// of `qs[32 (e / 128) + e mod 32]`.
+pub fn two_bit_code(blk: &[u8], qs: usize, e: usize) -> i32 {
+    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    ((blk[qs + 32 * n + l] >> (2 * k)) & 3) as i32
+}
+
+/// The signed code (−4..=3) of element `e` of a Q3_K super-block: its two
+/// low bits, less 4 unless bit `e / 32` of `hmask[e mod 32]` is set.
+pub fn q3_k_code(blk: &[u8], e: usize) -> i32 {
+    let high = ((blk[e % 32] >> (e / 32)) & 1) as i32;
+    (two_bit_code(blk, 32, e) | high << 2) - 4
+}
+
+/// Scale `i` (< 16) of a Q3_K super-block, −32..=31: the low (i < 8) or
+/// high nibble of byte `96 + i mod 8` under bits `2 (i / 4)`, +1 of byte
+/// `104 + i mod 4`.
+pub fn q3_k_scale(blk: &[u8], i: usize) -> i32 {
+    let low = (blk[96 + i % 8] >> (4 * (i / 8))) & 15;
+    let high = (blk[104 + i % 4] >> (2 * (i / 4))) & 3;
+    (low | high << 4) as i32 - 32
+}
+
+/// The IQ4 value of element `j` (< 32) of the block whose 16 nibble bytes
+/// start at `qs`: the low nibble of byte `j` (j < 16) or the high one of
+/// byte `j − 16`, through [`IQ4_VALUES`].
+pub fn iq4_value(blk: &[u8], qs: usize, j: usize) -> i32 {
+    let byte = blk[qs + j % 16];
+    let code = if j < 16 { byte & 15 } else { byte >> 4 };
+    IQ4_VALUES[code as usize] as i32
+}
+
+/// The 6-bit scale (−32..=31) of block `ib` of an IQ4_XS super-block: the
+/// nibble `ib mod 2` of `scales_l[ib / 2]` under bits `2 ib`, +1 of the
+/// u16 `scales_h`.
+pub fn iq4_xs_scale(blk: &[u8], ib: usize) -> i32 {
+    let sh = u16::from_le_bytes([blk[2], blk[3]]);
+    let low = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) as i32;
+    (low | (((sh >> (2 * ib)) & 3) << 4) as i32) - 32
+}
+
 /// Element `e` of a Q2_K, Q3_K or IQ4_XS super-block (or an IQ4_NL block)
 /// as ggml dequantizes it (`dequantize_row_q2_K`, `_q3_K`, `_iq4_nl`,
 /// `_iq4_xs`): the scale of its 16 (Q2_K/Q3_K) or 32 elements rounded to
 /// f32 first, then one more rounding (Q2_K's min) or none (the others'
 /// products are exact).
 pub fn low_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
-    let h = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let h = |at: usize| f16_at(blk, at);
     match fmt {
         WeightFormat::Q2K => {
-            let code = (blk[16 + 32 * n + l] >> (2 * k)) & 3;
             let sc = blk[e / 16];
             let dl = h(80) * (sc & 15) as f32;
             let ml = h(82) * (sc >> 4) as f32;
-            dl * code as f32 - ml
+            dl * two_bit_code(blk, 16, e) as f32 - ml
         }
-        WeightFormat::Q3K => {
-            let low = (blk[32 + 32 * n + l] >> (2 * k)) & 3;
-            let high = (blk[l] >> (e / 32)) & 1;
-            let i = e / 16;
-            let sc = ((blk[96 + i % 8] >> (4 * (i / 8))) & 15)
-                | (((blk[104 + i % 4] >> (2 * (i / 4))) & 3) << 4);
-            h(108) * (sc as i32 - 32) as f32 * ((low | high << 2) as i32 - 4) as f32
-        }
-        WeightFormat::Iq4Nl => {
-            let byte = blk[2 + e % 16];
-            let code = if e < 16 { byte & 15 } else { byte >> 4 };
-            h(0) * IQ4_VALUES[code as usize] as f32
-        }
+        WeightFormat::Q3K => h(108) * q3_k_scale(blk, e / 16) as f32 * q3_k_code(blk, e) as f32,
+        WeightFormat::Iq4Nl => h(0) * iq4_value(blk, 2, e) as f32,
         WeightFormat::Iq4Xs => {
-            let (ib, j) = (e / 32, e % 32);
-            let byte = blk[8 + 16 * ib + j % 16];
-            let code = if j < 16 { byte & 15 } else { byte >> 4 };
-            let sh = u16::from_le_bytes([blk[2], blk[3]]);
-            let sc = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) as i32
-                | (((sh >> (2 * ib)) & 3) << 4) as i32;
-            h(0) * (sc - 32) as f32 * IQ4_VALUES[code as usize] as f32
+            let ib = e / 32;
+            h(0) * iq4_xs_scale(blk, ib) as f32 * iq4_value(blk, 8 + 16 * ib, e % 32) as f32
         }
         other => panic!("{other:?} is not a low-bit format"),
     }
@@ -325,7 +391,16 @@ pub fn low_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
 /// fifth bits, 16 bytes of nibbles with element j < 16 in the low nibble of
 /// byte j and j + 16 in its high one).
 pub fn legacy_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
-    let h = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+    let code = legacy_code(fmt, blk, e);
+    if fmt == WeightFormat::Q5_0 {
+        f16_at(blk, 0) * (code - 16) as f32
+    } else {
+        f16_at(blk, 0) * code as f32 + f16_at(blk, 2)
+    }
+}
+
+/// The code (0..=31) of element `e` of a Q4_1, Q5_0 or Q5_1 block.
+pub fn legacy_code(fmt: WeightFormat, blk: &[u8], e: usize) -> i32 {
     let min = fmt != WeightFormat::Q5_0;
     let five = fmt != WeightFormat::Q4_1;
     let qh = if min { 4 } else { 2 };
@@ -336,11 +411,7 @@ pub fn legacy_value(fmt: WeightFormat, blk: &[u8], e: usize) -> f32 {
         let bits = u32::from_le_bytes([blk[qh], blk[qh + 1], blk[qh + 2], blk[qh + 3]]);
         code |= (((bits >> e) & 1) << 4) as i32;
     }
-    if min {
-        h(0) * code as f32 + h(2)
-    } else {
-        h(0) * (code - 16) as f32
-    }
+    code
 }
 
 /// The f16 `d` and `dmin` of a Q4_K/Q5_K super-block.
@@ -500,6 +571,94 @@ pub fn dot_q4_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
 
 pub fn dot_q5_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
     dot_k4_q8_ref(row, x, true)
+}
+
+/// colibri-model's `dot_q4_1_q8`, `dot_q5_0_q8`, `dot_q5_1_q8` and
+/// `dot_iq4_nl_q8` (legacy_q8.rs), written out from ggml's layouts: block
+/// b gives exact integers; Q4_1/Q5_1 the term `fma(d · x.d, Σ code · q,
+/// (m · x.d) · Σ q)` added into accumulator b mod 4, Q5_0 (`code − 16`) and
+/// IQ4_NL (the table's values) `S = Σ v · q` fused-added as
+/// `fma(d · x.d, S, acc)`; reduced as Q4_0's.
+pub fn dot_legacy_q8_ref(fmt: WeightFormat, row: &[u8], x: &Q8Ref) -> f32 {
+    let fmt = exact_twin(fmt);
+    let size = fmt.row_bytes(32).expect("a block");
+    let mut acc = [0.0f32; 4];
+    for (b, blk) in row.chunks_exact(size).enumerate() {
+        let q = &x.q[b * 32..(b + 1) * 32];
+        let xd = x.d[b];
+        let dot = |v: &dyn Fn(usize) -> i32| -> i32 { (0..32).map(|e| v(e) * q[e] as i32).sum() };
+        let lane = &mut acc[b % 4];
+        match fmt {
+            WeightFormat::Q4_1 | WeightFormat::Q5_1 => {
+                let a = dot(&|e| legacy_code(fmt, blk, e));
+                let sum: i32 = q.iter().map(|&v| v as i32).sum();
+                let t = (f16_at(blk, 0) * xd).mul_add(a as f32, (f16_at(blk, 2) * xd) * sum as f32);
+                *lane += t;
+            }
+            WeightFormat::Q5_0 => {
+                let s = dot(&|e| legacy_code(fmt, blk, e) - 16);
+                *lane = (f16_at(blk, 0) * xd).mul_add(s as f32, *lane);
+            }
+            WeightFormat::Iq4Nl => {
+                let s = dot(&|e| iq4_value(blk, 2, e));
+                *lane = (f16_at(blk, 0) * xd).mul_add(s as f32, *lane);
+            }
+            other => panic!("{other:?} is not a legacy format"),
+        }
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3])
+}
+
+/// colibri-model's `dot_q2_k_q8`, `dot_q3_k_q8` and `dot_iq4_xs_q8`
+/// (low_k.rs), written out: block b (part k = b mod 8 of super-block b /
+/// 8) gives exact integers. Q2_K: `A = Σ_h sc_h · Σ_h code · q` and `B =
+/// Σ_h m_h · Σ_h q` over its halves of 16, the term `fma(d · x.d, A,
+/// −((dmin · x.d) · B))` added into accumulator b mod 4; Q3_K (`A = Σ_h
+/// sc_h · Σ_h code · q`) and IQ4_XS (`A = ls · Σ v · q`) fused-added as
+/// `fma(d · x.d, A, acc)`; reduced as Q4_0's.
+pub fn dot_low_k_q8_ref(fmt: WeightFormat, row: &[u8], x: &Q8Ref) -> f32 {
+    let fmt = exact_twin(fmt);
+    let size = fmt.row_bytes(256).expect("a super-block");
+    let mut acc = [0.0f32; 4];
+    for (i, blk) in row.chunks_exact(size).enumerate() {
+        for k in 0..8 {
+            let b = 8 * i + k;
+            let q = &x.q[b * 32..(b + 1) * 32];
+            let xd = x.d[b];
+            // Σ v(e) · q over half h (elements 16h .. 16h + 16 of the block).
+            let half = |h: usize, v: &dyn Fn(usize) -> i32| -> i32 {
+                (16 * h..16 * h + 16)
+                    .map(|l| v(32 * k + l) * q[l] as i32)
+                    .sum()
+            };
+            let lane = &mut acc[b % 4];
+            match fmt {
+                WeightFormat::Q2K => {
+                    let (mut a, mut s) = (0i32, 0i32);
+                    for h in 0..2 {
+                        let sc = blk[2 * k + h];
+                        a += (sc & 15) as i32 * half(h, &|e| two_bit_code(blk, 16, e));
+                        s += (sc >> 4) as i32 * half(h, &|_| 1);
+                    }
+                    let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+                    *lane += (d * xd).mul_add(a as f32, -((dmin * xd) * s as f32));
+                }
+                WeightFormat::Q3K => {
+                    let a: i32 = (0..2)
+                        .map(|h| q3_k_scale(blk, 2 * k + h) * half(h, &|e| q3_k_code(blk, e)))
+                        .sum();
+                    *lane = (f16_at(blk, 108) * xd).mul_add(a as f32, *lane);
+                }
+                WeightFormat::Iq4Xs => {
+                    let v = |e: usize| iq4_value(blk, 8 + 16 * k, e % 32);
+                    let a = iq4_xs_scale(blk, k) * (half(0, &v) + half(1, &v));
+                    *lane = (f16_at(blk, 0) * xd).mul_add(a as f32, *lane);
+                }
+                other => panic!("{other:?} is not a low k-quant format"),
+            }
+        }
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3])
 }
 
 /// colibri-model's `dot_q8_0_q8`, written out: block b's eight exact

@@ -177,11 +177,8 @@ impl From<GpuError> for ModelError {
 }
 
 /// The device format of a matrix stored as `f`. Its products take the CPU
-/// tier's arithmetic: 8-bit activations and integer sums unless
-/// `--exact-quant` asked for the exact dequantized product. Q4_1, Q5_0,
-/// Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS have exact device kernels only:
-/// with 8-bit activations they return `GpuError::Unsupported`, so that a
-/// model with them runs on the CPU tier (`--device auto` says why).
+/// tier's arithmetic, bit for bit: 8-bit activations and integer sums
+/// unless `--exact-quant` asked for the exact dequantized product.
 pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
     let int = colibri_model::kernels::kernels().int_activations;
     Ok(match f {
@@ -190,6 +187,13 @@ pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
         WeightFormat::Q6K if int => DevFormat::Q6KQ8,
         WeightFormat::Q4K if int => DevFormat::Q4KQ8,
         WeightFormat::Q5K if int => DevFormat::Q5KQ8,
+        WeightFormat::Q4_1 if int => DevFormat::Q4_1Q8,
+        WeightFormat::Q5_0 if int => DevFormat::Q5_0Q8,
+        WeightFormat::Q5_1 if int => DevFormat::Q5_1Q8,
+        WeightFormat::Q2K if int => DevFormat::Q2KQ8,
+        WeightFormat::Q3K if int => DevFormat::Q3KQ8,
+        WeightFormat::Iq4Nl if int => DevFormat::Iq4NlQ8,
+        WeightFormat::Iq4Xs if int => DevFormat::Iq4XsQ8,
         WeightFormat::F32 => DevFormat::F32,
         WeightFormat::F16 => DevFormat::F16,
         WeightFormat::Bf16 => DevFormat::Bf16,
@@ -199,20 +203,6 @@ pub(crate) fn cuda_format(f: WeightFormat) -> Result<DevFormat, GpuError> {
         WeightFormat::Q6K => DevFormat::Q6K,
         WeightFormat::Q4K => DevFormat::Q4K,
         WeightFormat::Q5K => DevFormat::Q5K,
-        WeightFormat::Q4_1
-        | WeightFormat::Q5_0
-        | WeightFormat::Q5_1
-        | WeightFormat::Q2K
-        | WeightFormat::Q3K
-        | WeightFormat::Iq4Nl
-        | WeightFormat::Iq4Xs
-            if int =>
-        {
-            return Err(GpuError::Unsupported(format!(
-                "no device kernels for {} weights with 8-bit activations (--exact-quant has them)",
-                f.name()
-            )));
-        }
         WeightFormat::Q4_1 => DevFormat::Q4_1,
         WeightFormat::Q5_0 => DevFormat::Q5_0,
         WeightFormat::Q5_1 => DevFormat::Q5_1,
