@@ -26,6 +26,19 @@ use gpu_common::*;
 /// The CPU reference of this binary runs the default 8-bit activations.
 const EXACT_QUANT: bool = false;
 
+/// Per-position NLL tolerance (relative) on the fallback-quant and low-bit
+/// fixtures. Their products have the CPU's bits (the tests above), but the
+/// GPU's norms and attention round differently, and where that moves an
+/// input across an 8-bit rounding boundary the next product moves by half
+/// a step. On these tiny random models the 8-bit activations themselves
+/// move the CPU's NLL by up to 3.3e-2 (legacy) and 5.5e-2 (low) relative
+/// against the exact product (medians 5.5e-3, 2.9e-3); on an H100 the
+/// legacy fixture's GPU–CPU difference reached 4.6e-3 at 2 of 47 positions
+/// (mean 1.7e-4), the low one's 2.6e-7. 1e-2 stays well inside the
+/// quantization's own effect; greedy continuations and the bits across
+/// budgets are still checked exactly.
+const LOW_NLL_REL_TOL: f64 = 1e-2;
+
 fn q4_0_models() -> Vec<std::path::PathBuf> {
     let f = fixtures().join("gguf");
     vec![
@@ -217,13 +230,24 @@ fn legacy_and_low_bit_products_have_the_cpu_kernel_bits() {
 /// VRAM budgets and pass sizes, on each of `models` (with its reference
 /// prompt and text).
 fn models_match_the_cpu_tier_and_themselves(models: Vec<std::path::PathBuf>) {
+    models_match_within(models, NLL_REL_TOL);
+}
+
+/// As [`models_match_the_cpu_tier_and_themselves`], with per-position NLL
+/// within `tol` (relative) of the CPU tier's.
+fn models_match_within(models: Vec<std::path::PathBuf>, tol: f64) {
     for model in models {
         let (prompt, tokens) = reference_tokens(&model);
-        model_matches_the_cpu_tier_and_itself(&model, &prompt, &tokens);
+        model_matches_the_cpu_tier_and_itself(&model, &prompt, &tokens, tol);
     }
 }
 
-fn model_matches_the_cpu_tier_and_itself(model: &std::path::Path, prompt: &[u32], tokens: &[u32]) {
+fn model_matches_the_cpu_tier_and_itself(
+    model: &std::path::Path,
+    prompt: &[u32],
+    tokens: &[u32],
+    tol: f64,
+) {
     {
         let name = model.display().to_string();
         let (prompt, tokens) = (prompt.to_vec(), tokens.to_vec());
@@ -243,14 +267,24 @@ fn model_matches_the_cpu_tier_and_itself(model: &std::path::Path, prompt: &[u32]
         let c = nll(&teacher_forced(&cpu, &tokens, 64), &tokens, vocab);
         let full = teacher_forced(&gpu, &tokens, 16);
         let g = nll(&full, &tokens, vocab);
-        let mut worst = 0.0f64;
-        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
-            let rel = (a - b).abs() / b.abs().max(1e-6);
+        let rel: Vec<f64> = g
+            .iter()
+            .zip(&c)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-6))
+            .collect();
+        let worst = rel.iter().copied().fold(0.0f64, f64::max);
+        let mean = rel.iter().sum::<f64>() / rel.len().max(1) as f64;
+        let over = rel.iter().filter(|&&r| r > NLL_REL_TOL).count();
+        eprintln!(
+            "{name}: NLL relative difference over {} positions: max {worst:.2e}, mean {mean:.2e}, \
+             {over} above {NLL_REL_TOL:.0e}",
+            rel.len()
+        );
+        for (i, (&r, (a, b))) in rel.iter().zip(g.iter().zip(&c)).enumerate() {
             assert!(
-                rel <= NLL_REL_TOL,
-                "{name}: position {i}: GPU NLL {a} vs CPU {b} ({rel:.2e} relative)"
+                r <= tol,
+                "{name}: position {i}: GPU NLL {a} vs CPU {b} ({r:.2e} relative)"
             );
-            worst = worst.max(rel);
         }
         for (vram, rows) in [(Some(0), 7), (None, 3)] {
             let e = engine(model, DeviceChoice::Cuda, vram, None, rows);
@@ -285,10 +319,13 @@ fn q8_0_models_match_the_cpu_tier_and_themselves() {
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn legacy_and_low_bit_models_match_the_cpu_tier_and_themselves() {
     let f = fixtures().join("gguf");
-    models_match_the_cpu_tier_and_themselves(vec![
-        f.join("qwen3_moe.legacy.gguf"),
-        f.join("qwen3_moe.low.gguf"),
-    ]);
+    models_match_within(
+        vec![
+            f.join("qwen3_moe.legacy.gguf"),
+            f.join("qwen3_moe.low.gguf"),
+        ],
+        LOW_NLL_REL_TOL,
+    );
 }
 
 #[test]
@@ -394,7 +431,7 @@ fn a_q6_k_head_matches_the_cpu_tier() {
     synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(0x6b);
     let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..1024)).collect();
-    model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
+    model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens, NLL_REL_TOL);
 }
 
 /// A synthetic Qwen3-MoE GGUF laid out as llama.cpp's Q4_K_M and Q5_K files
@@ -425,6 +462,6 @@ fn k_quant_experts_match_the_cpu_tier() {
         .with_head(WeightFormat::Q6K);
         let path = dir.path().join(format!("{name}.gguf"));
         synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &path, &Silent).unwrap();
-        model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens);
+        model_matches_the_cpu_tier_and_itself(&path, &tokens[..6], &tokens, NLL_REL_TOL);
     }
 }
