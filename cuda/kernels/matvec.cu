@@ -1009,36 +1009,6 @@ template <> struct Q8Dot<FMT_Q8_0_Q8> {
     }
 };
 
-// Q6_K: one sum per block as Q4_0 (`dot_q6_k_q8`): the signed codes (code
-// − 32, bytewise) by DP4A, each half of 16 times its sub-block scale.
-template <> struct Q8Dot<FMT_Q6_K_Q8> {
-    static constexpr int WFMT = FMT_Q6_K, A = 4, K = 1;
-    static constexpr bool TERM = false;
-    u32 q[8];
-    int sc[2];
-    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q6_K>& g) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = __vsub4(g.q[i], 0x20202020u);
-        sc[0] = g.sc[0];
-        sc[1] = g.sc[1];
-    }
-    template <int NT, u32 TILE>
-    __device__ __forceinline__ void sums(const Q8Tile<NT, TILE>& xs, u32 t, u32 b,
-                                         int (&s)[K]) const {
-        const uint4 xl = *(const uint4*)&xs.lo[t][b * 4];
-        const uint4 xh = *(const uint4*)&xs.hi[t][b * 4];
-        int u = dp4a_s8(q[0], xl.x, 0);
-        u = dp4a_s8(q[1], xl.y, u);
-        u = dp4a_s8(q[2], xl.z, u);
-        u = dp4a_s8(q[3], xl.w, u);
-        int v = dp4a_s8(q[4], xh.x, 0);
-        v = dp4a_s8(q[5], xh.y, v);
-        v = dp4a_s8(q[6], xh.z, v);
-        v = dp4a_s8(q[7], xh.w, v);
-        s[0] = sc[0] * u + sc[1] * v;
-    }
-};
-
 // Q4_K and Q5_K (`dot_q4_k_q8`, `dot_q5_k_q8` of model/src/kernels/q4_k.rs):
 // block b (sub-block b mod 8 of super-block b / 8) gives the exact
 // integers A_b = sc · Σ code · q (DP4A: the codes are below 32, so the same
@@ -1189,17 +1159,18 @@ template <> struct Q8Dot<FMT_IQ4_XS_Q8> : Q8DotIq4<FMT_IQ4_XS> {
     __device__ __forceinline__ explicit Q8Dot(const Group<FMT_IQ4_XS>& g) : Q8DotIq4<FMT_IQ4_XS>(g) {}
 };
 
-// Q3_K (`dot_q3_k_q8`): the signed codes (−4..3) by DP4A, each half of 16
-// times its sub-block scale, S_b = sc₀ · Σ₀ + sc₁ · Σ₁, scaled by
-// f16(d) · x.d_b as Q6_K's.
-template <> struct Q8Dot<FMT_Q3_K_Q8> {
-    static constexpr int WFMT = FMT_Q3_K, A = 4, K = 1;
+// Q6_K and Q3_K (`dot_q6_k_q8`, `dot_q3_k_q8`): one sum per block as
+// Q4_0's, of the signed codes (code − BIAS bytewise: Q6_K's −32..31,
+// Q3_K's −4..3) by DP4A, each half of 16 times its sub-block scale,
+// S_b = sc₀ · Σ₀ + sc₁ · Σ₁, scaled by f16(d) · x.d_b.
+template <int WF, u32 BIAS> struct Q8DotHalves {
+    static constexpr int WFMT = WF, A = 4, K = 1;
     static constexpr bool TERM = false;
     u32 q[8];
     int sc[2];
-    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q3_K>& g) {
+    __device__ __forceinline__ explicit Q8DotHalves(const Group<WF>& g) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = __vsub4(g.q[i], 0x04040404u);
+        for (int i = 0; i < 8; ++i) q[i] = __vsub4(g.q[i], BIAS);
         sc[0] = g.sc[0];
         sc[1] = g.sc[1];
     }
@@ -1209,6 +1180,14 @@ template <> struct Q8Dot<FMT_Q3_K_Q8> {
         const int2 h = dp4a_halves(q, xs, t, b);
         s[0] = sc[0] * h.x + sc[1] * h.y;
     }
+};
+template <> struct Q8Dot<FMT_Q6_K_Q8> : Q8DotHalves<FMT_Q6_K, 0x20202020u> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q6_K>& g)
+        : Q8DotHalves<FMT_Q6_K, 0x20202020u>(g) {}
+};
+template <> struct Q8Dot<FMT_Q3_K_Q8> : Q8DotHalves<FMT_Q3_K, 0x04040404u> {
+    __device__ __forceinline__ explicit Q8Dot(const Group<FMT_Q3_K>& g)
+        : Q8DotHalves<FMT_Q3_K, 0x04040404u>(g) {}
 };
 
 // Q2_K (`dot_q2_k_q8`): codes 0..3 under a 4-bit scale and min per half

@@ -148,7 +148,7 @@ impl WeightFormat {
     /// The format of the same bytes whose products are the exact
     /// dequantized ones (kernels that read single elements, as
     /// `mla_absorb`, know only those).
-    fn storage(self) -> WeightFormat {
+    pub fn storage(self) -> WeightFormat {
         match self {
             WeightFormat::Q4_0Q8 => WeightFormat::Q4_0,
             WeightFormat::Q8_0Q8 => WeightFormat::Q8_0,

@@ -42,22 +42,6 @@ pub const FORMATS: [WeightFormat; 28] = [
     WeightFormat::Iq4XsQ8,
 ];
 
-/// The format whose kernels take the exact product of `fmt`'s bytes (the
-/// 8-bit-activation twins of Q4_1, Q5_0, Q5_1, Q2_K, Q3_K and IQ4 map to
-/// them; the others are themselves).
-pub fn exact_twin(fmt: WeightFormat) -> WeightFormat {
-    match fmt {
-        WeightFormat::Q4_1Q8 => WeightFormat::Q4_1,
-        WeightFormat::Q5_0Q8 => WeightFormat::Q5_0,
-        WeightFormat::Q5_1Q8 => WeightFormat::Q5_1,
-        WeightFormat::Q2KQ8 => WeightFormat::Q2K,
-        WeightFormat::Q3KQ8 => WeightFormat::Q3K,
-        WeightFormat::Iq4NlQ8 => WeightFormat::Iq4Nl,
-        WeightFormat::Iq4XsQ8 => WeightFormat::Iq4Xs,
-        f => f,
-    }
-}
-
 pub struct Gpu {
     pub dev: CudaDevice,
     pub k: KernelSet,
@@ -256,7 +240,7 @@ pub fn random_weights(
         | WeightFormat::Q5_0Q8
         | WeightFormat::Q5_1Q8 => {
             // The 8-bit-activation twins share their exact format's bytes.
-            let fmt = exact_twin(fmt);
+            let fmt = fmt.storage();
             assert!(cols.is_multiple_of(32));
             let size = fmt.row_bytes(32).expect("a block");
             for _ in 0..rows * cols / 32 {
@@ -282,7 +266,7 @@ pub fn random_weights(
         | WeightFormat::Q3KQ8
         | WeightFormat::Iq4NlQ8
         | WeightFormat::Iq4XsQ8 => {
-            let fmt = exact_twin(fmt);
+            let fmt = fmt.storage();
             // Random codes and scales; d (Q2_K's dmin too) of both signs at
             // the scale that keeps elements near those of the other formats.
             let block = if fmt == WeightFormat::Iq4Nl { 32 } else { 256 };
@@ -580,7 +564,7 @@ pub fn dot_q5_k_q8_ref(row: &[u8], x: &Q8Ref) -> f32 {
 /// IQ4_NL (the table's values) `S = Σ v · q` fused-added as
 /// `fma(d · x.d, S, acc)`; reduced as Q4_0's.
 pub fn dot_legacy_q8_ref(fmt: WeightFormat, row: &[u8], x: &Q8Ref) -> f32 {
-    let fmt = exact_twin(fmt);
+    let fmt = fmt.storage();
     let size = fmt.row_bytes(32).expect("a block");
     let mut acc = [0.0f32; 4];
     for (b, blk) in row.chunks_exact(size).enumerate() {
@@ -617,7 +601,7 @@ pub fn dot_legacy_q8_ref(fmt: WeightFormat, row: &[u8], x: &Q8Ref) -> f32 {
 /// sc_h · Σ_h code · q`) and IQ4_XS (`A = ls · Σ v · q`) fused-added as
 /// `fma(d · x.d, A, acc)`; reduced as Q4_0's.
 pub fn dot_low_k_q8_ref(fmt: WeightFormat, row: &[u8], x: &Q8Ref) -> f32 {
-    let fmt = exact_twin(fmt);
+    let fmt = fmt.storage();
     let size = fmt.row_bytes(256).expect("a super-block");
     let mut acc = [0.0f32; 4];
     for (i, blk) in row.chunks_exact(size).enumerate() {
