@@ -48,6 +48,30 @@ pub enum ExpertsArg {
     /// Q6_K.
     #[value(name = "q4_k_m")]
     Q4KM,
+    // The formats below colibri reads but has no quantizer for: synth
+    // writes random blocks of the same spread (the weights are noise
+    // anyway).
+    /// ggml Q4_1 (random blocks).
+    #[value(name = "q4_1")]
+    Q4_1,
+    /// ggml Q5_0 (random blocks).
+    #[value(name = "q5_0")]
+    Q5_0,
+    /// ggml Q5_1 (random blocks).
+    #[value(name = "q5_1")]
+    Q5_1,
+    /// ggml Q2_K, the bulk of llama.cpp's Q2_K files (random blocks).
+    #[value(name = "q2_k")]
+    Q2K,
+    /// ggml Q3_K, the bulk of llama.cpp's Q3_K_S/M/L files (random blocks).
+    #[value(name = "q3_k")]
+    Q3K,
+    /// ggml IQ4_NL (random blocks).
+    #[value(name = "iq4_nl")]
+    Iq4Nl,
+    /// ggml IQ4_XS, llama.cpp's IQ4_XS files (random blocks).
+    #[value(name = "iq4_xs")]
+    Iq4Xs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -167,6 +191,13 @@ pub fn main(args: SynthArgs) -> Result<()> {
         Some(ExpertsArg::Q4K) => source.with_experts(WeightFormat::Q4K),
         Some(ExpertsArg::Q5K) => source.with_experts(WeightFormat::Q5K),
         Some(ExpertsArg::Q6K) => source.with_experts(WeightFormat::Q6K),
+        Some(ExpertsArg::Q4_1) => source.with_experts(WeightFormat::Q4_1),
+        Some(ExpertsArg::Q5_0) => source.with_experts(WeightFormat::Q5_0),
+        Some(ExpertsArg::Q5_1) => source.with_experts(WeightFormat::Q5_1),
+        Some(ExpertsArg::Q2K) => source.with_experts(WeightFormat::Q2K),
+        Some(ExpertsArg::Q3K) => source.with_experts(WeightFormat::Q3K),
+        Some(ExpertsArg::Iq4Nl) => source.with_experts(WeightFormat::Iq4Nl),
+        Some(ExpertsArg::Iq4Xs) => source.with_experts(WeightFormat::Iq4Xs),
     };
     let quant = match args.quant {
         SynthQuant::F32 => Quant::F32,

@@ -489,3 +489,46 @@ fn k_quant_experts_equal_their_dequantized_twins() {
         }
     }
 }
+
+#[test]
+fn formats_without_a_quantizer_are_written_as_random_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 250, 17, 99, 4];
+    for (format, ty) in [
+        (WeightFormat::Q4_1, "Q4_1"),
+        (WeightFormat::Q5_0, "Q5_0"),
+        (WeightFormat::Q5_1, "Q5_1"),
+        (WeightFormat::Q2K, "Q2_K"),
+        (WeightFormat::Q3K, "Q3_K"),
+        (WeightFormat::Iq4Nl, "IQ4_NL"),
+        (WeightFormat::Iq4Xs, "IQ4_XS"),
+    ] {
+        let b = k_quant_file(dir.path(), format);
+        let file = GgufFile::open(&b).unwrap();
+        let experts: Vec<_> = file
+            .header()
+            .tensors
+            .iter()
+            .filter(|t| t.name.contains("_exps."))
+            .collect();
+        assert_eq!(experts.len(), 6, "gate, up and down of both layers");
+        assert!(experts.iter().all(|t| t.ty.name() == ty), "{ty}");
+        let lb = logits(&b, &tokens);
+        assert!(lb.iter().all(|v| v.is_finite()), "{ty}: logits finite");
+        // Noise of the right spread: the logits are neither constant nor
+        // blown up.
+        let (lo, hi) = lb
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+        assert!(
+            hi - lo > 1e-3 && hi - lo < 1e3,
+            "{ty}: logits span {lo}..{hi}"
+        );
+        let c = dir.path().join(format!("{ty}.packed"));
+        convert(&b, &c, &ConvertOptions::new(Quant::Keep), &Silent).unwrap();
+        assert!(
+            bits(&logits(&c, &tokens)) == bits(&lb),
+            "{ty}: converted store differs"
+        );
+    }
+}

@@ -23,7 +23,7 @@ use crate::format::WeightFormat;
 use crate::source::gguf::{GgmlType, GgufStreamWriter, GgufValue};
 use crate::weights::TensorNames;
 
-use super::random::{MappedRows, SynthMatrix};
+use super::random::{self, MappedRows, SynthMatrix};
 
 /// llama.cpp's architecture name of a family.
 pub fn arch_name(f: Family) -> &'static str {
@@ -525,6 +525,23 @@ fn write_rows(
     .bytes)
 }
 
+/// `src`'s rows as random blocks of a format colibri does not quantize
+/// to, a row at a time.
+fn write_random_blocks(
+    w: &mut GgufStreamWriter,
+    src: &SynthMatrix,
+    blocks: &random::RandomBlocks,
+    progress: &dyn Progress,
+) -> Result<u64> {
+    let mut row = vec![0u8; blocks.row_bytes(src.cols)?];
+    for r in 0..src.rows {
+        blocks.row(r, &mut row);
+        w.write(&row)?;
+        progress.advance(row.len() as u64);
+    }
+    Ok((row.len() * src.rows) as u64)
+}
+
 /// What writing a GGUF file did.
 pub struct GgufOutcome {
     pub file_bytes: u64,
@@ -662,7 +679,10 @@ pub fn write(
                 for e in 0..n {
                     let name = &names.expert(*layer, e)[*which];
                     let m = SynthMatrix::new(seed, name, Role::RoutedExpert, *rows, *cols);
-                    data += write_rows(&mut w, &m, *format, progress)?;
+                    data += match random::RandomBlocks::new(&m, *format) {
+                        Some(blocks) => write_random_blocks(&mut w, &m, &blocks, progress)?,
+                        None => write_rows(&mut w, &m, *format, progress)?,
+                    };
                     mem.sample();
                 }
             }
