@@ -24,6 +24,10 @@
 //!   [`super::q4_0::dot_q4_0_q8`] bit for bit; likewise `dot_q6_k_q8`,
 //!   `dot_q4_k_q8` and `dot_q5_k_q8` and their references in
 //!   [`super::q6_k`] and [`super::q4_k`].
+//! - `dot_more_q8` (Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, IQ4_XS): the
+//!   references of [`super::legacy_q8`] and [`super::low_k`] bit for bit
+//!   (exact integer sums, each block's f32 steps in the reference's order
+//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction).
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
