@@ -817,6 +817,12 @@ mod neon_wrappers {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q5_k_q8(w, x) }
     }
+    /// Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS by format; the
+    /// kernel checks the lengths as `avx2_wrappers::more_q8_lengths` does.
+    pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_more_q8(f, w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q8_0_q8_multi(w, xs, out) }
@@ -866,8 +872,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q6_k_q8: neon_wrappers::dot_q6_k_q8,
     dot_q4_k_q8: neon_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: neon_wrappers::dot_q5_k_q8,
-    // No NEON forms yet: the scalar references (same bits).
-    dot_more_q8,
+    dot_more_q8: neon_wrappers::dot_more_q8,
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -905,6 +910,10 @@ mod dotprod_wrappers {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q5_k_q8(w, x) }
     }
+    pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_more_q8(f, w, x) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q8_0_q8_multi(w, xs, out) }
@@ -935,6 +944,7 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     dot_q6_k_q8: dotprod_wrappers::dot_q6_k_q8,
     dot_q4_k_q8: dotprod_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: dotprod_wrappers::dot_q5_k_q8,
+    dot_more_q8: dotprod_wrappers::dot_more_q8,
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
     dot_k_panels: Some(dotprod_wrappers::dot_k_panels),

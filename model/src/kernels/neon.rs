@@ -24,6 +24,10 @@
 //!   [`super::q4_0::dot_q4_0_q8`] bit for bit; likewise `dot_q6_k_q8`,
 //!   `dot_q4_k_q8` and `dot_q5_k_q8` and their references in
 //!   [`super::q6_k`] and [`super::q4_k`].
+//! - `dot_more_q8` (Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, IQ4_XS): the
+//!   references of [`super::legacy_q8`] and [`super::low_k`] bit for bit
+//!   (exact integer sums, each block's f32 steps in the reference's order
+//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction).
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
@@ -36,10 +40,13 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::q8act::{MULTI, Q8Activation};
-use crate::format::{bf16_to_f32, f16_to_f32};
+use crate::format::{WeightFormat, bf16_to_f32, f16_to_f32};
 use crate::quant::{
-    K_SCALES, Q4_0_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q4_K_QS, Q5_K_BLOCK_BYTES, Q5_K_QH, Q5_K_QS,
-    Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0_BLOCK_BYTES, QK, QK_K,
+    IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, IQ4_XS_SCALES_L, K_SCALES,
+    Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES,
+    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q4_K_QS, Q5_0_BLOCK_BYTES,
+    Q5_1_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q5_K_QH, Q5_K_QS, Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH,
+    Q6_K_SCALES, Q8_0_BLOCK_BYTES, QK, QK_K,
 };
 
 // Every `unsafe` call of a NEON intrinsic below relies on this.
@@ -980,6 +987,535 @@ unsafe fn k4_panels<const SDOT: bool, const Q5: bool>(
     }
 }
 
+/// `(a0 + a2) + (a1 + a3)`: the accumulator lanes reduced as `q4_0::tree4`.
+#[inline(always)]
+fn tree4(acc: float32x4_t) -> f32 {
+    // SAFETY: register arithmetic; NEON is baseline.
+    unsafe {
+        let u = vaddq_f32(acc, vextq_f32::<2>(acc, acc));
+        vgetq_lane_f32::<0>(u) + vgetq_lane_f32::<1>(u)
+    }
+}
+
+/// The little-endian f16 at `p` widened to f32 (exact).
+///
+/// # Safety
+/// `p` readable for 2 bytes.
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: 2 bytes at `p` (caller).
+    unsafe { f16_to_f32_hw(u16::from_le_bytes((p as *const [u8; 2]).read_unaligned())) }
+}
+
+/// Bit `l mod 8` in byte `l`: tests one bit of a broadcast byte per lane.
+const BIT_OF_LANE: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+
+/// A block format of [`legacy_row`] (layouts in `crate::quant`; the
+/// arithmetic in `super::legacy_q8`). Trait constants, so that each
+/// format's kernel is straight-line code.
+trait Legacy {
+    /// Bytes of a block.
+    const SIZE: usize;
+    /// Where its 16 bytes of nibbles lie: element `l < 16` the low nibble
+    /// of byte `l`, element `l + 16` its high one.
+    const QS: usize;
+    /// Where a 5-bit format's fifth bits lie (a little-endian u32, bit `e`
+    /// for element `e`).
+    const QH: Option<usize>;
+    /// Whether bytes 2..4 are an f16 min `m` (Q4_1, Q5_1): the term is
+    /// `fma(d · x.d_b, A_b, (m · x.d_b) · B_b)`, added into its lane;
+    /// otherwise the lane is `fma(d · x.d_b, S_b, lane)`.
+    const MIN: bool;
+    /// Subtracted from every code (Q5_0's 16, so that its `S_b = Σ (q −
+    /// 16) · a` is one signed dot product).
+    const OFFSET: i8;
+    /// Whether the nibbles index [`IQ4_NL_VALUES`] (IQ4_NL).
+    const TABLE: bool;
+}
+
+struct Q41;
+struct Q50;
+struct Q51;
+struct Iq4Nl;
+
+impl Legacy for Q41 {
+    const SIZE: usize = Q4_1_BLOCK_BYTES;
+    const QS: usize = 4;
+    const QH: Option<usize> = None;
+    const MIN: bool = true;
+    const OFFSET: i8 = 0;
+    const TABLE: bool = false;
+}
+
+impl Legacy for Q50 {
+    const SIZE: usize = Q5_0_BLOCK_BYTES;
+    const QS: usize = 6;
+    const QH: Option<usize> = Some(2);
+    const MIN: bool = false;
+    const OFFSET: i8 = 16;
+    const TABLE: bool = false;
+}
+
+impl Legacy for Q51 {
+    const SIZE: usize = Q5_1_BLOCK_BYTES;
+    const QS: usize = 8;
+    const QH: Option<usize> = Some(4);
+    const MIN: bool = true;
+    const OFFSET: i8 = 0;
+    const TABLE: bool = false;
+}
+
+impl Legacy for Iq4Nl {
+    const SIZE: usize = IQ4_NL_BLOCK_BYTES;
+    const QS: usize = 2;
+    const QH: Option<usize> = None;
+    const MIN: bool = false;
+    const OFFSET: i8 = 0;
+    const TABLE: bool = true;
+}
+
+/// A legacy block's 32 weights as signed bytes in element order, two
+/// 16-byte halves (elements 0..16: the low nibbles, 16..32: the high
+/// ones): the codes (0..=15; with the fifth bit `e` of `qh` as bit 4,
+/// 0..=31), less [`Legacy::OFFSET`], or their [`IQ4_NL_VALUES`] —
+/// what `legacy_q8`'s `nibbles`, `five_bit_codes` and the IQ4_NL table
+/// give, all within −127..=113 (so signed bytes).
+///
+/// # Safety
+/// `blk` readable for one block (`F::SIZE` bytes).
+#[inline(always)]
+unsafe fn legacy_values<F: Legacy>(blk: *const u8) -> (int8x16_t, int8x16_t) {
+    // SAFETY: the nibbles and `qh` lie within the block (caller); the
+    // table and bit loads read constants; register arithmetic.
+    unsafe {
+        let raw = vld1q_u8(blk.add(F::QS));
+        let (mut lo, mut hi) = (vandq_u8(raw, vdupq_n_u8(0x0f)), vshrq_n_u8::<4>(raw));
+        if let Some(at) = F::QH {
+            let qh = (blk.add(at) as *const [u8; 4]).read_unaligned();
+            let bit = vld1q_u8(BIT_OF_LANE.as_ptr());
+            // Lane l of the half: bit l of (qh byte a, then qh byte b) as
+            // 0x10.
+            let fifth = |a: u8, b: u8| {
+                let spread = vcombine_u8(vdup_n_u8(a), vdup_n_u8(b));
+                vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(0x10))
+            };
+            lo = vorrq_u8(lo, fifth(qh[0], qh[1]));
+            hi = vorrq_u8(hi, fifth(qh[2], qh[3]));
+        }
+        if F::TABLE {
+            let table = vld1q_s8(IQ4_NL_VALUES.as_ptr());
+            (vqtbl1q_s8(table, lo), vqtbl1q_s8(table, hi))
+        } else {
+            let off = vdupq_n_s8(F::OFFSET);
+            (
+                vsubq_s8(vreinterpretq_s8_u8(lo), off),
+                vsubq_s8(vreinterpretq_s8_u8(hi), off),
+            )
+        }
+    }
+}
+
+/// Blocks `c..c + n` (`c` a multiple of 4, `1 <= n <= 4`) of a legacy row
+/// at `wp` into `acc`: block `c + i` into lane `i` (= `(c + i) mod 4`),
+/// lanes `n..4` left as they are. Per block the exact integer `Σ v · a`
+/// (lanes of 4 products, |·| ≤ 127 · 127, then summed: exact whatever
+/// the order), then the reference's f32 steps (see [`Legacy::MIN`]).
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; blocks `c..c + n` of the row and of
+/// `x` (quants, scales, bsums8) in bounds.
+#[inline(always)]
+unsafe fn legacy_group<const SDOT: bool, F: Legacy>(
+    wp: *const u8,
+    x: &Q8Activation,
+    c: usize,
+    n: usize,
+    acc: float32x4_t,
+) -> float32x4_t {
+    // SAFETY: blocks c..c + n of the row and the activation are in
+    // bounds (caller), the local arrays are 4 long and n <= 4; SDOT only
+    // when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let mut v = [zero; 4];
+        let mut heads = [0u32; 4];
+        let (mut xd, mut bsums8) = ([0.0f32; 4], [0i32; 4]);
+        for i in 0..n {
+            let b = c + i;
+            let blk = wp.add(b * F::SIZE);
+            let (lo, hi) = legacy_values::<F>(blk);
+            let q = x.quants.as_ptr().add(b * QK);
+            let p = dot4::<SDOT>(zero, lo, vld1q_s8(q));
+            v[i] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(16)));
+            heads[i] = u32::from_le_bytes((blk as *const [u8; 4]).read_unaligned());
+            xd[i] = *x.scales.as_ptr().add(b);
+            bsums8[i] = *x.bsums8.as_ptr().add(b);
+        }
+        // Lane i: block c + i's integer (|·| < 2²⁴, so exact as f32).
+        let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+        let sums = vcvtq_f32_s32(sums);
+        let heads = vld1q_u32(heads.as_ptr());
+        let xd = vld1q_f32(xd.as_ptr());
+        // f16(d) · x.d_b: one rounding.
+        let d = vmulq_f32(f16x4_to_f32(vmovn_u32(heads)), xd);
+        let new = if F::MIN {
+            // B_b = Σ a = bsums8 / 8 (an exact shift); (m · x.d_b) · B_b
+            // (two roundings), fused into d · A_b, added into the lane.
+            let m = f16x4_to_f32(vshrn_n_u32::<16>(heads));
+            let b = vcvtq_f32_s32(vshrq_n_s32::<3>(vld1q_s32(bsums8.as_ptr())));
+            vaddq_f32(acc, vfmaq_f32(vmulq_f32(vmulq_f32(m, xd), b), d, sums))
+        } else {
+            vfmaq_f32(acc, d, sums)
+        };
+        if n == 4 {
+            new
+        } else {
+            let live = vcltq_u32(vld1q_u32([0u32, 1, 2, 3].as_ptr()), vdupq_n_u32(n as u32));
+            vbslq_f32(live, new, acc)
+        }
+    }
+}
+
+/// A Q4_1, Q5_0, Q5_1 or IQ4_NL row (whole blocks of `F::SIZE` bytes) ·
+/// activation, `legacy_q8`'s reference arithmetic: 4 blocks at a time,
+/// block `b`'s term into lane `b mod 4`, blocks in order
+/// ([`legacy_group`]), reduced as [`tree4`].
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `x` at least `w.len() / F::SIZE`
+/// blocks long (quants, scales, bsums8).
+#[inline(always)]
+unsafe fn legacy_row<const SDOT: bool, F: Legacy>(w: &[u8], x: &Q8Activation) -> f32 {
+    let blocks = w.len() / F::SIZE;
+    let wp = w.as_ptr();
+    // SAFETY: groups cover blocks 0..blocks of the row, in bounds of `x`
+    // (caller); SDOT only when the caller has it.
+    unsafe {
+        let mut acc = vdupq_n_f32(0.0);
+        let mut c = 0;
+        while c + 4 <= blocks {
+            acc = legacy_group::<SDOT, F>(wp, x, c, 4, acc);
+            c += 4;
+        }
+        if c < blocks {
+            acc = legacy_group::<SDOT, F>(wp, x, c, blocks - c, acc);
+        }
+        tree4(acc)
+    }
+}
+
+/// Each block's sum of its two sub-blocks' `scale · Σ`, for the 4 blocks
+/// of a half super-block: `p[j]` holds sub-block `j`'s 4 lane sums (of
+/// the half's 8), `sc` their scales (i16). Lane `k`: block `k`'s
+/// `sc_{2k} · Σ_{2k} + sc_{2k+1} · Σ_{2k+1}`, exact in i32 (|·| < 2²⁰
+/// here).
+#[inline(always)]
+fn scaled_pairs(p: &[int32x4_t; 8], sc: int16x8_t) -> int32x4_t {
+    // SAFETY: register arithmetic; NEON is baseline.
+    unsafe {
+        // Lane j: sub-block j's sum (then 4 + j's), times its scale.
+        let lo = vmulq_s32(
+            vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3])),
+            vmovl_s16(vget_low_s16(sc)),
+        );
+        let hi = vmulq_s32(
+            vpaddq_s32(vpaddq_s32(p[4], p[5]), vpaddq_s32(p[6], p[7])),
+            vmovl_high_s16(sc),
+        );
+        vpaddq_s32(lo, hi)
+    }
+}
+
+/// A Q2_K row (`supers` super-blocks of 84 bytes) · activation,
+/// `low_k::dot_q2_k_q8`'s arithmetic: per half super-block (its blocks
+/// `4n..4n + 4`, codes `(qs[32n + l] >> 2k) & 3` for its block `k`), each
+/// sub-block's `Σ q · a` and `Σ a` (exact lane sums), scaled by its 4-bit
+/// scale and min and paired into `A_b`, `B_b` ([`scaled_pairs`]); lane
+/// `k` for block `b = 8i + 4n + k`: `t_b = fma(d · x.d_b, A_b, −((dmin ·
+/// x.d_b) · B_b))` (`q4_k::term`) added into lane `b mod 4`, blocks in
+/// order; reduced as [`tree4`].
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
+/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+#[inline(always)]
+unsafe fn q2_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
+    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+    // SAFETY: super-block i < supers of w (scales at 0, codes at Q2_K_QS,
+    // d and dmin at Q2_K_D), and the activation's quants [256i..256i +
+    // 256] and scales [8i..8i + 8], are in bounds (caller); SDOT only when
+    // the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let (m3, m4) = (vdupq_n_u8(3), vdupq_n_u8(0x0f));
+        let mut acc = vdupq_n_f32(0.0);
+        for i in 0..supers {
+            let blk = wp.add(i * Q2_K_BLOCK_BYTES);
+            let d = vdupq_n_f32(f16_at(blk.add(Q2_K_D)));
+            let dmin = vdupq_n_f32(f16_at(blk.add(Q2_K_D + 2)));
+            // Sub-block j's scale (low nibble) and min (high) in byte j.
+            let bytes = vld1q_u8(blk);
+            let (sc, mn) = (vandq_u8(bytes, m4), vshrq_n_u8::<4>(bytes));
+            for n in 0..2 {
+                let qs = blk.add(Q2_K_QS + 32 * n);
+                let mut raw = [vld1q_u8(qs), vld1q_u8(qs.add(16))];
+                let q = qp.add((8 * i + 4 * n) * QK);
+                // p[2k + h], s[2k + h]: sub-block 2k + h of the half (its
+                // block k's half h), Σ q · a and Σ a as 4 lane sums.
+                let mut p = [zero; 8];
+                let mut s = [zero; 8];
+                for k in 0..4 {
+                    for h in 0..2 {
+                        let codes = vreinterpretq_s8_u8(vandq_u8(raw[h], m3));
+                        let a = vld1q_s8(q.add(k * QK + 16 * h));
+                        p[2 * k + h] = dot4::<SDOT>(zero, codes, a);
+                        s[2 * k + h] = vpaddlq_s16(vpaddlq_s8(a));
+                    }
+                    raw = raw.map(|r| vshrq_n_u8::<2>(r));
+                }
+                let (sc16, mn16) = if n == 0 {
+                    (vmovl_u8(vget_low_u8(sc)), vmovl_u8(vget_low_u8(mn)))
+                } else {
+                    (vmovl_high_u8(sc), vmovl_high_u8(mn))
+                };
+                let a = vcvtq_f32_s32(scaled_pairs(&p, vreinterpretq_s16_u16(sc16)));
+                let b = vcvtq_f32_s32(scaled_pairs(&s, vreinterpretq_s16_u16(mn16)));
+                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
+                let min_term = vmulq_f32(vmulq_f32(dmin, xd), b);
+                let t = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d, xd), a);
+                acc = vaddq_f32(acc, t);
+            }
+        }
+        tree4(acc)
+    }
+}
+
+/// A Q3_K super-block's 16 sub-block scales (−32..=31) in sub-block
+/// order, from its 12 packed bytes at `s`, as `crate::quant::q3_k_scale`
+/// gives them one at a time: the low nibbles of bytes 0–7 are sub-blocks
+/// 0–7's low 4 bits, their high nibbles 8–15's; bits `2·(j / 4)`,
+/// `2·(j / 4) + 1` of byte `8 + j mod 4` sub-block `j`'s top 2.
+///
+/// # Safety
+/// `s` readable for 12 bytes.
+#[inline(always)]
+unsafe fn q3_k_scales(s: *const u8) -> int8x16_t {
+    // SAFETY: 12 bytes at `s` (caller), read as three unaligned words;
+    // the vector load reads the local array.
+    unsafe {
+        let word = |k: usize| u32::from_le_bytes((s.add(4 * k) as *const [u8; 4]).read_unaligned());
+        let (w0, w1, w2) = (word(0), word(1), word(2));
+        let part = |low: u32, high: u32| (low & 0x0f0f_0f0f) | ((high & 0x0303_0303) << 4);
+        let words = [
+            part(w0, w2),
+            part(w1, w2 >> 2),
+            part(w0 >> 4, w2 >> 4),
+            part(w1 >> 4, w2 >> 6),
+        ];
+        let mut bytes = [0u8; 16];
+        for (b, w) in bytes.chunks_exact_mut(4).zip(words) {
+            b.copy_from_slice(&w.to_le_bytes());
+        }
+        vsubq_s8(
+            vreinterpretq_s8_u8(vld1q_u8(bytes.as_ptr())),
+            vdupq_n_s8(32),
+        )
+    }
+}
+
+/// A Q3_K row (`supers` super-blocks of 110 bytes) · activation,
+/// `low_k::dot_q3_k_q8`'s arithmetic: per half super-block (its blocks
+/// `4n..4n + 4`), block `k`'s codes `((qs[32n + l] >> 2k) & 3) + 4·hbit − 4`
+/// (`hbit`: bit `4n + k` of `hmask[l]`; −4..=3) against its quants, each
+/// sub-block's exact sum times its signed scale and paired into `A_b`
+/// ([`scaled_pairs`]); lane `k` for block `b = 8i + 4n + k` becomes
+/// `fma(d · x.d_b, A_b, lane)` (blocks in order), reduced as [`tree4`].
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
+/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+#[inline(always)]
+unsafe fn q3_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
+    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+    // SAFETY: super-block i < supers of w (hmask at 0, codes at Q3_K_QS,
+    // scales at Q3_K_SCALES, d at Q3_K_D), and the activation's quants
+    // [256i..256i + 256] and scales [8i..8i + 8], are in bounds (caller);
+    // SDOT only when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let (m3, four) = (vdupq_n_u8(3), vdupq_n_u8(4));
+        let mut acc = vdupq_n_f32(0.0);
+        for i in 0..supers {
+            let blk = wp.add(i * Q3_K_BLOCK_BYTES);
+            let d = vdupq_n_f32(f16_at(blk.add(Q3_K_D)));
+            let sc = q3_k_scales(blk.add(Q3_K_SCALES));
+            let hm = [vld1q_u8(blk), vld1q_u8(blk.add(16))];
+            for n in 0..2 {
+                let qs = blk.add(Q3_K_QS + 32 * n);
+                let mut raw = [vld1q_u8(qs), vld1q_u8(qs.add(16))];
+                let q = qp.add((8 * i + 4 * n) * QK);
+                // p[2k + h]: sub-block 2k + h of the half, 4 lane sums.
+                let mut p = [zero; 8];
+                for k in 0..4 {
+                    let bit = vdupq_n_u8(1 << (4 * n + k));
+                    for h in 0..2 {
+                        let high = vandq_u8(vtstq_u8(hm[h], bit), four);
+                        let u = vorrq_u8(vandq_u8(raw[h], m3), high);
+                        let codes = vsubq_s8(vreinterpretq_s8_u8(u), vdupq_n_s8(4));
+                        p[2 * k + h] = dot4::<SDOT>(zero, codes, vld1q_s8(q.add(k * QK + 16 * h)));
+                    }
+                    raw = raw.map(|r| vshrq_n_u8::<2>(r));
+                }
+                let sc16 = if n == 0 {
+                    vmovl_s8(vget_low_s8(sc))
+                } else {
+                    vmovl_high_s8(sc)
+                };
+                let a = vcvtq_f32_s32(scaled_pairs(&p, sc16));
+                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
+                acc = vfmaq_f32(acc, vmulq_f32(d, xd), a);
+            }
+        }
+        tree4(acc)
+    }
+}
+
+/// An IQ4_XS super-block's 8 block scales (−32..=31), as
+/// `crate::quant::iq4_xs_scale` gives them: nibble `k mod 2` of
+/// `scales_l[k / 2]` under bits `2k`, `2k + 1` of `scales_h`, less 32.
+///
+/// # Safety
+/// `blk` readable for the super-block's first 8 bytes.
+#[inline(always)]
+unsafe fn iq4_xs_scales(blk: *const u8) -> [int32x4_t; 2] {
+    // SAFETY: bytes 2..8 of the super-block (caller); the vector loads
+    // read the local array.
+    unsafe {
+        let h = u16::from_le_bytes((blk.add(2) as *const [u8; 2]).read_unaligned());
+        let l = (blk.add(IQ4_XS_SCALES_L) as *const [u8; 4]).read_unaligned();
+        let ls: [i32; 8] = std::array::from_fn(|k| {
+            let low = (l[k / 2] >> (4 * (k % 2))) & 0x0f;
+            let high = (h >> (2 * k)) & 3;
+            (i32::from(low) | (i32::from(high) << 4)) - 32
+        });
+        [vld1q_s32(ls.as_ptr()), vld1q_s32(ls.as_ptr().add(4))]
+    }
+}
+
+/// An IQ4_XS row (`supers` super-blocks of 136 bytes) · activation,
+/// `low_k::dot_iq4_xs_q8`'s arithmetic: block `k`'s 16 bytes of nibbles
+/// (element `l` the low nibble of byte `l`, `l + 16` its high one) looked
+/// up in [`IQ4_NL_VALUES`] (TBL), the exact `Σ v · a` times the block's
+/// scale (`A_b`, |·| < 2²⁴); per half super-block, lane `k` for block `b
+/// = 8i + 4n + k` becomes `fma(d · x.d_b, A_b, lane)` (blocks in order),
+/// reduced as [`tree4`].
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
+/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+#[inline(always)]
+unsafe fn iq4_xs_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
+    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+    // SAFETY: super-block i < supers of w (d at 0, scales at 2..8, nibbles
+    // at IQ4_XS_QS), and the activation's quants [256i..256i + 256] and
+    // scales [8i..8i + 8], are in bounds (caller); the table load reads a
+    // constant; SDOT only when the caller has it.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let m4 = vdupq_n_u8(0x0f);
+        let table = vld1q_s8(IQ4_NL_VALUES.as_ptr());
+        let mut acc = vdupq_n_f32(0.0);
+        for i in 0..supers {
+            let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
+            let d = vdupq_n_f32(f16_at(blk));
+            let ls = iq4_xs_scales(blk);
+            for (n, &ls) in ls.iter().enumerate() {
+                // v[k]: block 4n + k's 4 lane sums.
+                let mut v = [zero; 4];
+                for (k, v) in v.iter_mut().enumerate() {
+                    let b = 4 * n + k;
+                    let raw = vld1q_u8(blk.add(IQ4_XS_QS + 16 * b));
+                    let lo = vqtbl1q_s8(table, vandq_u8(raw, m4));
+                    let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(raw));
+                    let q = qp.add((8 * i + b) * QK);
+                    let p = dot4::<SDOT>(zero, lo, vld1q_s8(q));
+                    *v = dot4::<SDOT>(p, hi, vld1q_s8(q.add(16)));
+                }
+                let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+                let a = vcvtq_f32_s32(vmulq_s32(sums, ls));
+                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
+                acc = vfmaq_f32(acc, vmulq_f32(d, xd), a);
+            }
+        }
+        tree4(acc)
+    }
+}
+
+/// Elements and bytes of one block of a format `dot_more_q8` takes;
+/// panics on another format (one with a kernel of its own).
+fn more_q8_block(format: WeightFormat) -> (usize, usize) {
+    match format {
+        WeightFormat::Q4_1 => (QK, Q4_1_BLOCK_BYTES),
+        WeightFormat::Q5_0 => (QK, Q5_0_BLOCK_BYTES),
+        WeightFormat::Q5_1 => (QK, Q5_1_BLOCK_BYTES),
+        WeightFormat::Iq4Nl => (QK, IQ4_NL_BLOCK_BYTES),
+        WeightFormat::Q2K => (QK_K, Q2_K_BLOCK_BYTES),
+        WeightFormat::Q3K => (QK_K, Q3_K_BLOCK_BYTES),
+        WeightFormat::Iq4Xs => (QK_K, IQ4_XS_BLOCK_BYTES),
+        other => panic!("{other:?} has a kernel of its own"),
+    }
+}
+
+/// What `dot_more_q8` asks of its arguments, checked as the x86 sets
+/// check them (`avx2_wrappers::more_q8_lengths` in `super`): `w` whole
+/// blocks of `format`, `x` at least the row's length — its quants, scales,
+/// bsums8 and `split` copy (not read here, but every kernel set accepts
+/// the same arguments). Panics otherwise. Returns the row's blocks (of
+/// 32 or of 256 elements).
+fn more_q8_lengths(format: WeightFormat, w: &[u8], x: &Q8Activation) -> usize {
+    let (elements, bytes) = more_q8_block(format);
+    assert!(w.len().is_multiple_of(bytes), "whole blocks");
+    let blocks = w.len() / bytes * elements / QK;
+    assert!(
+        x.quants.len() >= blocks * QK
+            && x.scales.len() >= blocks
+            && x.bsums8.len() >= blocks
+            && x.split.len() >= blocks.div_ceil(4) * 128,
+        "an activation of the row's length"
+    );
+    w.len() / bytes
+}
+
+/// The kernel of `format` (one of the seven [`more_q8_block`] knows) on
+/// a row of `blocks` blocks of it.
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; the arguments checked by
+/// [`more_q8_lengths`], which returned `blocks`.
+#[inline(always)]
+unsafe fn more_q8<const SDOT: bool>(
+    format: WeightFormat,
+    w: &[u8],
+    x: &Q8Activation,
+    blocks: usize,
+) -> f32 {
+    // SAFETY: `w` is `blocks` whole blocks of `format` and `x` at least as
+    // long (caller), which is what each kernel reads; SDOT only when the
+    // caller has it.
+    unsafe {
+        match format {
+            WeightFormat::Q4_1 => legacy_row::<SDOT, Q41>(w, x),
+            WeightFormat::Q5_0 => legacy_row::<SDOT, Q50>(w, x),
+            WeightFormat::Q5_1 => legacy_row::<SDOT, Q51>(w, x),
+            WeightFormat::Iq4Nl => legacy_row::<SDOT, Iq4Nl>(w, x),
+            WeightFormat::Q2K => q2_k_row::<SDOT>(w, x, blocks),
+            WeightFormat::Q3K => q3_k_row::<SDOT>(w, x, blocks),
+            WeightFormat::Iq4Xs => iq4_xs_row::<SDOT>(w, x, blocks),
+            other => panic!("{other:?} has a kernel of its own"),
+        }
+    }
+}
+
 /// Runs `kernel::<N>` for `N = xs.len()` (at most [`MULTI`]).
 macro_rules! by_count {
     ($kernel:ident, $sdot:expr, $w:expr, $xs:expr, $out:expr) => {{
@@ -1159,9 +1695,245 @@ macro_rules! integer_kernels {
                     }
                 }
             }
+
+            /// A row of Q4_1, Q5_0, Q5_1 or IQ4_NL (blocks of 32) or of
+            /// Q2_K, Q3_K or IQ4_XS (super-blocks of 256) · activation;
+            /// equals the scalar reference (`legacy_q8::dot_*_q8`,
+            /// `low_k::dot_*_q8`; `super::super::dot_more_q8` by format)
+            /// bit for bit. Panics if `w` is not whole blocks of `format`
+            /// or `x` is shorter than the row (as the x86 kernel sets
+            /// check), or on another format.
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_more_q8(format: WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
+                let blocks = more_q8_lengths(format, w, x);
+                // SAFETY: `w` is whole blocks of `format` and `x` of its
+                // length (checked); this function has the features the
+                // kernel's build needs.
+                unsafe { more_q8::<$sdot>(format, w, x, blocks) }
+            }
         }
     };
 }
 
 integer_kernels!(base, false, "neon");
 integer_kernels!(dotprod, true, "neon,dotprod");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{NEON, NEON_DOTPROD, has_neon_dotprod};
+    use rand::{Rng, SeedableRng};
+
+    /// A build's `dot_more_q8` (the `base` or `dotprod` one).
+    type MoreQ8 = unsafe fn(WeightFormat, &[u8], &Q8Activation) -> f32;
+
+    /// The seven formats: where a block's f16 scales lie, and the row
+    /// lengths tested, in blocks (of 32 or 256): 1..=13 blocks for the
+    /// legacy formats (around the 4 lanes of a group), 1..=9 super-blocks
+    /// for the K formats.
+    const FORMATS: [(WeightFormat, &[usize], usize); 7] = [
+        (WeightFormat::Q4_1, &[0, 2], 13),
+        (WeightFormat::Q5_0, &[0], 13),
+        (WeightFormat::Q5_1, &[0, 2], 13),
+        (WeightFormat::Iq4Nl, &[0], 13),
+        (WeightFormat::Q2K, &[Q2_K_D, Q2_K_D + 2], 9),
+        (WeightFormat::Q3K, &[Q3_K_D], 9),
+        (WeightFormat::Iq4Xs, &[0], 9),
+    ];
+
+    /// The scalar reference of `f` (`legacy_q8`, `low_k`).
+    fn reference(f: WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
+        crate::kernels::dot_more_q8(f, w, x)
+    }
+
+    /// The builds this CPU runs: `base`, and `dotprod` where it has SDOT.
+    fn builds() -> Vec<(&'static str, MoreQ8)> {
+        let mut b: Vec<(&'static str, MoreQ8)> = vec![("base", base::dot_more_q8)];
+        if has_neon_dotprod() {
+            b.push(("dotprod", dotprod::dot_more_q8));
+        } else {
+            eprintln!("SKIP dotprod: this CPU has no dotprod (probe: is_aarch64_feature_detected)");
+        }
+        b
+    }
+
+    /// A random f16 scale (bits): ordinary, subnormal, large or zero, of
+    /// either sign.
+    fn random_f16(rng: &mut impl Rng) -> u16 {
+        let sign = if rng.random() { 0x8000 } else { 0 };
+        sign | match rng.random_range(0..8) {
+            0 | 1 => rng.random_range(1u16..0x0400),
+            2 | 3 => half::f16::from_f32(rng.random_range(1000.0f32..65504.0)).to_bits(),
+            4 => 0,
+            _ => half::f16::from_f32(rng.random_range(1e-4f32..0.05)).to_bits(),
+        }
+    }
+
+    /// `blocks` blocks of `f`: every byte random (so every code, fifth
+    /// bit, hmask bit, sub-block scale and min), then random f16 scales
+    /// written over the f16 fields.
+    fn random_row(rng: &mut impl Rng, f: WeightFormat, fields: &[usize], blocks: usize) -> Vec<u8> {
+        let size = more_q8_block(f).1;
+        let mut w: Vec<u8> = (0..blocks * size).map(|_| rng.random()).collect();
+        for blk in w.chunks_exact_mut(size) {
+            for &at in fields {
+                blk[at..at + 2].copy_from_slice(&random_f16(rng).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Activations of `n` elements: one with differing block scales
+    /// (magnitudes 10⁻³..10³), block 0 all ±1 (quants ±127) and, in rows
+    /// of 3 blocks or more, block 1 all zero; one plain random.
+    fn activations(rng: &mut impl Rng, n: usize) -> [Q8Activation; 2] {
+        let blocks = n / QK;
+        let mut x = vec![0.0f32; n];
+        for (b, block) in x.chunks_exact_mut(QK).enumerate() {
+            let spread = 10f32.powf(rng.random_range(-3.0f32..3.0));
+            for v in block.iter_mut() {
+                *v = match b {
+                    0 => {
+                        if rng.random() {
+                            1.0
+                        } else {
+                            -1.0
+                        }
+                    }
+                    1 if blocks >= 3 => 0.0,
+                    _ => rng.random_range(-1.0f32..1.0) * spread,
+                };
+            }
+        }
+        let plain: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        [Q8Activation::quantize(&x), Q8Activation::quantize(&plain)]
+    }
+
+    /// `got` has the bits of `want`.
+    fn same(got: f32, want: f32, at: &str) {
+        assert_eq!(
+            got.to_bits(),
+            want.to_bits(),
+            "{at}: {got:e} vs reference {want:e}"
+        );
+    }
+
+    /// Random rows of 1..=13 blocks (legacy formats) or 1..=9 super-blocks
+    /// (K formats) with scales of both signs from subnormal to 6.5·10⁴,
+    /// against random activations; then rows of one byte everywhere (0x00:
+    /// the smallest codes and, for Q3_K and IQ4_XS, scales; 0xff: the
+    /// largest) or of every byte value in turn, against quants of ±127:
+    /// both builds give the scalar reference's bits.
+    #[test]
+    fn more_q8_kernels_give_the_reference_bits_in_both_builds() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x4e_e0_4e);
+        let builds = builds();
+        for (f, fields, most) in FORMATS {
+            let elements = more_q8_block(f).0;
+            for blocks in 1..=most {
+                let n = blocks * elements;
+                let mut nonzero = false;
+                for r in 0..6 {
+                    let w = random_row(&mut rng, f, fields, blocks);
+                    for (k, x) in activations(&mut rng, n).iter().enumerate() {
+                        let want = reference(f, &w, x);
+                        nonzero |= want != 0.0;
+                        for &(name, kernel) in &builds {
+                            // SAFETY: `base` needs NEON (baseline), `dotprod`
+                            // is listed only where the CPU has it.
+                            let got = unsafe { kernel(f, &w, x) };
+                            same(
+                                got,
+                                want,
+                                &format!("{f:?} {name} {blocks} blocks, row {r} x{k}"),
+                            );
+                        }
+                    }
+                }
+                assert!(
+                    nonzero,
+                    "{f:?} {blocks} blocks: all-zero products prove nothing"
+                );
+            }
+            let blocks = most;
+            let size = more_q8_block(f).1;
+            let counter: Vec<u8> = (0..blocks * size).map(|i| i as u8).collect();
+            for (fill, mut w) in [
+                ("0x00", vec![0u8; blocks * size]),
+                ("0xff", vec![0xffu8; blocks * size]),
+                ("counter", counter),
+            ] {
+                for blk in w.chunks_exact_mut(size) {
+                    for (&at, v) in fields.iter().zip([-3.5f32, 0.75]) {
+                        let bits = half::f16::from_f32(v).to_bits().to_le_bytes();
+                        blk[at..at + 2].copy_from_slice(&bits);
+                    }
+                }
+                for sign in [1.0f32, -1.0] {
+                    let x = Q8Activation::quantize(&vec![sign; blocks * elements]);
+                    let want = reference(f, &w, &x);
+                    assert!(want != 0.0 || fill == "0x00", "{f:?} {fill}");
+                    for &(name, kernel) in &builds {
+                        // SAFETY: as above.
+                        let got = unsafe { kernel(f, &w, &x) };
+                        same(got, want, &format!("{f:?} {name} fill {fill}, x {sign}"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The NEON kernel sets take the seven formats to these kernels: each
+    /// gives the reference's bits, and (unlike the scalar reference, which
+    /// ignores a partial last block) rejects a row of partial blocks, an
+    /// activation shorter than the row and a format of its own field.
+    #[test]
+    fn the_neon_sets_dispatch_each_more_q8_format_to_its_kernel() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0xd15_7a7c);
+        let mut sets = vec![NEON];
+        if has_neon_dotprod() {
+            sets.push(NEON_DOTPROD);
+        } else {
+            eprintln!(
+                "SKIP neon+dotprod: this CPU has no dotprod (probe: is_aarch64_feature_detected)"
+            );
+        }
+        for set in sets {
+            for (f, fields, _) in FORMATS {
+                let (elements, _) = more_q8_block(f);
+                let blocks = if elements == QK { 7 } else { 3 };
+                let w = random_row(&mut rng, f, fields, blocks);
+                for x in activations(&mut rng, blocks * elements) {
+                    let want = reference(f, &w, &x);
+                    same(
+                        (set.dot_more_q8)(f, &w, &x),
+                        want,
+                        &format!("{} {f:?}", set.name),
+                    );
+                    let partial = &w[..w.len() - 1];
+                    let _ = reference(f, partial, &x);
+                    let dot = set.dot_more_q8;
+                    let rejects = |w: &[u8], x: &Q8Activation| {
+                        std::panic::catch_unwind(|| dot(f, w, x)).is_err()
+                    };
+                    assert!(rejects(partial, &x), "{} {f:?}: partial block", set.name);
+                    let short = Q8Activation::quantize(&vec![1.0; (blocks * elements) - QK]);
+                    assert!(rejects(&w, &short), "{} {f:?}: short activation", set.name);
+                }
+            }
+            let x = Q8Activation::quantize(&[1.0; QK]);
+            let q4_0 = vec![0u8; Q4_0_BLOCK_BYTES];
+            let dot = set.dot_more_q8;
+            assert!(
+                std::panic::catch_unwind(|| dot(WeightFormat::Q4_0, &q4_0, &x)).is_err(),
+                "{}: Q4_0 has a kernel of its own",
+                set.name
+            );
+        }
+    }
+}
