@@ -478,16 +478,25 @@ mod avx2_wrappers {
             xs.len() <= super::q8act::MULTI && out.len() >= xs.len(),
             "at most MULTI activations, an output for each"
         );
+        let blocks = more_q8_blocks(f, w);
         for x in xs {
-            more_q8_lengths(f, w, x);
+            activation_lengths(blocks, x);
         }
     }
     /// Checks that `w` is whole blocks of `f` and `x` of its length (its
     /// split quants included), which the kernels' contract asks for.
     pub(super) fn more_q8_lengths(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) {
+        activation_lengths(more_q8_blocks(f, w), x);
+    }
+    /// The blocks of 32 elements in `w`, checked to be whole blocks of `f`.
+    fn more_q8_blocks(f: super::WeightFormat, w: &[u8]) -> usize {
         let (elements, bytes) = super::more_q8_block(f);
         assert!(w.len().is_multiple_of(bytes), "whole blocks");
-        let blocks = w.len() / bytes * elements / crate::quant::QK;
+        w.len() / bytes * elements / crate::quant::QK
+    }
+    /// Checks that `x` has `blocks` blocks of quants, scales, sums and
+    /// split quants.
+    fn activation_lengths(blocks: usize, x: &super::Q8Activation) {
         assert!(
             x.quants.len() >= blocks * crate::quant::QK
                 && x.scales.len() >= blocks
