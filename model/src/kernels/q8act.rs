@@ -386,7 +386,9 @@ pub const MULTI: usize = 4;
 
 /// A row kernel written once for any number `N` of activations (its
 /// single-token form is `N = 1`), so that [`by_count`] can pick `N` from
-/// a slice's length.
+/// a slice's length. (The x86 kernels' for now; NEON's Q4_0 and Q8_0 ones
+/// have a macro of their own.)
+#[cfg(target_arch = "x86_64")]
 pub(crate) trait Tokens {
     /// One row against `N` activations: result `t` for `xs[t]`.
     ///
@@ -401,6 +403,7 @@ pub(crate) trait Tokens {
 ///
 /// # Safety
 /// `K::run`'s contract, for every activation of `xs`.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn by_count<K: Tokens>(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
     const _: () = assert!(MULTI == 4, "by_count spells out 1..=4 activations");
