@@ -35,6 +35,12 @@
 //! tile kernels' prefetch settings (`4096/l2`, `1536/l1`, `0`; default:
 //! the default against none), slices of layers taking turns.
 //!
+//! `-- --more-tokens` times the row kernels of Q4_1, Q5_0, Q5_1, IQ4_NL,
+//! Q2_K, Q3_K and IQ4_XS (`dot_more_q8`, one token) against their
+//! several-token form (`dot_more_q8_multi`, 1 to 4 tokens per call) on 32
+//! rows of 2048 columns held in L1, one thread, for the CPU's own kernel
+//! set and AVX2's: ns per row and token, best of 15.
+//!
 //! `-- --tile-tokens` times the several-token Q4_0 tile kernel on one tile
 //! held in L1 (one thread): tokens 8 per call, against the same tokens as
 //! calls of 4 and of 1, and token counts that are not multiples of 8 split
@@ -496,6 +502,10 @@ fn main() {
         tile_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
         return;
     }
+    if args.iter().any(|a| a == "--more-tokens") {
+        more_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
+        return;
+    }
     if args.iter().any(|a| a == "--panel-tokens") {
         panel_tokens(&mut rand_chacha::ChaCha8Rng::seed_from_u64(1));
         return;
@@ -748,6 +758,81 @@ fn expert_tiles(rng: &mut impl Rng, tokens: usize) {
     }
     for (mode, ns) in modes.iter().zip(best) {
         println!("  {mode}: {ns:.3} ns per block and token (best of 5)");
+    }
+}
+
+/// `--more-tokens`: see the module notes.
+fn more_tokens(rng: &mut impl Rng) {
+    use colibri_model::kernels::{KernelSet, Q8Activation};
+    let mut sets: Vec<KernelSet> = vec![*kernels()];
+    #[cfg(target_arch = "x86_64")]
+    if kernels().name != colibri_model::kernels::AVX2.name
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
+        sets.push(colibri_model::kernels::AVX2);
+    }
+    let (rows, cols) = (32usize, 2048usize);
+    for format in [
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Iq4Nl,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Iq4Xs,
+    ] {
+        let w = matrix(format, rows, cols, rng);
+        let bytes = w.data().as_slice();
+        let rb = bytes.len() / rows;
+        let acts: Vec<Q8Activation> = (0..4)
+            .map(|_| {
+                let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                Q8Activation::quantize(&x)
+            })
+            .collect();
+        let xs: Vec<&Q8Activation> = acts.iter().collect();
+        let reps = 2000usize;
+        // Best of 15 timings of `reps` passes over the rows, per row and
+        // token.
+        let best = |tokens: usize, pass: &mut dyn FnMut()| {
+            let mut best = f64::INFINITY;
+            for _ in 0..15 {
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    pass();
+                }
+                best = best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps * rows * tokens) as f64);
+            }
+            best
+        };
+        for k in &sets {
+            let one = best(1, &mut || {
+                for row in bytes.chunks_exact(rb) {
+                    std::hint::black_box((k.dot_more_q8)(format, row, xs[0]));
+                }
+            });
+            let mut line = format!(
+                "{:<7} {:<34} ns per row and token: one-token kernel {one:.1}",
+                format.name(),
+                k.name
+            );
+            if let Some(multi) = k.dot_more_q8_multi {
+                line += "; several-token kernel";
+                for n in 1..=4 {
+                    let mut out = [0.0f32; 4];
+                    let t = best(n, &mut || {
+                        for row in bytes.chunks_exact(rb) {
+                            multi(format, row, &xs[..n], &mut out[..n]);
+                            std::hint::black_box(&out);
+                        }
+                    });
+                    line += &format!(" {n} tok {t:.1}");
+                }
+            }
+            println!("{line}");
+        }
     }
 }
 

@@ -178,18 +178,29 @@ pub fn dot_iq4_nl_q8(w: &[u8], x: &Q8Activation) -> f32 {
 pub mod avx2 {
     //! # Safety
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
-    //! run time), `w` whole blocks of its format and `x` of `w`'s length in
-    //! elements (`w.len() / block bytes × 32` quants, one scale and one sum
-    //! per block, and `x.split` filled as [`Q8Activation::quantize`] does:
-    //! the kernels read the quants there).
+    //! run time), `w` whole blocks of its format and every activation of
+    //! `w`'s length in elements (`w.len() / block bytes × 32` quants, one
+    //! scale and one sum per block, and `split` filled as
+    //! [`Q8Activation::quantize`] does: the kernels read the quants
+    //! there); the several-token kernels at most
+    //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
+    //! for each.
     //!
     //! Blocks are taken 8 at a time (the last group masked: its missing
     //! blocks give sums, scales and so terms of +0, which leave a lane's
     //! bits as they are, a lane never being −0).
+    //!
+    //! One walk serves `N` activations (the single-token kernels are
+    //! `N = 1`): each pair of blocks is decoded once and its codes meet
+    //! every activation's quants, and a group's f16 scales are converted
+    //! once; every activation's sums, terms and lanes are its own, the
+    //! same operations in the same order as for one activation, so result
+    //! `t` is the single-token kernel's for `xs[t]`.
 
     use std::arch::x86_64::*;
 
     use super::Q8Activation;
+    use crate::kernels::q8act::{Tokens, by_count};
     use crate::quant::{
         IQ4_NL_BLOCK_BYTES, IQ4_NL_VALUES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES,
     };
@@ -218,29 +229,35 @@ pub mod avx2 {
         const QH: Option<usize>;
         /// Whether codes index [`IQ4_NL_VALUES`] (signed values).
         const TABLE: bool;
-        /// A group's terms added into the 4 accumulator lanes.
+        /// Whether bytes 2–3 of a block are an f16 min.
+        const MIN: bool;
+        /// A group's terms for one activation added into its 4
+        /// accumulator lanes.
         unsafe fn fold(acc: __m128, g: Group) -> __m128;
     }
 
-    /// Two blocks' integer sums of `code · a` (or `v · a`), 4 partial sums
-    /// each: lanes 0–3 block `a`'s, lanes 4–7 block `b`'s (0 where `b` is
-    /// `None`). `xlo` and `xhi`: the 32 bytes of `x.split` holding the two
-    /// blocks' first 16 quants, and their last 16.
+    /// Two blocks' codes, decoded once for every activation: `lo` the
+    /// bytes `maddubs` takes unsigned for elements 0–15 of each block
+    /// (block `a`'s in the low 128 bits, `b`'s in the high), `hi` for
+    /// elements 16–31; the codes themselves, or for the table |v|, with
+    /// the signed values `v` in `lo_v`, `hi_v` (unused otherwise).
+    #[derive(Clone, Copy)]
+    struct Pair {
+        lo: __m256i,
+        hi: __m256i,
+        lo_v: __m256i,
+        hi_v: __m256i,
+    }
+
+    /// The codes of blocks `a` and `b` (zero where `b` is `None`).
     ///
     /// The nibbles of both blocks are one register (low nibbles: elements
     /// 0–15 of each, high: 16–31), so the activation's split layout pairs
-    /// with them without a shuffle. `maddubs` pairs are ≤ 2 · 31 · 127, two
-    /// of them added in 16 bits ≤ 15748; the table's (≤ 2 · 127 · 127)
-    /// are widened first.
+    /// with them without a shuffle.
     #[inline(always)]
-    unsafe fn pair<F: Format>(
-        a: *const u8,
-        b: Option<*const u8>,
-        xlo: *const i8,
-        xhi: *const i8,
-    ) -> __m256i {
-        // SAFETY: whole blocks at `a` and `b` (caller), 32 bytes at `xlo`
-        // and `xhi`; register arithmetic under the module's guarantee.
+    unsafe fn decode<F: Format>(a: *const u8, b: Option<*const u8>) -> Pair {
+        // SAFETY: whole blocks at `a` and `b` (caller); register
+        // arithmetic under the module's guarantee.
         unsafe {
             let la = _mm_loadu_si128(a.add(F::QS) as *const __m128i);
             let lb = match b {
@@ -283,38 +300,60 @@ pub mod avx2 {
                     )),
                 );
             }
-            let xl = _mm256_loadu_si256(xlo as *const __m256i);
-            let xh = _mm256_loadu_si256(xhi as *const __m256i);
-            let ones = _mm256_set1_epi16(1);
             if F::TABLE {
                 let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
                     IQ4_NL_VALUES.as_ptr() as *const __m128i
                 ));
-                // Codes < 16: the shuffle looks each up in the table; the
-                // products as |v| · (a · sign v).
-                let prod = |codes: __m256i, x: __m256i| {
-                    let v = _mm256_shuffle_epi8(table, codes);
-                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v));
-                    _mm256_madd_epi16(p, ones)
-                };
-                _mm256_add_epi32(prod(lo, xl), prod(hi, xh))
+                // Codes < 16: the shuffle looks each up in the table.
+                let (lo_v, hi_v) = (
+                    _mm256_shuffle_epi8(table, lo),
+                    _mm256_shuffle_epi8(table, hi),
+                );
+                Pair {
+                    lo: _mm256_abs_epi8(lo_v),
+                    hi: _mm256_abs_epi8(hi_v),
+                    lo_v,
+                    hi_v,
+                }
             } else {
-                let p =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                _mm256_madd_epi16(p, ones)
+                Pair {
+                    lo,
+                    hi,
+                    lo_v: lo,
+                    hi_v: hi,
+                }
             }
         }
     }
 
-    /// The 8 blocks' sums, in block order, from 4 [`pair`] results of
-    /// blocks (0, 1), (2, 3), (4, 5), (6, 7).
+    /// A pair's integer sums of `code · a` (or `v · a`) against one
+    /// activation, 4 partial sums per block: lanes 0–3 block `a`'s, lanes
+    /// 4–7 block `b`'s. `xlo` and `xhi`: the 32 bytes of `split` holding
+    /// the two blocks' first 16 quants, and their last 16.
+    ///
+    /// `maddubs` pairs are ≤ 2 · 31 · 127, two of them added in 16 bits
+    /// ≤ 15748; the table's, taken as |v| · (a · sign v) (exact: `a` is
+    /// never −128), are ≤ 2 · 127 · 127 and widened first.
     #[inline(always)]
-    unsafe fn reduce8(v: &[__m256i; 4]) -> __m256i {
-        // SAFETY: register arithmetic under the module's guarantee.
+    unsafe fn products<F: Format>(p: &Pair, xlo: *const i8, xhi: *const i8) -> __m256i {
+        // SAFETY: 32 bytes at `xlo` and `xhi` (caller); register
+        // arithmetic under the module's guarantee.
         unsafe {
-            // Halves: (0, 2, 4, 6) and (1, 3, 5, 7).
-            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-            _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+            let xl = _mm256_loadu_si256(xlo as *const __m256i);
+            let xh = _mm256_loadu_si256(xhi as *const __m256i);
+            let ones = _mm256_set1_epi16(1);
+            if F::TABLE {
+                let prod = |mag: __m256i, v: __m256i, x: __m256i| {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, v)), ones)
+                };
+                _mm256_add_epi32(prod(p.lo, p.lo_v, xl), prod(p.hi, p.hi_v, xh))
+            } else {
+                let s = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(p.lo, xl),
+                    _mm256_maddubs_epi16(p.hi, xh),
+                );
+                _mm256_madd_epi16(s, ones)
+            }
         }
     }
 
@@ -328,13 +367,15 @@ pub mod avx2 {
         }
     }
 
-    /// What a group of (up to) 8 blocks hands the format's fold.
+    /// What a group of (up to) 8 blocks hands the format's fold for one
+    /// activation.
     struct Group {
-        /// Per block, the integer sum of its lanes.
+        /// Per block, the integer sum of its products.
         sums: __m256i,
-        /// The 8 blocks' leading 32 bits (f16 `d`, then `m` where the
-        /// format has one), 0 past the last block.
-        heads: __m256i,
+        /// The blocks' f16 `d`, 0 past the last block.
+        d: __m256,
+        /// Their f16 `m` where the format has one (else unused).
+        m: __m256,
         /// `x.d_b`, 0 past the last block.
         xd: __m256,
         /// `x.bsums8_b`, 0 past the last block.
@@ -342,77 +383,114 @@ pub mod avx2 {
     }
 
     /// Blocks `c..c + n` (`c` a multiple of 8, n ≤ 8, `mask` set in
-    /// lanes `< n`) of a row at `wp`.
+    /// lanes `< n`) of a row at `wp` into every activation's lanes.
     #[inline(always)]
-    unsafe fn group<F: Format>(
+    unsafe fn group<F: Format, const N: usize>(
         wp: *const u8,
-        x: &Q8Activation,
+        xs: &[&Q8Activation; N],
         c: usize,
         n: usize,
-        mask: __m256i,
-        offsets: __m256i,
-    ) -> Group {
-        // SAFETY: blocks c..c + n are in the row and the activation
-        // (caller), and `x.split` holds their groups of 4 (module docs);
+        (mask, offsets): (__m256i, __m256i),
+        acc: &mut [__m128; N],
+    ) {
+        // SAFETY: blocks c..c + n are in the row and every activation
+        // (caller), and `split` holds their groups of 4 (module docs);
         // the masked loads and the gather touch only those.
         unsafe {
-            let sp = x.split.as_ptr();
-            let mut v = [_mm256_setzero_si256(); 4];
-            for (p, vp) in v.iter_mut().enumerate().take(n.div_ceil(2)) {
-                let b = c + 2 * p;
-                let second = (2 * p + 1 < n).then(|| wp.add((b + 1) * F::SIZE));
-                // Split group b / 4: pairs at 0 and 32, last halves 64 on.
-                let at = b / 4 * 128 + 32 * (p % 2);
-                *vp = pair::<F>(wp.add(b * F::SIZE), second, sp.add(at), sp.add(at + 64));
+            let zero = _mm256_setzero_si256();
+            // Per activation, the first `hadd` round of pairs (0, 1) and of
+            // pairs (2, 3).
+            let mut h = [[zero; 2]; N];
+            for half in 0..2 {
+                let mut v = [[zero; 2]; N];
+                for r in 0..2 {
+                    let p = 2 * half + r;
+                    if 2 * p >= n {
+                        break;
+                    }
+                    let b = c + 2 * p;
+                    let second = (2 * p + 1 < n).then(|| wp.add((b + 1) * F::SIZE));
+                    let codes = decode::<F>(wp.add(b * F::SIZE), second);
+                    // Split group b / 4: pairs at 0 and 32, last halves 64 on.
+                    let at = b / 4 * 128 + 32 * (p % 2);
+                    for (x, v) in xs.iter().zip(v.iter_mut()) {
+                        let sp = x.split.as_ptr().add(at);
+                        v[r] = products::<F>(&codes, sp, sp.add(64));
+                    }
+                }
+                for (h, v) in h.iter_mut().zip(&v) {
+                    h[half] = _mm256_hadd_epi32(v[0], v[1]);
+                }
             }
-            Group {
-                sums: reduce8(&v),
-                heads: if n == 8 {
-                    // Plain loads (cheaper than a gather here).
-                    let h = |i: usize| {
-                        i32::from_le_bytes(std::ptr::read_unaligned(
-                            wp.add((c + i) * F::SIZE) as *const [u8; 4]
-                        ))
-                    };
-                    _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7))
-                } else {
-                    _mm256_mask_i32gather_epi32::<1>(
-                        _mm256_setzero_si256(),
-                        wp.add(c * F::SIZE) as *const i32,
-                        offsets,
-                        mask,
-                    )
-                },
-                xd: _mm256_maskload_ps(x.scales.as_ptr().add(c), mask),
-                bsums8: _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask),
+            let heads = if n == 8 {
+                // Plain loads (cheaper than a gather here).
+                let h = |i: usize| {
+                    i32::from_le_bytes(std::ptr::read_unaligned(
+                        wp.add((c + i) * F::SIZE) as *const [u8; 4]
+                    ))
+                };
+                _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7))
+            } else {
+                _mm256_mask_i32gather_epi32::<1>(
+                    _mm256_setzero_si256(),
+                    wp.add(c * F::SIZE) as *const i32,
+                    offsets,
+                    mask,
+                )
+            };
+            let (d, m) = if F::MIN {
+                halves(heads)
+            } else {
+                (low_halves(heads), _mm256_setzero_ps())
+            };
+            // Halves (0, 2, 4, 6) and (1, 3, 5, 7) back to block order.
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for ((x, h), acc) in xs.iter().zip(&h).zip(acc.iter_mut()) {
+                let sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h[0], h[1]), order);
+                let g = Group {
+                    sums,
+                    d,
+                    m,
+                    xd: _mm256_maskload_ps(x.scales.as_ptr().add(c), mask),
+                    bsums8: _mm256_maskload_epi32(x.bsums8.as_ptr().add(c), mask),
+                };
+                *acc = F::fold(*acc, g);
             }
         }
     }
 
-    /// The shared walk over a row of `F`'s blocks.
-    #[inline(always)]
-    unsafe fn walk<F: Format>(w: &[u8], x: &Q8Activation) -> f32 {
-        let blocks = w.len() / F::SIZE;
-        let wp = w.as_ptr();
-        let offs = offsets(F::SIZE);
-        // SAFETY: blocks c..c + n < blocks are read, with their quants,
-        // scales and sums (module docs).
-        unsafe {
-            let offsets = _mm256_loadu_si256(offs.as_ptr() as *const __m256i);
-            let mut acc = _mm_setzero_ps();
-            let all = _mm256_set1_epi32(-1);
-            let mut c = 0;
-            while c + 8 <= blocks {
-                acc = F::fold(acc, group::<F>(wp, x, c, 8, all, offsets));
-                c += 8;
+    /// The shared walk over a row of `F`'s blocks, for `N` activations.
+    struct Walk<F>(std::marker::PhantomData<F>);
+
+    impl<F: Format> Tokens for Walk<F> {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let blocks = w.len() / F::SIZE;
+            let wp = w.as_ptr();
+            let offs = offsets(F::SIZE);
+            // SAFETY: blocks c..c + n < blocks are read, with every
+            // activation's quants, scales and sums (module docs).
+            unsafe {
+                let offsets = _mm256_loadu_si256(offs.as_ptr() as *const __m256i);
+                let mut acc = [_mm_setzero_ps(); N];
+                let all = _mm256_set1_epi32(-1);
+                let mut c = 0;
+                while c + 8 <= blocks {
+                    group::<F, N>(wp, xs, c, 8, (all, offsets), &mut acc);
+                    c += 8;
+                }
+                if c < blocks {
+                    let n = blocks - c;
+                    let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota);
+                    group::<F, N>(wp, xs, c, n, (mask, offsets), &mut acc);
+                }
+                let mut out = [0.0f32; N];
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = finish(a);
+                }
+                out
             }
-            if c < blocks {
-                let n = blocks - c;
-                let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota);
-                acc = F::fold(acc, group::<F>(wp, x, c, n, mask, offsets));
-            }
-            finish(acc)
         }
     }
 
@@ -481,13 +559,12 @@ pub mod avx2 {
     unsafe fn fold_min(acc: __m128, g: Group) -> __m128 {
         // SAFETY: register arithmetic under the module's guarantee.
         unsafe {
-            let (d, m) = halves(g.heads);
             let a = _mm256_cvtepi32_ps(g.sums);
             let b = _mm256_cvtepi32_ps(_mm256_srai_epi32::<3>(g.bsums8));
             let t = _mm256_fmadd_ps(
-                _mm256_mul_ps(d, g.xd),
+                _mm256_mul_ps(g.d, g.xd),
                 a,
-                _mm256_mul_ps(_mm256_mul_ps(m, g.xd), b),
+                _mm256_mul_ps(_mm256_mul_ps(g.m, g.xd), b),
             );
             add8(acc, t)
         }
@@ -503,6 +580,7 @@ pub mod avx2 {
         const QS: usize = 4;
         const QH: Option<usize> = None;
         const TABLE: bool = false;
+        const MIN: bool = true;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
@@ -515,6 +593,7 @@ pub mod avx2 {
         const QS: usize = 8;
         const QH: Option<usize> = Some(4);
         const TABLE: bool = false;
+        const MIN: bool = true;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
@@ -527,14 +606,14 @@ pub mod avx2 {
         const QS: usize = 6;
         const QH: Option<usize> = Some(2);
         const TABLE: bool = false;
+        const MIN: bool = false;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
             unsafe {
                 // S = Σ q·a − 16 · Σ a = Σ q·a − 2 · bsums8, exactly.
                 let s = _mm256_sub_epi32(g.sums, _mm256_slli_epi32::<1>(g.bsums8));
-                let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
-                fma8(acc, d, _mm256_cvtepi32_ps(s))
+                fma8(acc, _mm256_mul_ps(g.d, g.xd), _mm256_cvtepi32_ps(s))
             }
         }
     }
@@ -544,13 +623,11 @@ pub mod avx2 {
         const QS: usize = 2;
         const QH: Option<usize> = None;
         const TABLE: bool = true;
+        const MIN: bool = false;
         #[inline(always)]
         unsafe fn fold(acc: __m128, g: Group) -> __m128 {
             // SAFETY: register arithmetic under the module's guarantee.
-            unsafe {
-                let d = _mm256_mul_ps(low_halves(g.heads), g.xd);
-                fma8(acc, d, _mm256_cvtepi32_ps(g.sums))
-            }
+            unsafe { fma8(acc, _mm256_mul_ps(g.d, g.xd), _mm256_cvtepi32_ps(g.sums)) }
         }
     }
 
@@ -559,7 +636,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
         // SAFETY: the module contract.
-        unsafe { walk::<Q41>(w, x) }
+        unsafe { Walk::<Q41>::run::<1>(w, &[x])[0] }
     }
 
     /// # Safety
@@ -567,7 +644,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_1_q8(w: &[u8], x: &Q8Activation) -> f32 {
         // SAFETY: the module contract.
-        unsafe { walk::<Q51>(w, x) }
+        unsafe { Walk::<Q51>::run::<1>(w, &[x])[0] }
     }
 
     /// # Safety
@@ -575,7 +652,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_0_q8(w: &[u8], x: &Q8Activation) -> f32 {
         // SAFETY: the module contract.
-        unsafe { walk::<Q50>(w, x) }
+        unsafe { Walk::<Q50>::run::<1>(w, &[x])[0] }
     }
 
     /// # Safety
@@ -583,7 +660,51 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq4_nl_q8(w: &[u8], x: &Q8Activation) -> f32 {
         // SAFETY: the module contract.
-        unsafe { walk::<Iq4Nl>(w, x) }
+        unsafe { Walk::<Iq4Nl>::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one Q4_1 row: `out[t]` is
+    /// [`dot_q4_1_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Walk<Q41>>(w, xs, out) }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one Q5_1 row: `out[t]` is
+    /// [`dot_q5_1_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_1_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Walk<Q51>>(w, xs, out) }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one Q5_0 row: `out[t]` is
+    /// [`dot_q5_0_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Walk<Q50>>(w, xs, out) }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one IQ4_NL row: `out[t]` is
+    /// [`dot_iq4_nl_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_nl_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Walk<Iq4Nl>>(w, xs, out) }
     }
 }
 
@@ -595,6 +716,10 @@ mod tests {
 
     type Dot = fn(&[u8], &Q8Activation) -> f32;
     type Deq = fn(&[u8], &mut [f32]);
+    /// A several-token vector kernel (its CPU features checked by the
+    /// caller).
+    #[cfg(target_arch = "x86_64")]
+    type UnsafeMulti = unsafe fn(&[u8], &[&Q8Activation], &mut [f32]);
 
     /// f32's unit roundoff.
     const U: f64 = f32::EPSILON as f64 / 2.0;
@@ -607,6 +732,7 @@ mod tests {
 
     struct Format {
         name: &'static str,
+        format: crate::format::WeightFormat,
         size: usize,
         /// Whether bytes 2–3 are an f16 min.
         min: bool,
@@ -617,6 +743,8 @@ mod tests {
         parts: fn(&[u8], usize) -> (f64, f64),
         #[cfg(target_arch = "x86_64")]
         avx2: unsafe fn(&[u8], &Q8Activation) -> f32,
+        #[cfg(target_arch = "x86_64")]
+        avx2_multi: UnsafeMulti,
     }
 
     fn d(blk: &[u8]) -> f64 {
@@ -631,6 +759,7 @@ mod tests {
         [
             Format {
                 name: "q4_1",
+                format: crate::format::WeightFormat::Q4_1,
                 size: Q4_1_BLOCK_BYTES,
                 min: true,
                 dot: dot_q4_1_q8,
@@ -641,9 +770,12 @@ mod tests {
                 },
                 #[cfg(target_arch = "x86_64")]
                 avx2: avx2::dot_q4_1_q8,
+                #[cfg(target_arch = "x86_64")]
+                avx2_multi: avx2::dot_q4_1_q8_multi,
             },
             Format {
                 name: "q5_1",
+                format: crate::format::WeightFormat::Q5_1,
                 size: Q5_1_BLOCK_BYTES,
                 min: true,
                 dot: dot_q5_1_q8,
@@ -654,9 +786,12 @@ mod tests {
                 },
                 #[cfg(target_arch = "x86_64")]
                 avx2: avx2::dot_q5_1_q8,
+                #[cfg(target_arch = "x86_64")]
+                avx2_multi: avx2::dot_q5_1_q8_multi,
             },
             Format {
                 name: "q5_0",
+                format: crate::format::WeightFormat::Q5_0,
                 size: Q5_0_BLOCK_BYTES,
                 min: false,
                 dot: dot_q5_0_q8,
@@ -667,9 +802,12 @@ mod tests {
                 },
                 #[cfg(target_arch = "x86_64")]
                 avx2: avx2::dot_q5_0_q8,
+                #[cfg(target_arch = "x86_64")]
+                avx2_multi: avx2::dot_q5_0_q8_multi,
             },
             Format {
                 name: "iq4_nl",
+                format: crate::format::WeightFormat::Iq4Nl,
                 size: IQ4_NL_BLOCK_BYTES,
                 min: false,
                 dot: dot_iq4_nl_q8,
@@ -680,6 +818,8 @@ mod tests {
                 },
                 #[cfg(target_arch = "x86_64")]
                 avx2: avx2::dot_iq4_nl_q8,
+                #[cfg(target_arch = "x86_64")]
+                avx2_multi: avx2::dot_iq4_nl_q8_multi,
             },
         ]
     }
@@ -896,5 +1036,88 @@ mod tests {
                 assert_eq!(got.to_bits(), want.to_bits(), "{} fill {fill:#x}", f.name);
             }
         }
+    }
+
+    /// A random activation of `blocks` blocks, none of them zero: block
+    /// scales from 1e-3 to 1e3, and now and then a block of ±1 (quants
+    /// ±127, the largest).
+    fn nonzero_activation(rng: &mut impl Rng, blocks: usize) -> Q8Activation {
+        let mut x = Vec::with_capacity(blocks * QK);
+        for _ in 0..blocks {
+            let spread = 10f32.powi(rng.random_range(-3..=3));
+            let ones = rng.random_ratio(1, 5);
+            for _ in 0..QK {
+                let sign = if rng.random() { 1.0 } else { -1.0 };
+                x.push(if ones {
+                    sign
+                } else {
+                    sign * rng.random_range(0.01f32..1.0) * spread
+                });
+            }
+        }
+        Q8Activation::quantize(&x)
+    }
+
+    /// Every several-token kernel this CPU runs (AVX2's, and each kernel
+    /// set's `dot_more_q8_multi`), on rows of 1 to 13 blocks (around the
+    /// 4 lanes and the 8-block groups) with random codes and f16 scales
+    /// and mins (ordinary, negative, subnormal, large), against 1 to 4
+    /// random activations: result `t` has the bits of the scalar
+    /// reference for activation `t`, and nothing past the activations'
+    /// outputs is written.
+    #[test]
+    fn the_multi_token_kernels_give_the_reference_bits_for_every_token() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(73);
+        let sets = crate::kernels::tests::simd_sets();
+        let mut checked = 0;
+        for f in formats() {
+            for blocks in 1..=13 {
+                for rep in 0..6 {
+                    let w = random_row(&mut rng, &f, blocks);
+                    for m in 1..=crate::kernels::q8act::MULTI {
+                        let acts: Vec<Q8Activation> = (0..m)
+                            .map(|_| nonzero_activation(&mut rng, blocks))
+                            .collect();
+                        let xs: Vec<&Q8Activation> = acts.iter().collect();
+                        let want: Vec<u32> = xs.iter().map(|x| (f.dot)(&w, x).to_bits()).collect();
+                        let at = format!("{} {blocks} blocks, row {rep}, {m} tokens", f.name);
+                        let check = |level: &str, out: &[f32]| {
+                            let got: Vec<u32> = out[..m].iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "{level} {at}");
+                            assert!(out[m].is_nan(), "{level} {at}: wrote past the outputs");
+                        };
+                        #[cfg(target_arch = "x86_64")]
+                        if is_x86_feature_detected!("avx2")
+                            && is_x86_feature_detected!("fma")
+                            && is_x86_feature_detected!("f16c")
+                        {
+                            let mut out = vec![f32::NAN; m + 1];
+                            // SAFETY: features checked above; `w` whole
+                            // blocks, every activation of its length and
+                            // an output for each.
+                            unsafe { (f.avx2_multi)(&w, &xs, &mut out) };
+                            check("avx2", &out);
+                            checked += 1;
+                        } else if rep == 0 && blocks == 1 && m == 1 {
+                            eprintln!("SKIP avx2 multi: this CPU has no AVX2+FMA+F16C");
+                        }
+                        for set in &sets {
+                            let Some(multi) = set.dot_more_q8_multi else {
+                                continue;
+                            };
+                            let mut out = vec![f32::NAN; m + 1];
+                            multi(f.format, &w, &xs, &mut out);
+                            check(set.name, &out);
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            assert!(checked > 0, "no several-token kernel ran");
+        }
+        let _ = checked;
     }
 }

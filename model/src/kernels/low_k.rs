@@ -185,8 +185,18 @@ pub fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
 pub mod avx2 {
     //! # Safety
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
-    //! run time), `w` whole super-blocks and `x` of `w`'s length in
-    //! elements.
+    //! run time), `w` whole super-blocks and every activation of `w`'s
+    //! length in elements (IQ4_XS's `split` quants included); the
+    //! several-token kernels at most
+    //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
+    //! for each.
+    //!
+    //! Each kernel is written once for `N` activations (the single-token
+    //! kernels are `N = 1`): a super-block's codes and scales are decoded
+    //! once and met by every activation's quants, each activation's
+    //! integers, terms and lanes its own, the same operations in the same
+    //! order as for one activation, so result `t` is the single-token
+    //! kernel's for `xs[t]`.
     //!
     //! Q2_K and Q3_K take a super-block a half (4 blocks, 8 sub-blocks of
     //! 16) at a time, as the Q6_K kernel: each block's 32 codes are one
@@ -202,8 +212,8 @@ pub mod avx2 {
     //! IQ4_XS takes two blocks per 32 bytes of nibbles: the low nibbles
     //! (each block's first 16 elements) and the high ones are looked up by
     //! `pshufb`, multiplied by the quants of the two blocks' first (or
-    //! last) 16 elements, loaded into the two 128-bit halves, with the sign
-    //! trick (`maddubs(|v|, sign(a, v))`, pairs ≤ 2·127·127 < 2¹⁵); three
+    //! last) 16 elements, side by side in the activation's `split` copy,
+    //! with the sign trick (`maddubs(|v|, sign(a, v))`, pairs ≤ 2·127·127 < 2¹⁵); three
     //! `hadd`s leave the 8 block sums.
     //!
     //! All integers are exact, so they equal the reference's; the f32
@@ -211,7 +221,7 @@ pub mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::super::q8act::Q8Activation;
+    use super::super::q8act::{Q8Activation, Tokens, by_count};
     use super::BLOCKS;
     use crate::quant::{
         IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, IQ4_XS_SCALES_L, Q2_K_BLOCK_BYTES, Q2_K_D,
@@ -322,55 +332,99 @@ pub mod avx2 {
         }
     }
 
+    /// Q2_K for `N` activations: each half super-block's codes are split
+    /// into its 4 blocks' registers and its scales and mins widened once,
+    /// then met by every activation's quants.
+    struct Q2K;
+
+    impl Tokens for Q2K {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / Q2_K_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (84 bytes each: 16
+            // of scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D),
+            // with their 8 blocks of every activation's quants and scales
+            // (module docs).
+            unsafe {
+                let m3 = _mm256_set1_epi8(3);
+                let m4 = _mm_set1_epi8(0x0f);
+                let ones8 = _mm256_set1_epi8(1);
+                let ones16 = _mm256_set1_epi16(1);
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * Q2_K_BLOCK_BYTES);
+                    prefetch(blk, 2);
+                    let bytes = order(_mm_loadu_si128(blk as *const __m128i));
+                    let sc = _mm_and_si128(bytes, m4);
+                    let mn = _mm_and_si128(_mm_srli_epi16::<4>(bytes), m4);
+                    let dd = halves(blk.add(Q2_K_D));
+                    let d = _mm_broadcastss_ps(dd);
+                    let dmin = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+                    for n in 0..2 {
+                        let codes = _mm256_loadu_si256(blk.add(Q2_K_QS + 32 * n) as *const __m256i);
+                        let mut c = [_mm256_setzero_si256(); 4];
+                        for (s, c) in c.iter_mut().enumerate() {
+                            *c = _mm256_and_si256(shift2(codes, s), m3);
+                        }
+                        let (scs, mns) = (widen(sc, n, false), widen(mn, n, false));
+                        for (x, acc) in xs.iter().zip(acc.iter_mut()) {
+                            let q = x.quants.as_ptr().add((i * BLOCKS + 4 * n) * QK);
+                            let mut dots = [_mm256_setzero_si256(); 4];
+                            let mut sums = [_mm256_setzero_si256(); 4];
+                            for s in 0..4 {
+                                let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
+                                dots[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], xq), ones16);
+                                sums[s] =
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones16);
+                            }
+                            let a = scaled(sub_sums(&dots), scs);
+                            let b = scaled(sub_sums(&sums), mns);
+                            let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
+                            // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
+                            let t = _mm_fmsub_ps(
+                                _mm_mul_ps(d, xd),
+                                _mm_cvtepi32_ps(a),
+                                _mm_mul_ps(_mm_mul_ps(dmin, xd), _mm_cvtepi32_ps(b)),
+                            );
+                            *acc = _mm_add_ps(*acc, t);
+                        }
+                    }
+                }
+                reduce_all(acc)
+            }
+        }
+    }
+
+    /// Every activation's lanes reduced by [`reduce`] (a loop: a closure
+    /// handed to `array::map` may be left out of line, taking its vectors
+    /// through memory).
+    #[inline(always)]
+    pub(super) fn reduce_all<const N: usize>(acc: [__m128; N]) -> [f32; N] {
+        let mut out = [0.0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = reduce(a);
+        }
+        out
+    }
+
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        let supers = w.len() / Q2_K_BLOCK_BYTES;
-        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        // SAFETY: super-blocks i < supers are read (84 bytes each: 16 of
-        // scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D), with their
-        // 8 blocks of quants and scales (module docs).
-        unsafe {
-            let m3 = _mm256_set1_epi8(3);
-            let m4 = _mm_set1_epi8(0x0f);
-            let ones8 = _mm256_set1_epi8(1);
-            let ones16 = _mm256_set1_epi16(1);
-            let mut acc = _mm_setzero_ps();
-            for i in 0..supers {
-                let blk = wp.add(i * Q2_K_BLOCK_BYTES);
-                prefetch(blk, 2);
-                let bytes = order(_mm_loadu_si128(blk as *const __m128i));
-                let sc = _mm_and_si128(bytes, m4);
-                let mn = _mm_and_si128(_mm_srli_epi16::<4>(bytes), m4);
-                let dd = halves(blk.add(Q2_K_D));
-                let d = _mm_broadcastss_ps(dd);
-                let dmin = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
-                for n in 0..2 {
-                    let codes = _mm256_loadu_si256(blk.add(Q2_K_QS + 32 * n) as *const __m256i);
-                    let q = qp.add((i * BLOCKS + 4 * n) * QK);
-                    let mut dots = [_mm256_setzero_si256(); 4];
-                    let mut sums = [_mm256_setzero_si256(); 4];
-                    for s in 0..4 {
-                        let c = _mm256_and_si256(shift2(codes, s), m3);
-                        let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
-                        dots[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), ones16);
-                        sums[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones16);
-                    }
-                    let a = scaled(sub_sums(&dots), widen(sc, n, false));
-                    let b = scaled(sub_sums(&sums), widen(mn, n, false));
-                    let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
-                    // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
-                    let t = _mm_fmsub_ps(
-                        _mm_mul_ps(d, xd),
-                        _mm_cvtepi32_ps(a),
-                        _mm_mul_ps(_mm_mul_ps(dmin, xd), _mm_cvtepi32_ps(b)),
-                    );
-                    acc = _mm_add_ps(acc, t);
-                }
-            }
-            reduce(acc)
-        }
+        // SAFETY: the module contract.
+        unsafe { Q2K::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one Q2_K row: `out[t]` is
+    /// [`dot_q2_k_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Q2K>(w, xs, out) }
     }
 
     /// Bit `k` (< 8) of each byte of `hm` as 4 (bit 2), else 0. 16-bit
@@ -418,51 +472,191 @@ pub mod avx2 {
         }
     }
 
+    /// Q3_K for `N` activations: each half super-block's codes (with their
+    /// hmask bits) become its 4 blocks' `u = q + 4` registers once, then
+    /// meet every activation's quants.
+    struct Q3K;
+
+    impl Tokens for Q3K {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / Q3_K_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (110 bytes each: 32
+            // of hmask, 64 of codes at Q3_K_QS, 12 of scales at
+            // Q3_K_SCALES, d at Q3_K_D), with their 8 blocks of every
+            // activation's quants and scales (module docs).
+            unsafe {
+                let m3 = _mm256_set1_epi8(3);
+                let four = _mm256_set1_epi8(4);
+                let ones16 = _mm256_set1_epi16(1);
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * Q3_K_BLOCK_BYTES);
+                    prefetch(blk, 2);
+                    let sc = order(q3_scales(blk.add(Q3_K_SCALES)));
+                    // d is a super-block's last 2 bytes: read with the 2
+                    // before it (scale bytes), it is lane 1.
+                    let dd = halves(blk.add(Q3_K_D - 2));
+                    let d = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+                    let hm = _mm256_loadu_si256(blk as *const __m256i);
+                    for n in 0..2 {
+                        let codes = _mm256_loadu_si256(blk.add(Q3_K_QS + 32 * n) as *const __m256i);
+                        let mut u = [_mm256_setzero_si256(); 4];
+                        for (s, u) in u.iter_mut().enumerate() {
+                            *u = _mm256_or_si256(
+                                _mm256_and_si256(shift2(codes, s), m3),
+                                high_bit(hm, 4 * n + s),
+                            );
+                        }
+                        let scs = widen(sc, n, true);
+                        for (x, acc) in xs.iter().zip(acc.iter_mut()) {
+                            let q = x.quants.as_ptr().add((i * BLOCKS + 4 * n) * QK);
+                            let mut dots = [_mm256_setzero_si256(); 4];
+                            for (s, dot) in dots.iter_mut().enumerate() {
+                                let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
+                                let p = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(u[s], xq),
+                                    _mm256_maddubs_epi16(four, xq),
+                                );
+                                *dot = _mm256_madd_epi16(p, ones16);
+                            }
+                            let a = scaled(sub_sums(&dots), scs);
+                            let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
+                            *acc = _mm_fmadd_ps(_mm_mul_ps(d, xd), _mm_cvtepi32_ps(a), *acc);
+                        }
+                    }
+                }
+                reduce_all(acc)
+            }
+        }
+    }
+
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        let supers = w.len() / Q3_K_BLOCK_BYTES;
-        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        // SAFETY: super-blocks i < supers are read (110 bytes each: 32 of
-        // hmask, 64 of codes at Q3_K_QS, 12 of scales at Q3_K_SCALES, d at
-        // Q3_K_D), with their 8 blocks of quants and scales (module docs).
-        unsafe {
-            let m3 = _mm256_set1_epi8(3);
-            let four = _mm256_set1_epi8(4);
-            let ones16 = _mm256_set1_epi16(1);
-            let mut acc = _mm_setzero_ps();
-            for i in 0..supers {
-                let blk = wp.add(i * Q3_K_BLOCK_BYTES);
-                prefetch(blk, 2);
-                let sc = order(q3_scales(blk.add(Q3_K_SCALES)));
-                // d is a super-block's last 2 bytes: read with the 2
-                // before it (scale bytes), it is lane 1.
-                let dd = halves(blk.add(Q3_K_D - 2));
-                let d = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
-                let hm = _mm256_loadu_si256(blk as *const __m256i);
-                for n in 0..2 {
-                    let codes = _mm256_loadu_si256(blk.add(Q3_K_QS + 32 * n) as *const __m256i);
-                    let q = qp.add((i * BLOCKS + 4 * n) * QK);
-                    let mut dots = [_mm256_setzero_si256(); 4];
-                    for (s, dot) in dots.iter_mut().enumerate() {
-                        let u = _mm256_or_si256(
-                            _mm256_and_si256(shift2(codes, s), m3),
-                            high_bit(hm, 4 * n + s),
-                        );
-                        let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
-                        let p = _mm256_sub_epi16(
-                            _mm256_maddubs_epi16(u, xq),
-                            _mm256_maddubs_epi16(four, xq),
-                        );
-                        *dot = _mm256_madd_epi16(p, ones16);
+        // SAFETY: the module contract.
+        unsafe { Q3K::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one Q3_K row: `out[t]` is
+    /// [`dot_q3_k_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Q3K>(w, xs, out) }
+    }
+
+    /// IQ4_XS for `N` activations: each pair of blocks' values (and their
+    /// magnitudes) are looked up once, then meet every activation's
+    /// quants, read from its `split` copy (the two blocks' first 16
+    /// quants side by side, as the nibbles lie).
+    struct Iq4Xs;
+
+    impl Tokens for Iq4Xs {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / IQ4_XS_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (136 bytes each: d,
+            // scales_h, 4 bytes of scales_l, 128 of nibbles at IQ4_XS_QS),
+            // with their 8 blocks of every activation's split quants (2
+            // groups of 4 blocks, 128 bytes each) and scales (module docs).
+            unsafe {
+                let m4 = _mm256_set1_epi8(0x0f);
+                let ones16 = _mm256_set1_epi16(1);
+                let values = IQ4_NL_VALUES;
+                let table =
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(values.as_ptr() as *const __m128i));
+                // The order the hadd rounds leave the block sums in: blocks
+                // 0, 2, 4, 6, then 1, 3, 5, 7; `back` undoes it.
+                let shifts = _mm256_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14);
+                let back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+                let zero = _mm256_setzero_si256();
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
+                    prefetch(blk, 3);
+                    // Scales in that order: the low nibbles of scales_l are
+                    // blocks 0, 2, 4, 6, the high ones 1, 3, 5, 7; block
+                    // j's high bits are bits 2j, 2j + 1 of scales_h.
+                    let dh = halves(blk);
+                    let l = u32::from_le_bytes(std::ptr::read_unaligned(
+                        blk.add(IQ4_XS_SCALES_L) as *const [u8; 4]
+                    ));
+                    let low = (l & 0x0f0f_0f0f) as u64 | (((l >> 4) & 0x0f0f_0f0f) as u64) << 32;
+                    let h = u16::from_le_bytes([*blk.add(2), *blk.add(3)]) as i32;
+                    let high = _mm256_and_si256(
+                        _mm256_srlv_epi32(_mm256_set1_epi32(h), shifts),
+                        _mm256_set1_epi32(3),
+                    );
+                    let ls = _mm256_sub_epi32(
+                        _mm256_or_si256(
+                            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(low as i64)),
+                            _mm256_slli_epi32::<4>(high),
+                        ),
+                        _mm256_set1_epi32(32),
+                    );
+                    let d = _mm256_broadcastss_ps(dh);
+                    // Per activation, the first hadd round of pairs (0, 1)
+                    // and of pairs (2, 3).
+                    let mut hs = [[zero; 2]; N];
+                    for half in 0..2 {
+                        let mut v = [[zero; 2]; N];
+                        for r in 0..2 {
+                            // Blocks 2c (low 128 bits) and 2c + 1 (high).
+                            let c = 2 * half + r;
+                            let qs =
+                                _mm256_loadu_si256(blk.add(IQ4_XS_QS + 32 * c) as *const __m256i);
+                            let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(qs, m4));
+                            let hi = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(qs), m4),
+                            );
+                            let (lo_mag, hi_mag) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                            // Split group 2i + half: blocks 2c, 2c + 1's
+                            // first halves at 32r, their last 64 on.
+                            let at = (2 * i + half) * 128 + 32 * r;
+                            for (x, v) in xs.iter().zip(v.iter_mut()) {
+                                let sp = x.split.as_ptr().add(at);
+                                let xl = _mm256_loadu_si256(sp as *const __m256i);
+                                let xh = _mm256_loadu_si256(sp.add(64) as *const __m256i);
+                                let pl = _mm256_maddubs_epi16(lo_mag, _mm256_sign_epi8(xl, lo));
+                                let ph = _mm256_maddubs_epi16(hi_mag, _mm256_sign_epi8(xh, hi));
+                                v[r] = _mm256_add_epi32(
+                                    _mm256_madd_epi16(pl, ones16),
+                                    _mm256_madd_epi16(ph, ones16),
+                                );
+                            }
+                        }
+                        for (h, v) in hs.iter_mut().zip(&v) {
+                            h[half] = _mm256_hadd_epi32(v[0], v[1]);
+                        }
                     }
-                    let a = scaled(sub_sums(&dots), widen(sc, n, true));
-                    let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
-                    acc = _mm_fmadd_ps(_mm_mul_ps(d, xd), _mm_cvtepi32_ps(a), acc);
+                    for ((x, h), acc) in xs.iter().zip(&hs).zip(acc.iter_mut()) {
+                        let sums = _mm256_hadd_epi32(h[0], h[1]);
+                        let a = _mm256_permutevar8x32_epi32(_mm256_mullo_epi32(sums, ls), back);
+                        let a = _mm256_cvtepi32_ps(a);
+                        let d =
+                            _mm256_mul_ps(d, _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)));
+                        *acc = _mm_fmadd_ps(
+                            _mm256_castps256_ps128(d),
+                            _mm256_castps256_ps128(a),
+                            *acc,
+                        );
+                        *acc = _mm_fmadd_ps(
+                            _mm256_extractf128_ps::<1>(d),
+                            _mm256_extractf128_ps::<1>(a),
+                            *acc,
+                        );
+                    }
                 }
+                reduce_all(acc)
             }
-            reduce(acc)
         }
     }
 
@@ -470,84 +664,19 @@ pub mod avx2 {
     /// See the module docs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        let supers = w.len() / IQ4_XS_BLOCK_BYTES;
-        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
-        // SAFETY: super-blocks i < supers are read (136 bytes each: d,
-        // scales_h, 4 bytes of scales_l, 128 of nibbles at IQ4_XS_QS), with
-        // their 8 blocks of quants and scales (module docs).
-        unsafe {
-            let m4 = _mm256_set1_epi8(0x0f);
-            let ones16 = _mm256_set1_epi16(1);
-            let values = IQ4_NL_VALUES;
-            let table =
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(values.as_ptr() as *const __m128i));
-            // The order the hadd rounds leave the block sums in: blocks 0,
-            // 2, 4, 6, then 1, 3, 5, 7; `back` undoes it.
-            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14);
-            let back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-            let mut acc = _mm_setzero_ps();
-            for i in 0..supers {
-                let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
-                prefetch(blk, 3);
-                // Scales in that order: the low nibbles of scales_l are
-                // blocks 0, 2, 4, 6, the high ones 1, 3, 5, 7; block j's
-                // high bits are bits 2j, 2j + 1 of scales_h.
-                let dh = halves(blk);
-                let l = u32::from_le_bytes(std::ptr::read_unaligned(
-                    blk.add(IQ4_XS_SCALES_L) as *const [u8; 4]
-                ));
-                let low = (l & 0x0f0f_0f0f) as u64 | (((l >> 4) & 0x0f0f_0f0f) as u64) << 32;
-                let h = u16::from_le_bytes([*blk.add(2), *blk.add(3)]) as i32;
-                let high = _mm256_and_si256(
-                    _mm256_srlv_epi32(_mm256_set1_epi32(h), shifts),
-                    _mm256_set1_epi32(3),
-                );
-                let ls = _mm256_sub_epi32(
-                    _mm256_or_si256(
-                        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(low as i64)),
-                        _mm256_slli_epi32::<4>(high),
-                    ),
-                    _mm256_set1_epi32(32),
-                );
-                let q = qp.add(i * BLOCKS * QK);
-                let mut pairs = [_mm256_setzero_si256(); 4];
-                for (c, pair) in pairs.iter_mut().enumerate() {
-                    // Blocks 2c (low 128 bits) and 2c + 1 (high).
-                    let qs = _mm256_loadu_si256(blk.add(IQ4_XS_QS + 32 * c) as *const __m256i);
-                    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(qs, m4));
-                    let hi = _mm256_shuffle_epi8(
-                        table,
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(qs), m4),
-                    );
-                    let (q0, q1) = (q.add(2 * c * QK), q.add((2 * c + 1) * QK));
-                    let xl = _mm256_loadu2_m128i(q1 as *const __m128i, q0 as *const __m128i);
-                    let xh = _mm256_loadu2_m128i(
-                        q1.add(QK / 2) as *const __m128i,
-                        q0.add(QK / 2) as *const __m128i,
-                    );
-                    let pl = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xl, lo));
-                    let ph = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xh, hi));
-                    *pair = _mm256_add_epi32(
-                        _mm256_madd_epi16(pl, ones16),
-                        _mm256_madd_epi16(ph, ones16),
-                    );
-                }
-                let sums = sub_sums(&pairs);
-                let a = _mm256_permutevar8x32_epi32(_mm256_mullo_epi32(sums, ls), back);
-                let a = _mm256_cvtepi32_ps(a);
-                let d = _mm256_mul_ps(
-                    _mm256_broadcastss_ps(dh),
-                    _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)),
-                );
-                acc = _mm_fmadd_ps(_mm256_castps256_ps128(d), _mm256_castps256_ps128(a), acc);
-                acc = _mm_fmadd_ps(
-                    _mm256_extractf128_ps::<1>(d),
-                    _mm256_extractf128_ps::<1>(a),
-                    acc,
-                );
-            }
-            reduce(acc)
-        }
+        // SAFETY: the module contract.
+        unsafe { Iq4Xs::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against one IQ4_XS row: `out[t]` is
+    /// [`dot_iq4_xs_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_xs_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Iq4Xs>(w, xs, out) }
     }
 }
 
@@ -555,9 +684,17 @@ pub mod avx2 {
 pub mod avx512 {
     //! # Safety
     //! Every function needs AVX-512 F, BW, VL, VNNI and VBMI, AVX2, FMA and
-    //! F16C, and [`dot_q3_k_q8`] GFNI too (the caller checked them at run
-    //! time); `w` whole super-blocks and `x` of `w`'s length in elements
-    //! (its `split` quants and `bsums8` included).
+    //! F16C, and the Q3_K kernels GFNI too (the caller checked them at run
+    //! time); `w` whole super-blocks and every activation of `w`'s length
+    //! in elements (its `split` quants and `bsums8` included); the
+    //! several-token kernels at most
+    //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
+    //! for each.
+    //!
+    //! As in [`super::avx2`], each kernel is written once for `N`
+    //! activations (the single-token kernels are `N = 1`): a super-block's
+    //! table bytes are built once and met by every activation's quants,
+    //! each activation's sums, terms and lanes its own.
     //!
     //! A super-block is taken through the activation's `split` layout: its
     //! 256 quants are 4 vectors `S_t` (t = 2n + h) whose 128-bit lane `k`
@@ -592,9 +729,9 @@ pub mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::super::q8act::Q8Activation;
+    use super::super::q8act::{Q8Activation, Tokens, by_count};
     use super::BLOCKS;
-    use super::avx2::{halves, prefetch, q3_scales, reduce};
+    use super::avx2::{halves, prefetch, q3_scales, reduce_all};
     use crate::quant::{
         Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
     };
@@ -713,55 +850,87 @@ pub mod avx512 {
         unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))) }
     }
 
+    /// Q2_K for `N` activations: a super-block's 4 code vectors become
+    /// their scaled table bytes, and its mins their lanes, once; every
+    /// activation's quants then meet them.
+    struct Q2K;
+
+    impl Tokens for Q2K {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / Q2_K_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (84 bytes each: 16
+            // of scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D),
+            // with every activation's 256 split quants of them (2 groups
+            // of 4 blocks, 128 bytes each) and 8 scales (module docs).
+            unsafe {
+                let m4 = _mm_set1_epi8(0x0f);
+                let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * Q2_K_BLOCK_BYTES);
+                    prefetch(blk, 2);
+                    let bytes = _mm_loadu_si128(blk as *const __m128i);
+                    let scaled = table(_mm_and_si128(bytes, m4), 0x0302_0100);
+                    let mins =
+                        _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16::<4>(bytes), m4));
+                    let dd = halves(blk.add(Q2_K_D));
+                    let d = _mm256_broadcastss_ps(dd);
+                    let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+                    let mut u = [_mm512_setzero_si512(); 4];
+                    let mut m = [_mm512_setzero_si512(); 4];
+                    for t in 0..4 {
+                        let idx = indices(blk.add(Q2_K_QS + 16 * t), t);
+                        u[t] = _mm512_permutexvar_epi8(idx, scaled);
+                        m[t] = _mm512_permutexvar_epi8(load(&SUBS[t]), mins);
+                    }
+                    for (x, acc) in xs.iter().zip(acc.iter_mut()) {
+                        let q = x.split.as_ptr().add(i * QK_K);
+                        let mut a = [_mm512_setzero_si512(); 2];
+                        let mut b = [_mm512_setzero_si512(); 2];
+                        for t in 0..4 {
+                            let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
+                            a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], u[t], xq);
+                            b[t / 2] = _mm512_dpbusd_epi32(b[t / 2], m[t], xq);
+                        }
+                        let ab = _mm512_permutexvar_ps(
+                            back,
+                            _mm512_cvtepi32_ps(lane_sums(a[0], a[1], b[0], b[1])),
+                        );
+                        let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
+                        // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
+                        let t = _mm256_fmsub_ps(
+                            _mm256_mul_ps(d, xd),
+                            _mm512_castps512_ps256(ab),
+                            _mm256_mul_ps(_mm256_mul_ps(dmin, xd), high(ab)),
+                        );
+                        *acc = _mm_add_ps(*acc, _mm256_castps256_ps128(t));
+                        *acc = _mm_add_ps(*acc, _mm256_extractf128_ps::<1>(t));
+                    }
+                }
+                reduce_all(acc)
+            }
+        }
+    }
+
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     pub unsafe fn dot_q2_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        let supers = w.len() / Q2_K_BLOCK_BYTES;
-        let (wp, sp) = (w.as_ptr(), x.split.as_ptr());
-        // SAFETY: super-blocks i < supers are read (84 bytes each: 16 of
-        // scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D), with their
-        // 256 split quants (2 groups of 4 blocks, 128 bytes each) and 8
-        // scales (module docs).
-        unsafe {
-            let m4 = _mm_set1_epi8(0x0f);
-            let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
-            let mut acc = _mm_setzero_ps();
-            for i in 0..supers {
-                let blk = wp.add(i * Q2_K_BLOCK_BYTES);
-                prefetch(blk, 2);
-                let bytes = _mm_loadu_si128(blk as *const __m128i);
-                let scaled = table(_mm_and_si128(bytes, m4), 0x0302_0100);
-                let mins = _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16::<4>(bytes), m4));
-                let dd = halves(blk.add(Q2_K_D));
-                let d = _mm256_broadcastss_ps(dd);
-                let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-                let q = sp.add(i * QK_K);
-                let mut a = [_mm512_setzero_si512(); 2];
-                let mut b = [_mm512_setzero_si512(); 2];
-                for t in 0..4 {
-                    let u = _mm512_permutexvar_epi8(indices(blk.add(Q2_K_QS + 16 * t), t), scaled);
-                    let m = _mm512_permutexvar_epi8(load(&SUBS[t]), mins);
-                    let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
-                    a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], u, xq);
-                    b[t / 2] = _mm512_dpbusd_epi32(b[t / 2], m, xq);
-                }
-                let ab = _mm512_permutexvar_ps(
-                    back,
-                    _mm512_cvtepi32_ps(lane_sums(a[0], a[1], b[0], b[1])),
-                );
-                let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
-                // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
-                let t = _mm256_fmsub_ps(
-                    _mm256_mul_ps(d, xd),
-                    _mm512_castps512_ps256(ab),
-                    _mm256_mul_ps(_mm256_mul_ps(dmin, xd), high(ab)),
-                );
-                acc = _mm_add_ps(acc, _mm256_castps256_ps128(t));
-                acc = _mm_add_ps(acc, _mm256_extractf128_ps::<1>(t));
-            }
-            reduce(acc)
-        }
+        // SAFETY: the module contract.
+        unsafe { Q2K::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against
+    /// one Q2_K row: `out[t]` is [`dot_q2_k_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Q2K>(w, xs, out) }
     }
 
     /// Per lane `k` (both its qwords), the GF(2) matrix taking bits `2k`,
@@ -794,79 +963,120 @@ pub mod avx512 {
         v
     };
 
+    /// Q3_K for `N` activations: a super-block's tables and its 4 vectors
+    /// of table bytes are built once; every activation's quants then meet
+    /// them.
+    struct Q3K;
+
+    impl Tokens for Q3K {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / Q3_K_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (110 bytes each: 32
+            // of hmask, 64 of codes at Q3_K_QS, 12 of scales at
+            // Q3_K_SCALES, d at Q3_K_D), with every activation's 256 split
+            // quants of them, 8 scales and 8 bsums8 (module docs).
+            unsafe {
+                let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
+                let zero = _mm512_setzero_si512();
+                // Qword j of a table is 124·(1, …, 1) + sc_j·(−4, …, 3) as
+                // bytes: its low i32 124·0x01010101 − sc_j·0x01020304, its
+                // high 124·0x01010101 + sc_j·0x03020100.
+                let mul = _mm512_set1_epi64(0x0302_0100 << 32 | (-0x0102_0304i32 as u32 as i64));
+                let base = _mm512_set1_epi8(124);
+                let code_bits = _mm512_loadu_si512(CODE_BITS.as_ptr() as *const __m512i);
+                // (Loops, not closures, here and below: a closure in this
+                // function, which is not itself a `target_feature` one, is
+                // called out of line with its vectors in memory.)
+                let mut high_bits = [zero; 2];
+                for (h, b) in high_bits.iter_mut().zip(&HIGH_BITS) {
+                    *h = _mm512_loadu_si512(b.as_ptr() as *const __m512i);
+                }
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * Q3_K_BLOCK_BYTES);
+                    prefetch(blk, 2);
+                    let sc = q3_scales(blk.add(Q3_K_SCALES));
+                    // Table n, qword j − 8n, byte u: 124 + sc_j·(u − 4).
+                    let mut tabs = [zero; 2];
+                    for (tab, m) in tabs.iter_mut().zip([sc, _mm_unpackhi_epi64(sc, sc)]) {
+                        let q = _mm512_shuffle_epi32::<0b10_10_00_00>(_mm512_cvtepi8_epi64(m));
+                        *tab = _mm512_add_epi32(_mm512_mullo_epi32(q, mul), base);
+                    }
+                    let dd = halves(blk.add(Q3_K_D - 2));
+                    let d = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+                    let mut u = [zero; 4];
+                    for (t, u) in u.iter_mut().enumerate() {
+                        let (n, h) = (t / 2, t % 2);
+                        let c = _mm512_gf2p8affine_epi64_epi8::<0>(
+                            lanes16(blk.add(Q3_K_QS + 16 * t)),
+                            code_bits,
+                        );
+                        // Bit 2: the hmask bit; bit 3: h, the qword of the
+                        // lane.
+                        let hm = lanes16(blk.add(16 * h));
+                        let high = if h == 0 {
+                            _mm512_gf2p8affine_epi64_epi8::<0>(hm, high_bits[n])
+                        } else {
+                            _mm512_gf2p8affine_epi64_epi8::<8>(hm, high_bits[n])
+                        };
+                        let idx = _mm512_or_si512(c, high);
+                        *u = _mm512_shuffle_epi8(tabs[n], idx);
+                    }
+                    for (x, acc) in xs.iter().zip(acc.iter_mut()) {
+                        let q = x.split.as_ptr().add(i * QK_K);
+                        let mut a = [zero; 2];
+                        for (t, u) in u.iter().enumerate() {
+                            let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
+                            a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], *u, xq);
+                        }
+                        let s = _mm512_permutexvar_epi32(back, lane_sums(a[0], a[1], zero, zero));
+                        // Less 124·Σ a of each block (bsums8 = 8·Σ a).
+                        let sums = _mm256_srai_epi32::<3>(_mm256_loadu_si256(
+                            x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i,
+                        ));
+                        let s = _mm256_sub_epi32(
+                            _mm512_castsi512_si256(s),
+                            _mm256_mullo_epi32(sums, _mm256_set1_epi32(124)),
+                        );
+                        let s = _mm256_cvtepi32_ps(s);
+                        let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
+                        let dx = _mm256_mul_ps(d, xd);
+                        *acc = _mm_fmadd_ps(
+                            _mm256_castps256_ps128(dx),
+                            _mm256_castps256_ps128(s),
+                            *acc,
+                        );
+                        *acc = _mm_fmadd_ps(
+                            _mm256_extractf128_ps::<1>(dx),
+                            _mm256_extractf128_ps::<1>(s),
+                            *acc,
+                        );
+                    }
+                }
+                reduce_all(acc)
+            }
+        }
+    }
+
     /// # Safety
     /// See the module docs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")]
     pub unsafe fn dot_q3_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
-        let supers = w.len() / Q3_K_BLOCK_BYTES;
-        let (wp, sp) = (w.as_ptr(), x.split.as_ptr());
-        // SAFETY: super-blocks i < supers are read (110 bytes each: 32 of
-        // hmask, 64 of codes at Q3_K_QS, 12 of scales at Q3_K_SCALES, d at
-        // Q3_K_D), with their 256 split quants, 8 scales and 8 bsums8
-        // (module docs).
-        unsafe {
-            let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
-            let zero = _mm512_setzero_si512();
-            // Qword j of a table is 124·(1, …, 1) + sc_j·(−4, …, 3) as
-            // bytes: its low i32 124·0x01010101 − sc_j·0x01020304, its high
-            // 124·0x01010101 + sc_j·0x03020100.
-            let mul = _mm512_set1_epi64(0x0302_0100 << 32 | (-0x0102_0304i32 as u32 as i64));
-            let base = _mm512_set1_epi8(124);
-            let code_bits = _mm512_loadu_si512(CODE_BITS.as_ptr() as *const __m512i);
-            let high_bits = HIGH_BITS.map(|b| _mm512_loadu_si512(b.as_ptr() as *const __m512i));
-            let mut acc = _mm_setzero_ps();
-            for i in 0..supers {
-                let blk = wp.add(i * Q3_K_BLOCK_BYTES);
-                prefetch(blk, 2);
-                let sc = q3_scales(blk.add(Q3_K_SCALES));
-                // Table n, qword j − 8n, byte u: 124 + sc_j·(u − 4).
-                let tabs = [sc, _mm_unpackhi_epi64(sc, sc)].map(|m| {
-                    let q = _mm512_shuffle_epi32::<0b10_10_00_00>(_mm512_cvtepi8_epi64(m));
-                    _mm512_add_epi32(_mm512_mullo_epi32(q, mul), base)
-                });
-                let dd = halves(blk.add(Q3_K_D - 2));
-                let d = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-                let q = sp.add(i * QK_K);
-                let mut a = [_mm512_setzero_si512(); 2];
-                for t in 0..4 {
-                    let (n, h) = (t / 2, t % 2);
-                    let c = _mm512_gf2p8affine_epi64_epi8::<0>(
-                        lanes16(blk.add(Q3_K_QS + 16 * t)),
-                        code_bits,
-                    );
-                    // Bit 2: the hmask bit; bit 3: h, the qword of the lane.
-                    let hm = lanes16(blk.add(16 * h));
-                    let high = if h == 0 {
-                        _mm512_gf2p8affine_epi64_epi8::<0>(hm, high_bits[n])
-                    } else {
-                        _mm512_gf2p8affine_epi64_epi8::<8>(hm, high_bits[n])
-                    };
-                    let idx = _mm512_or_si512(c, high);
-                    let u = _mm512_shuffle_epi8(tabs[n], idx);
-                    let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
-                    a[n] = _mm512_dpbusd_epi32(a[n], u, xq);
-                }
-                let s = _mm512_permutexvar_epi32(back, lane_sums(a[0], a[1], zero, zero));
-                // Less 124·Σ a of each block (bsums8 = 8·Σ a).
-                let sums = _mm256_srai_epi32::<3>(_mm256_loadu_si256(
-                    x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i,
-                ));
-                let s = _mm256_sub_epi32(
-                    _mm512_castsi512_si256(s),
-                    _mm256_mullo_epi32(sums, _mm256_set1_epi32(124)),
-                );
-                let s = _mm256_cvtepi32_ps(s);
-                let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
-                let dx = _mm256_mul_ps(d, xd);
-                acc = _mm_fmadd_ps(_mm256_castps256_ps128(dx), _mm256_castps256_ps128(s), acc);
-                acc = _mm_fmadd_ps(
-                    _mm256_extractf128_ps::<1>(dx),
-                    _mm256_extractf128_ps::<1>(s),
-                    acc,
-                );
-            }
-            reduce(acc)
-        }
+        // SAFETY: the module contract.
+        unsafe { Q3K::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against
+    /// one Q3_K row: `out[t]` is [`dot_q3_k_q8`]`(w, xs[t])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Q3K>(w, xs, out) }
     }
 }
 
@@ -881,6 +1091,11 @@ mod tests {
     /// A vector kernel (its CPU features checked by the caller).
     #[cfg(target_arch = "x86_64")]
     type UnsafeDot = unsafe fn(&[u8], &Q8Activation) -> f32;
+
+    /// A several-token vector kernel (its CPU features checked by the
+    /// caller).
+    #[cfg(target_arch = "x86_64")]
+    type UnsafeMulti = unsafe fn(&[u8], &[&Q8Activation], &mut [f32]);
 
     /// f32's unit roundoff.
     const U: f64 = f32::EPSILON as f64 / 2.0;
@@ -944,6 +1159,38 @@ mod tests {
                     vnni && is_x86_feature_detected!("gfni"),
                 )),
                 Format::Iq4Xs => None,
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        fn avx2_multi(self) -> UnsafeMulti {
+            match self {
+                Format::Q2K => avx2::dot_q2_k_q8_multi,
+                Format::Q3K => avx2::dot_q3_k_q8_multi,
+                Format::Iq4Xs => avx2::dot_iq4_xs_q8_multi,
+            }
+        }
+
+        /// The AVX-512 several-token kernel, where there is one, and
+        /// whether this CPU runs it.
+        #[cfg(target_arch = "x86_64")]
+        fn avx512_multi(self) -> Option<(UnsafeMulti, bool)> {
+            let vnni = crate::kernels::has_avx512_vnni();
+            match self {
+                Format::Q2K => Some((avx512::dot_q2_k_q8_multi, vnni)),
+                Format::Q3K => Some((
+                    avx512::dot_q3_k_q8_multi,
+                    vnni && is_x86_feature_detected!("gfni"),
+                )),
+                Format::Iq4Xs => None,
+            }
+        }
+
+        fn weight_format(self) -> crate::format::WeightFormat {
+            match self {
+                Format::Q2K => crate::format::WeightFormat::Q2K,
+                Format::Q3K => crate::format::WeightFormat::Q3K,
+                Format::Iq4Xs => crate::format::WeightFormat::Iq4Xs,
             }
         }
 
@@ -1108,11 +1355,7 @@ mod tests {
                 eprintln!("SKIP avx512 {f:?}: this CPU has no AVX-512 VNNI (or GFNI)");
             }
         }
-        let wf = match f {
-            Format::Q2K => crate::format::WeightFormat::Q2K,
-            Format::Q3K => crate::format::WeightFormat::Q3K,
-            Format::Iq4Xs => crate::format::WeightFormat::Iq4Xs,
-        };
+        let wf = f.weight_format();
         for set in crate::kernels::tests::simd_sets() {
             let v = (set.dot_more_q8)(wf, w, x);
             assert_eq!(
@@ -1201,5 +1444,105 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A random activation of `n` elements, no block of it zero: block
+    /// scales from 10⁻³ to 10³, and now and then a block of ±1 (quants
+    /// ±127, the largest).
+    fn nonzero_x(rng: &mut impl Rng, n: usize) -> Q8Activation {
+        let mut x = vec![0.0f32; n];
+        for block in x.chunks_exact_mut(QK) {
+            let scale = 10f32.powf(rng.random_range(-3.0f32..3.0));
+            let ones = rng.random_ratio(1, 5);
+            for v in block.iter_mut() {
+                let sign = if rng.random() { 1.0 } else { -1.0 };
+                *v = if ones {
+                    sign
+                } else {
+                    sign * rng.random_range(0.01f32..1.0) * scale
+                };
+            }
+        }
+        Q8Activation::quantize(&x)
+    }
+
+    /// Every several-token kernel this CPU runs (AVX2's, AVX-512's where
+    /// there is one, and each kernel set's `dot_more_q8_multi`), on rows
+    /// of 1 to 9 super-blocks with every byte random and f16 scales from
+    /// subnormal to ±6·10⁴, against 1 to 4 random activations: result `t`
+    /// has the bits of the scalar reference for activation `t`, and
+    /// nothing past the activations' outputs is written.
+    #[test]
+    fn the_multi_token_kernels_give_the_reference_bits_for_every_token() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0513);
+        let sets = crate::kernels::tests::simd_sets();
+        let mut checked = 0;
+        for f in FORMATS {
+            for supers in 1..=9 {
+                for rep in 0..6 {
+                    let w = random_row(&mut rng, f, supers);
+                    for m in 1..=crate::kernels::q8act::MULTI {
+                        let acts: Vec<Q8Activation> =
+                            (0..m).map(|_| nonzero_x(&mut rng, supers * QK_K)).collect();
+                        let xs: Vec<&Q8Activation> = acts.iter().collect();
+                        let want: Vec<u32> = xs
+                            .iter()
+                            .map(|x| (f.reference())(&w, x).to_bits())
+                            .collect();
+                        let at = format!("{f:?} {supers} super-blocks, row {rep}, {m} tokens");
+                        let check = |level: &str, out: &[f32]| {
+                            let got: Vec<u32> = out[..m].iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "{level} {at}");
+                            assert!(out[m].is_nan(), "{level} {at}: wrote past the outputs");
+                        };
+                        #[cfg(target_arch = "x86_64")]
+                        {
+                            let mut levels: Vec<(&str, UnsafeMulti)> = Vec::new();
+                            if is_x86_feature_detected!("avx2")
+                                && is_x86_feature_detected!("fma")
+                                && is_x86_feature_detected!("f16c")
+                            {
+                                levels.push(("avx2", f.avx2_multi()));
+                            } else if rep == 0 && supers == 1 && m == 1 {
+                                eprintln!("SKIP avx2 multi: this CPU has no AVX2+FMA+F16C");
+                            }
+                            match f.avx512_multi() {
+                                Some((kernel, true)) => levels.push(("avx512", kernel)),
+                                Some((_, false)) if rep == 0 && supers == 1 && m == 1 => {
+                                    eprintln!(
+                                        "SKIP avx512 multi {f:?}: this CPU has no AVX-512 VNNI (or GFNI)"
+                                    );
+                                }
+                                _ => {}
+                            }
+                            for (level, kernel) in levels {
+                                let mut out = vec![f32::NAN; m + 1];
+                                // SAFETY: the CPU has the level's features
+                                // (checked above); `w` whole super-blocks,
+                                // every activation of its length and an
+                                // output for each.
+                                unsafe { kernel(&w, &xs, &mut out) };
+                                check(level, &out);
+                                checked += 1;
+                            }
+                        }
+                        for set in &sets {
+                            let Some(multi) = set.dot_more_q8_multi else {
+                                continue;
+                            };
+                            let mut out = vec![f32::NAN; m + 1];
+                            multi(f.weight_format(), &w, &xs, &mut out);
+                            check(set.name, &out);
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            assert!(checked > 0, "no several-token kernel ran");
+        }
+        let _ = checked;
     }
 }

@@ -41,6 +41,11 @@ use crate::tensor::QMatrix;
 /// One quantized row against up to [`q8act::MULTI`] activations.
 pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
 
+/// `(format, row, xs, out)`: one row of a [`KernelSet::dot_more_q8`]
+/// format against up to [`q8act::MULTI`] activations, `out[t]` for
+/// `xs[t]`.
+pub type MoreMultiDot = fn(WeightFormat, &[u8], &[&Q8Activation], &mut [f32]);
+
 /// `(tile, blocks, x, out)`: the 16 rows of a Q4_0 tile (see
 /// [`q4_0_tiles`]) against one activation, each result identical to
 /// `dot_q4_0_q8`'s for that row.
@@ -136,6 +141,11 @@ pub struct KernelSet {
     /// Q5_1, IQ4_NL: [`legacy_q8`]; Q2_K, Q3_K, IQ4_XS: [`low_k`]) against
     /// one activation: `(format, row, x)`.
     pub dot_more_q8: fn(WeightFormat, &[u8], &Q8Activation) -> f32,
+    /// One row of a `dot_more_q8` format against up to [`q8act::MULTI`]
+    /// activations (prefill, batched decode: each block's codes decoded
+    /// once for every token), each result identical to `dot_more_q8`'s;
+    /// `None` computes token by token.
+    pub dot_more_q8_multi: Option<MoreMultiDot>,
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
     pub dot_q8_0_q8_multi: MultiDot,
@@ -328,6 +338,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_k_q8: q4_k::dot_q4_k_q8,
     dot_q5_k_q8: q4_k::dot_q5_k_q8,
     dot_more_q8,
+    dot_more_q8_multi: None,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
@@ -427,12 +438,65 @@ mod avx2_wrappers {
             }
         }
     }
+    /// Up to `MULTI` activations against one row; also checks that `w`
+    /// is whole blocks, every activation of its length (split quants
+    /// included) and an output for each, which the kernels' contract asks
+    /// for.
+    pub fn dot_more_q8_multi(
+        f: super::WeightFormat,
+        w: &[u8],
+        xs: &[&super::Q8Activation],
+        out: &mut [f32],
+    ) {
+        use super::WeightFormat;
+        use super::{legacy_q8::avx2 as legacy, low_k::avx2 as low};
+        more_q8_multi_lengths(f, w, xs, out);
+        // SAFETY: `select` installs this set only on a CPU with AVX2, FMA
+        // and F16C; the lengths were checked.
+        unsafe {
+            match f {
+                WeightFormat::Q4_1 => legacy::dot_q4_1_q8_multi(w, xs, out),
+                WeightFormat::Q5_0 => legacy::dot_q5_0_q8_multi(w, xs, out),
+                WeightFormat::Q5_1 => legacy::dot_q5_1_q8_multi(w, xs, out),
+                WeightFormat::Iq4Nl => legacy::dot_iq4_nl_q8_multi(w, xs, out),
+                WeightFormat::Q2K => low::dot_q2_k_q8_multi(w, xs, out),
+                WeightFormat::Q3K => low::dot_q3_k_q8_multi(w, xs, out),
+                WeightFormat::Iq4Xs => low::dot_iq4_xs_q8_multi(w, xs, out),
+                other => panic!("{other:?} has a kernel of its own"),
+            }
+        }
+    }
+    /// [`more_q8_lengths`] for every activation, at most `MULTI` of them,
+    /// and an output for each.
+    pub(super) fn more_q8_multi_lengths(
+        f: super::WeightFormat,
+        w: &[u8],
+        xs: &[&super::Q8Activation],
+        out: &[f32],
+    ) {
+        assert!(
+            xs.len() <= super::q8act::MULTI && out.len() >= xs.len(),
+            "at most MULTI activations, an output for each"
+        );
+        let blocks = more_q8_blocks(f, w);
+        for x in xs {
+            activation_lengths(blocks, x);
+        }
+    }
     /// Checks that `w` is whole blocks of `f` and `x` of its length (its
     /// split quants included), which the kernels' contract asks for.
     pub(super) fn more_q8_lengths(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) {
+        activation_lengths(more_q8_blocks(f, w), x);
+    }
+    /// The blocks of 32 elements in `w`, checked to be whole blocks of `f`.
+    fn more_q8_blocks(f: super::WeightFormat, w: &[u8]) -> usize {
         let (elements, bytes) = super::more_q8_block(f);
         assert!(w.len().is_multiple_of(bytes), "whole blocks");
-        let blocks = w.len() / bytes * elements / crate::quant::QK;
+        w.len() / bytes * elements / crate::quant::QK
+    }
+    /// Checks that `x` has `blocks` blocks of quants, scales, sums and
+    /// split quants.
+    fn activation_lengths(blocks: usize, x: &super::Q8Activation) {
         assert!(
             x.quants.len() >= blocks * crate::quant::QK
                 && x.scales.len() >= blocks
@@ -579,6 +643,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_k_q8: avx2_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: avx2_wrappers::dot_q5_k_q8,
     dot_more_q8: avx2_wrappers::dot_more_q8,
+    dot_more_q8_multi: Some(avx2_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
@@ -621,6 +686,32 @@ mod avx512_wrappers {
                 unsafe { low::dot_q3_k_q8(w, x) }
             }
             _ => super::avx2_wrappers::dot_more_q8(f, w, x),
+        }
+    }
+    /// [`dot_more_q8`]'s choice of kernels for up to `MULTI` activations,
+    /// after the length checks their contract asks for.
+    pub fn dot_more_q8_multi(
+        f: super::WeightFormat,
+        w: &[u8],
+        xs: &[&super::Q8Activation],
+        out: &mut [f32],
+    ) {
+        use super::WeightFormat;
+        use super::avx2_wrappers::more_q8_multi_lengths;
+        use super::low_k::avx512 as low;
+        match f {
+            WeightFormat::Q2K => {
+                more_q8_multi_lengths(f, w, xs, out);
+                // SAFETY: `select` installs this set only on a CPU with
+                // everything the module asks for; the lengths were checked.
+                unsafe { low::dot_q2_k_q8_multi(w, xs, out) }
+            }
+            WeightFormat::Q3K if is_x86_feature_detected!("gfni") => {
+                more_q8_multi_lengths(f, w, xs, out);
+                // SAFETY: as for Q2_K, and the CPU has GFNI (checked here).
+                unsafe { low::dot_q3_k_q8_multi(w, xs, out) }
+            }
+            _ => super::avx2_wrappers::dot_more_q8_multi(f, w, xs, out),
         }
     }
     /// Also checks the lengths its safety contract asks for.
@@ -707,6 +798,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     dot_more_q8: avx512_wrappers::dot_more_q8,
+    dot_more_q8_multi: Some(avx512_wrappers::dot_more_q8_multi),
     ..AVX2
 };
 
@@ -873,6 +965,8 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_k_q8: neon_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: neon_wrappers::dot_q5_k_q8,
     dot_more_q8: neon_wrappers::dot_more_q8,
+    // No several-token NEON forms yet: a token at a time (same bits).
+    dot_more_q8_multi: None,
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -1785,6 +1879,35 @@ fn panel_rows(
     }
 }
 
+/// A several-token row kernel: one row against up to [`q8act::MULTI`]
+/// activations, each result the single-token kernel's.
+#[derive(Clone, Copy)]
+enum Multi {
+    /// A format's own field (Q8_0, Q4_0).
+    Own(MultiDot),
+    /// [`KernelSet::dot_more_q8_multi`], for this format.
+    More(MoreMultiDot, WeightFormat),
+}
+
+impl Multi {
+    /// `k`'s several-token kernel for format `f`, where it has one.
+    fn of(k: &KernelSet, f: WeightFormat) -> Option<Multi> {
+        Some(match f {
+            WeightFormat::Q8_0 => Multi::Own(k.dot_q8_0_q8_multi),
+            WeightFormat::Q4_0 => Multi::Own(k.dot_q4_0_q8_multi?),
+            f if more_q8(f) => Multi::More(k.dot_more_q8_multi?, f),
+            _ => return None,
+        })
+    }
+
+    fn run(self, row: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        match self {
+            Multi::Own(multi) => multi(row, xs, out),
+            Multi::More(multi, f) => multi(f, row, xs, out),
+        }
+    }
+}
+
 /// `Y[t] = W X[t]` for a prepared batch (of `w`'s format).
 fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     let k = kernels();
@@ -1848,12 +1971,8 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
             .filter(|_| q8.len() == n && n >= k_panels::PANEL_MIN_TOKENS)
             {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
-            } else if let Some(multi) = match w.format {
-                WeightFormat::Q8_0 => Some(k.dot_q8_0_q8_multi),
-                WeightFormat::Q4_0 => k.dot_q4_0_q8_multi,
-                _ => None,
-            }
-            .filter(|_| q8.len() == n && !w.is_tiled())
+            } else if let Some(multi) =
+                Multi::of(k, w.format).filter(|_| q8.len() == n && !w.is_tiled())
             {
                 // One pass over each row serves up to MULTI tokens (same
                 // results as one token at a time).
@@ -1861,7 +1980,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 for r in r0..r1 {
                     let row = &bytes[r * rb..(r + 1) * rb];
                     for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
-                        multi(row, group, &mut tmp[..group.len()]);
+                        multi.run(row, group, &mut tmp[..group.len()]);
                         for (j, v) in tmp[..group.len()].iter().enumerate() {
                             out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
                         }
@@ -2662,6 +2781,113 @@ mod tests {
                 for threads in [1, 2, 3] {
                     let pool = Pool::new(threads).unwrap();
                     for batch in [2usize, 3, 8, 9, 16, 19] {
+                        let mut y = vec![f32::NAN; batch * rows];
+                        matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
+                        for t in 0..batch {
+                            assert_eq!(
+                                bits(&y[t * rows..(t + 1) * rows]),
+                                bits(&single[t]),
+                                "{format:?} {rows}x{cols}, batch {batch}, token {t}, {threads} threads"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A `rows × cols` matrix of a [`more_q8`] format: every byte random,
+    /// then random f16 scales (and mins) over their fields: ordinary,
+    /// negative, subnormal and large ones.
+    fn more_q8_matrix(
+        rng: &mut impl Rng,
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+    ) -> QMatrix {
+        let (elements, f16s): (usize, &[usize]) = match format {
+            WeightFormat::Q5_0 | WeightFormat::Iq4Nl => (QK, &[0]),
+            WeightFormat::Q4_1 | WeightFormat::Q5_1 => (QK, &[0, 2]),
+            WeightFormat::Q2K => (quant::QK_K, &[quant::Q2_K_D, quant::Q2_K_D + 2]),
+            WeightFormat::Q3K => (quant::QK_K, &[quant::Q3_K_D]),
+            WeightFormat::Iq4Xs => (quant::QK_K, &[0]),
+            other => panic!("{other:?} is not a more_q8 format"),
+        };
+        let block = format.row_bytes(elements).unwrap();
+        let mut bytes: Vec<u8> = (0..rows * cols / elements * block)
+            .map(|_| rng.random())
+            .collect();
+        for b in bytes.chunks_exact_mut(block) {
+            for &at in f16s {
+                let sign = if rng.random() { -1.0f32 } else { 1.0 };
+                let v = match rng.random_range(0..5) {
+                    0 => rng.random_range(1e-7f32..5e-5),
+                    1 => rng.random_range(100.0f32..60000.0),
+                    _ => rng.random_range(1e-4f32..0.05),
+                };
+                let bits = half::f16::from_f32(sign * v).to_bits();
+                b[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        let data = crate::tensor::Bytes::from_vec(bytes);
+        QMatrix::new("m", rows, cols, format, data, None).unwrap()
+    }
+
+    /// Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS products over 1 to
+    /// 9 tokens (rows against up to `MULTI` tokens at a time through
+    /// `dot_more_q8_multi`, the rest of a batch in a smaller group) give
+    /// each token what a product of that token alone gives (the
+    /// single-token kernel), whatever the thread count; and the
+    /// several-token kernels run where the CPU has them.
+    #[test]
+    fn more_q8_batches_equal_single_tokens_bit_for_bit() {
+        let k = kernels();
+        #[cfg(target_arch = "x86_64")]
+        if k.int_activations && is_x86_feature_detected!("avx2") {
+            assert!(
+                k.dot_more_q8_multi.is_some(),
+                "{}: no several-token kernel for these formats",
+                k.name
+            );
+        }
+        if k.dot_more_q8_multi.is_none() {
+            eprintln!("SKIP multi path: {} has no dot_more_q8_multi", k.name);
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for format in [
+            WeightFormat::Q4_1,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Iq4Nl,
+            WeightFormat::Q2K,
+            WeightFormat::Q3K,
+            WeightFormat::Iq4Xs,
+        ] {
+            let shapes: &[(usize, usize)] = if format.super_block_bytes() > 0 {
+                &[(37, 256), (130, 9 * 256)]
+            } else {
+                &[(37, 13 * 32), (130, 768)]
+            };
+            for &(rows, cols) in shapes {
+                let m = more_q8_matrix(&mut rng, format, rows, cols);
+                let n = 9;
+                let x = rand_vec(&mut rng, n * cols);
+                let one = Pool::new(1).unwrap();
+                let single: Vec<Vec<f32>> = (0..n)
+                    .map(|t| {
+                        let mut y = vec![f32::NAN; rows];
+                        matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
+                        y
+                    })
+                    .collect();
+                assert!(
+                    single.iter().flatten().all(|v| v.is_finite()),
+                    "{format:?}: a product overflowed"
+                );
+                for threads in [1, 2, 3] {
+                    let pool = Pool::new(threads).unwrap();
+                    for batch in 1..=n {
                         let mut y = vec![f32::NAN; batch * rows];
                         matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
                         for t in 0..batch {

@@ -384,6 +384,42 @@ pub mod avx2 {
 /// Most activations one multi-token call takes.
 pub const MULTI: usize = 4;
 
+/// A row kernel written once for any number `N` of activations (its
+/// single-token form is `N = 1`), so that [`by_count`] can pick `N` from
+/// a slice's length. (The x86 kernels' for now; NEON's Q4_0 and Q8_0 ones
+/// have a macro of their own.)
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Tokens {
+    /// One row against `N` activations: result `t` for `xs[t]`.
+    ///
+    /// # Safety
+    /// The implementing kernel's contract, for every activation.
+    unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N];
+}
+
+/// `K`'s kernel for `xs.len()` activations (at most [`MULTI`]), into
+/// `out[..xs.len()]`. Panics where `xs` is longer than [`MULTI`] or `out`
+/// shorter than `xs`.
+///
+/// # Safety
+/// `K::run`'s contract, for every activation of `xs`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn by_count<K: Tokens>(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+    const _: () = assert!(MULTI == 4, "by_count spells out 1..=4 activations");
+    // SAFETY: the caller's contract, for every activation.
+    unsafe {
+        match *xs {
+            [] => {}
+            [a] => out[..1].copy_from_slice(&K::run::<1>(w, &[a])),
+            [a, b] => out[..2].copy_from_slice(&K::run::<2>(w, &[a, b])),
+            [a, b, c] => out[..3].copy_from_slice(&K::run::<3>(w, &[a, b, c])),
+            [a, b, c, d] => out[..4].copy_from_slice(&K::run::<4>(w, &[a, b, c, d])),
+            _ => panic!("at most {MULTI} activations, got {}", xs.len()),
+        }
+    }
+}
+
 /// Scalar reference of the multi-token kernel: the single-token reference
 /// per token.
 pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
