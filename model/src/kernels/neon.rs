@@ -27,7 +27,10 @@
 //! - `dot_more_q8` (Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, IQ4_XS): the
 //!   references of [`super::legacy_q8`] and [`super::low_k`] bit for bit
 //!   (exact integer sums, each block's f32 steps in the reference's order
-//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction).
+//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction);
+//!   `dot_more_q8_multi` is the same kernel over up to [`MULTI`] tokens
+//!   (each block's codes decoded once, every token's arithmetic its own),
+//!   so each token gets those bits too.
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
