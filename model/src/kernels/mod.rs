@@ -915,6 +915,17 @@ mod neon_wrappers {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_more_q8(f, w, x) }
     }
+    /// [`dot_more_q8`]'s formats, up to `MULTI` activations; the kernel
+    /// checks the lengths as `avx2_wrappers::more_q8_multi_lengths` does.
+    pub fn dot_more_q8_multi(
+        f: super::WeightFormat,
+        w: &[u8],
+        xs: &[&Q8Activation],
+        out: &mut [f32],
+    ) {
+        // SAFETY: NEON is present (baseline).
+        unsafe { neon::base::dot_more_q8_multi(f, w, xs, out) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: NEON is present (baseline).
         unsafe { neon::base::dot_q8_0_q8_multi(w, xs, out) }
@@ -965,8 +976,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_k_q8: neon_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: neon_wrappers::dot_q5_k_q8,
     dot_more_q8: neon_wrappers::dot_more_q8,
-    // No several-token NEON forms yet: a token at a time (same bits).
-    dot_more_q8_multi: None,
+    dot_more_q8_multi: Some(neon_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
@@ -1008,6 +1018,15 @@ mod dotprod_wrappers {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_more_q8(f, w, x) }
     }
+    pub fn dot_more_q8_multi(
+        f: super::WeightFormat,
+        w: &[u8],
+        xs: &[&Q8Activation],
+        out: &mut [f32],
+    ) {
+        // SAFETY: dotprod detected at run time (see above).
+        unsafe { neon::dotprod::dot_more_q8_multi(f, w, xs, out) }
+    }
     pub fn dot_q8_0_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
         // SAFETY: dotprod detected at run time (see above).
         unsafe { neon::dotprod::dot_q8_0_q8_multi(w, xs, out) }
@@ -1039,6 +1058,7 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     dot_q4_k_q8: dotprod_wrappers::dot_q4_k_q8,
     dot_q5_k_q8: dotprod_wrappers::dot_q5_k_q8,
     dot_more_q8: dotprod_wrappers::dot_more_q8,
+    dot_more_q8_multi: Some(dotprod_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
     dot_k_panels: Some(dotprod_wrappers::dot_k_panels),
@@ -2850,6 +2870,12 @@ mod tests {
                 k.name
             );
         }
+        #[cfg(target_arch = "aarch64")]
+        assert!(
+            k.dot_more_q8_multi.is_some(),
+            "{}: no several-token kernel for these formats",
+            k.name
+        );
         if k.dot_more_q8_multi.is_none() {
             eprintln!("SKIP multi path: {} has no dot_more_q8_multi", k.name);
         }

@@ -27,7 +27,10 @@
 //! - `dot_more_q8` (Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, IQ4_XS): the
 //!   references of [`super::legacy_q8`] and [`super::low_k`] bit for bit
 //!   (exact integer sums, each block's f32 steps in the reference's order
-//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction).
+//!   into its lane `b mod 4`, blocks in order, the `tree4` reduction);
+//!   `dot_more_q8_multi` is the same kernel over up to [`MULTI`] tokens
+//!   (each block's codes decoded once, every token's arithmetic its own),
+//!   so each token gets those bits too.
 //!
 //! The f16 scales are widened with FCVTL/FCVT (base AArch64 instructions,
 //! exact, as `f16_to_f32`) through `asm!`, since Rust's f16 vector
@@ -1115,92 +1118,130 @@ unsafe fn legacy_values<F: Legacy>(blk: *const u8) -> (int8x16_t, int8x16_t) {
     }
 }
 
+/// The quants, scales and `bsums8` of `N` activations, as pointers (what
+/// the several-token kernels read per token).
+struct Acts<const N: usize> {
+    quants: [*const i8; N],
+    scales: [*const f32; N],
+    bsums8: [*const i32; N],
+}
+
+impl<const N: usize> Acts<N> {
+    /// The first `N` of `xs` (panics if there are fewer).
+    #[inline(always)]
+    fn of(xs: &[&Q8Activation]) -> Self {
+        Acts {
+            quants: std::array::from_fn(|t| xs[t].quants.as_ptr()),
+            scales: std::array::from_fn(|t| xs[t].scales.as_ptr()),
+            bsums8: std::array::from_fn(|t| xs[t].bsums8.as_ptr()),
+        }
+    }
+}
+
 /// Blocks `c..c + n` (`c` a multiple of 4, `1 <= n <= 4`) of a legacy row
-/// at `wp` into `acc`: block `c + i` into lane `i` (= `(c + i) mod 4`),
-/// lanes `n..4` left as they are. Per block the exact integer `Σ v · a`
-/// (lanes of 4 products, |·| ≤ 127 · 127, then summed: exact whatever
+/// at `wp` into each token's `acc[t]`: the blocks' values and f16 heads
+/// decoded once; per token, block `c + i` into lane `i` (= `(c + i) mod
+/// 4`), lanes `n..4` left as they are. Per block the exact integer `Σ v ·
+/// a` (lanes of 4 products, |·| ≤ 127 · 127, then summed: exact whatever
 /// the order), then the reference's f32 steps (see [`Legacy::MIN`]).
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; blocks `c..c + n` of the row and of
-/// `x` (quants, scales, bsums8) in bounds.
+/// every activation of `a` (quants, scales, bsums8) in bounds.
 #[inline(always)]
-unsafe fn legacy_group<const SDOT: bool, F: Legacy>(
+#[allow(clippy::needless_range_loop)] // t indexes the accumulators and the activations
+unsafe fn legacy_group<const SDOT: bool, F: Legacy, const N: usize>(
     wp: *const u8,
-    x: &Q8Activation,
+    a: &Acts<N>,
     c: usize,
     n: usize,
-    acc: float32x4_t,
-) -> float32x4_t {
-    // SAFETY: blocks c..c + n of the row and the activation are in
+    acc: &mut [float32x4_t; N],
+) {
+    // SAFETY: blocks c..c + n of the row and of the activations are in
     // bounds (caller), the local arrays are 4 long and n <= 4; SDOT only
     // when the caller has it.
     unsafe {
         let zero = vdupq_n_s32(0);
-        let mut v = [zero; 4];
+        let mut values = [(vdupq_n_s8(0), vdupq_n_s8(0)); 4];
         let mut heads = [0u32; 4];
-        let (mut xd, mut bsums8) = ([0.0f32; 4], [0i32; 4]);
         for i in 0..n {
-            let b = c + i;
-            let blk = wp.add(b * F::SIZE);
-            let (lo, hi) = legacy_values::<F>(blk);
-            let q = x.quants.as_ptr().add(b * QK);
-            let p = dot4::<SDOT>(zero, lo, vld1q_s8(q));
-            v[i] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(16)));
+            let blk = wp.add((c + i) * F::SIZE);
+            values[i] = legacy_values::<F>(blk);
             heads[i] = u32::from_le_bytes((blk as *const [u8; 4]).read_unaligned());
-            xd[i] = *x.scales.as_ptr().add(b);
-            bsums8[i] = *x.bsums8.as_ptr().add(b);
         }
-        // Lane i: block c + i's integer (|·| < 2²⁴, so exact as f32).
-        let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
-        let sums = vcvtq_f32_s32(sums);
         let heads = vld1q_u32(heads.as_ptr());
-        let xd = vld1q_f32(xd.as_ptr());
-        // f16(d) · x.d_b: one rounding.
-        let d = vmulq_f32(f16x4_to_f32(vmovn_u32(heads)), xd);
-        let new = if F::MIN {
-            // B_b = Σ a = bsums8 / 8 (an exact shift); (m · x.d_b) · B_b
-            // (two roundings), fused into d · A_b, added into the lane.
-            let m = f16x4_to_f32(vshrn_n_u32::<16>(heads));
-            let b = vcvtq_f32_s32(vshrq_n_s32::<3>(vld1q_s32(bsums8.as_ptr())));
-            vaddq_f32(acc, vfmaq_f32(vmulq_f32(vmulq_f32(m, xd), b), d, sums))
-        } else {
-            vfmaq_f32(acc, d, sums)
-        };
-        if n == 4 {
-            new
-        } else {
-            let live = vcltq_u32(vld1q_u32([0u32, 1, 2, 3].as_ptr()), vdupq_n_u32(n as u32));
-            vbslq_f32(live, new, acc)
+        let dw = f16x4_to_f32(vmovn_u32(heads));
+        let m = f16x4_to_f32(vshrn_n_u32::<16>(heads));
+        // Lanes 0..n: the blocks present.
+        let live = vcltq_u32(vld1q_u32([0u32, 1, 2, 3].as_ptr()), vdupq_n_u32(n as u32));
+        for t in 0..N {
+            let q = a.quants[t].add(c * QK);
+            let mut v = [zero; 4];
+            let (mut xd, mut bsums8) = ([0.0f32; 4], [0i32; 4]);
+            for i in 0..n {
+                let (lo, hi) = values[i];
+                let p = dot4::<SDOT>(zero, lo, vld1q_s8(q.add(i * QK)));
+                v[i] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(i * QK + 16)));
+                xd[i] = *a.scales[t].add(c + i);
+                bsums8[i] = *a.bsums8[t].add(c + i);
+            }
+            // Lane i: block c + i's integer (|·| < 2²⁴, so exact as f32).
+            let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+            let sums = vcvtq_f32_s32(sums);
+            let xd = vld1q_f32(xd.as_ptr());
+            // f16(d) · x.d_b: one rounding.
+            let d = vmulq_f32(dw, xd);
+            let new = if F::MIN {
+                // B_b = Σ a = bsums8 / 8 (an exact shift); (m · x.d_b) ·
+                // B_b (two roundings), fused into d · A_b, added into the
+                // lane.
+                let b = vcvtq_f32_s32(vshrq_n_s32::<3>(vld1q_s32(bsums8.as_ptr())));
+                vaddq_f32(acc[t], vfmaq_f32(vmulq_f32(vmulq_f32(m, xd), b), d, sums))
+            } else {
+                vfmaq_f32(acc[t], d, sums)
+            };
+            acc[t] = if n == 4 {
+                new
+            } else {
+                vbslq_f32(live, new, acc[t])
+            };
         }
     }
 }
 
 /// A Q4_1, Q5_0, Q5_1 or IQ4_NL row (whole blocks of `F::SIZE` bytes) ·
-/// activation, `legacy_q8`'s reference arithmetic: 4 blocks at a time,
-/// block `b`'s term into lane `b mod 4`, blocks in order
-/// ([`legacy_group`]), reduced as [`tree4`].
+/// `N` activations, `legacy_q8`'s reference arithmetic for each: 4
+/// blocks at a time, decoded once for every token; each token's block
+/// `b` term into its lane `b mod 4`, blocks in order ([`legacy_group`]),
+/// reduced as [`tree4`] into `out[t]`.
 ///
 /// # Safety
-/// With `SDOT`, requires `dotprod`; `x` at least `w.len() / F::SIZE`
-/// blocks long (quants, scales, bsums8).
+/// With `SDOT`, requires `dotprod`; every activation of `a` at least
+/// `w.len() / F::SIZE` blocks long (quants, scales, bsums8); `out.len() >=
+/// N`.
 #[inline(always)]
-unsafe fn legacy_row<const SDOT: bool, F: Legacy>(w: &[u8], x: &Q8Activation) -> f32 {
+unsafe fn legacy_row<const SDOT: bool, F: Legacy, const N: usize>(
+    w: &[u8],
+    a: &Acts<N>,
+    out: &mut [f32],
+) {
     let blocks = w.len() / F::SIZE;
     let wp = w.as_ptr();
-    // SAFETY: groups cover blocks 0..blocks of the row, in bounds of `x`
-    // (caller); SDOT only when the caller has it.
+    // SAFETY: groups cover blocks 0..blocks of the row, in bounds of every
+    // activation (caller); SDOT only when the caller has it.
     unsafe {
-        let mut acc = vdupq_n_f32(0.0);
+        let mut acc = [vdupq_n_f32(0.0); N];
         let mut c = 0;
         while c + 4 <= blocks {
-            acc = legacy_group::<SDOT, F>(wp, x, c, 4, acc);
+            legacy_group::<SDOT, F, N>(wp, a, c, 4, &mut acc);
             c += 4;
         }
         if c < blocks {
-            acc = legacy_group::<SDOT, F>(wp, x, c, blocks - c, acc);
+            legacy_group::<SDOT, F, N>(wp, a, c, blocks - c, &mut acc);
         }
-        tree4(acc)
+        for (o, &acc) in out.iter_mut().zip(&acc) {
+            *o = tree4(acc);
+        }
     }
 }
 
@@ -1226,29 +1267,37 @@ fn scaled_pairs(p: &[int32x4_t; 8], sc: int16x8_t) -> int32x4_t {
     }
 }
 
-/// A Q2_K row (`supers` super-blocks of 84 bytes) · activation,
-/// `low_k::dot_q2_k_q8`'s arithmetic: per half super-block (its blocks
-/// `4n..4n + 4`, codes `(qs[32n + l] >> 2k) & 3` for its block `k`), each
-/// sub-block's `Σ q · a` and `Σ a` (exact lane sums), scaled by its 4-bit
-/// scale and min and paired into `A_b`, `B_b` ([`scaled_pairs`]); lane
-/// `k` for block `b = 8i + 4n + k`: `t_b = fma(d · x.d_b, A_b, −((dmin ·
-/// x.d_b) · B_b))` (`q4_k::term`) added into lane `b mod 4`, blocks in
-/// order; reduced as [`tree4`].
+/// A Q2_K row (`supers` super-blocks of 84 bytes) · `N` activations,
+/// `low_k::dot_q2_k_q8`'s arithmetic for each: per half super-block (its
+/// blocks `4n..4n + 4`, codes `(qs[32n + l] >> 2k) & 3` for its block
+/// `k`, decoded once for every token), each sub-block's `Σ q · a` and
+/// `Σ a` (exact lane sums), scaled by its 4-bit scale and min and paired
+/// into `A_b`, `B_b` ([`scaled_pairs`]); lane `k` for block `b = 8i + 4n
+/// + k`: `t_b = fma(d · x.d_b, A_b, −((dmin · x.d_b) · B_b))`
+/// (`q4_k::term`) added into the token's lane `b mod 4`, blocks in order;
+/// reduced as [`tree4`] into `out[t]`.
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
-/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+/// every activation's quants at least `supers · 256` and scales `supers
+/// · 8` long; `out.len() >= N`.
 #[inline(always)]
-unsafe fn q2_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
-    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+#[allow(clippy::needless_range_loop)] // t indexes the accumulators and the activations
+unsafe fn q2_k_row<const SDOT: bool, const N: usize>(
+    w: &[u8],
+    a: &Acts<N>,
+    supers: usize,
+    out: &mut [f32],
+) {
+    let wp = w.as_ptr();
     // SAFETY: super-block i < supers of w (scales at 0, codes at Q2_K_QS,
-    // d and dmin at Q2_K_D), and the activation's quants [256i..256i +
+    // d and dmin at Q2_K_D), and every activation's quants [256i..256i +
     // 256] and scales [8i..8i + 8], are in bounds (caller); SDOT only when
     // the caller has it.
     unsafe {
         let zero = vdupq_n_s32(0);
         let (m3, m4) = (vdupq_n_u8(3), vdupq_n_u8(0x0f));
-        let mut acc = vdupq_n_f32(0.0);
+        let mut acc = [vdupq_n_f32(0.0); N];
         for i in 0..supers {
             let blk = wp.add(i * Q2_K_BLOCK_BYTES);
             let d = vdupq_n_f32(f16_at(blk.add(Q2_K_D)));
@@ -1259,34 +1308,44 @@ unsafe fn q2_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) 
             for n in 0..2 {
                 let qs = blk.add(Q2_K_QS + 32 * n);
                 let mut raw = [vld1q_u8(qs), vld1q_u8(qs.add(16))];
-                let q = qp.add((8 * i + 4 * n) * QK);
-                // p[2k + h], s[2k + h]: sub-block 2k + h of the half (its
-                // block k's half h), Σ q · a and Σ a as 4 lane sums.
-                let mut p = [zero; 8];
-                let mut s = [zero; 8];
+                // codes[2k + h]: sub-block 2k + h of the half (its block
+                // k's half h), elements 16(2k + h).. of the half's quants.
+                let mut codes = [vdupq_n_s8(0); 8];
                 for k in 0..4 {
                     for h in 0..2 {
-                        let codes = vreinterpretq_s8_u8(vandq_u8(raw[h], m3));
-                        let a = vld1q_s8(q.add(k * QK + 16 * h));
-                        p[2 * k + h] = dot4::<SDOT>(zero, codes, a);
-                        s[2 * k + h] = vpaddlq_s16(vpaddlq_s8(a));
+                        codes[2 * k + h] = vreinterpretq_s8_u8(vandq_u8(raw[h], m3));
+                        raw[h] = vshrq_n_u8::<2>(raw[h]);
                     }
-                    raw = raw.map(|r| vshrq_n_u8::<2>(r));
                 }
                 let (sc16, mn16) = if n == 0 {
                     (vmovl_u8(vget_low_u8(sc)), vmovl_u8(vget_low_u8(mn)))
                 } else {
                     (vmovl_high_u8(sc), vmovl_high_u8(mn))
                 };
-                let a = vcvtq_f32_s32(scaled_pairs(&p, vreinterpretq_s16_u16(sc16)));
-                let b = vcvtq_f32_s32(scaled_pairs(&s, vreinterpretq_s16_u16(mn16)));
-                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
-                let min_term = vmulq_f32(vmulq_f32(dmin, xd), b);
-                let t = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d, xd), a);
-                acc = vaddq_f32(acc, t);
+                let (sc16, mn16) = (vreinterpretq_s16_u16(sc16), vreinterpretq_s16_u16(mn16));
+                for t in 0..N {
+                    let q = a.quants[t].add((8 * i + 4 * n) * QK);
+                    // p[j], s[j]: sub-block j's Σ q · a and Σ a as 4 lane
+                    // sums.
+                    let mut p = [zero; 8];
+                    let mut s = [zero; 8];
+                    for j in 0..8 {
+                        let x = vld1q_s8(q.add(16 * j));
+                        p[j] = dot4::<SDOT>(zero, codes[j], x);
+                        s[j] = vpaddlq_s16(vpaddlq_s8(x));
+                    }
+                    let av = vcvtq_f32_s32(scaled_pairs(&p, sc16));
+                    let bv = vcvtq_f32_s32(scaled_pairs(&s, mn16));
+                    let xd = vld1q_f32(a.scales[t].add(8 * i + 4 * n));
+                    let min_term = vmulq_f32(vmulq_f32(dmin, xd), bv);
+                    let term = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d, xd), av);
+                    acc[t] = vaddq_f32(acc[t], term);
+                }
             }
         }
-        tree4(acc)
+        for (o, &acc) in out.iter_mut().zip(&acc) {
+            *o = tree4(acc);
+        }
     }
 }
 
@@ -1323,28 +1382,37 @@ unsafe fn q3_k_scales(s: *const u8) -> int8x16_t {
     }
 }
 
-/// A Q3_K row (`supers` super-blocks of 110 bytes) · activation,
-/// `low_k::dot_q3_k_q8`'s arithmetic: per half super-block (its blocks
-/// `4n..4n + 4`), block `k`'s codes `((qs[32n + l] >> 2k) & 3) + 4·hbit − 4`
-/// (`hbit`: bit `4n + k` of `hmask[l]`; −4..=3) against its quants, each
-/// sub-block's exact sum times its signed scale and paired into `A_b`
-/// ([`scaled_pairs`]); lane `k` for block `b = 8i + 4n + k` becomes
-/// `fma(d · x.d_b, A_b, lane)` (blocks in order), reduced as [`tree4`].
+/// A Q3_K row (`supers` super-blocks of 110 bytes) · `N` activations,
+/// `low_k::dot_q3_k_q8`'s arithmetic for each: per half super-block (its
+/// blocks `4n..4n + 4`), block `k`'s codes `((qs[32n + l] >> 2k) & 3) +
+/// 4·hbit − 4` (`hbit`: bit `4n + k` of `hmask[l]`; −4..=3), decoded once
+/// for every token, against each token's quants, each sub-block's exact
+/// sum times its signed scale and paired into `A_b` ([`scaled_pairs`]);
+/// the token's lane `k` for block `b = 8i + 4n + k` becomes `fma(d ·
+/// x.d_b, A_b, lane)` (blocks in order), reduced as [`tree4`] into
+/// `out[t]`.
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
-/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+/// every activation's quants at least `supers · 256` and scales `supers
+/// · 8` long; `out.len() >= N`.
 #[inline(always)]
-unsafe fn q3_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
-    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+#[allow(clippy::needless_range_loop)] // t indexes the accumulators and the activations
+unsafe fn q3_k_row<const SDOT: bool, const N: usize>(
+    w: &[u8],
+    a: &Acts<N>,
+    supers: usize,
+    out: &mut [f32],
+) {
+    let wp = w.as_ptr();
     // SAFETY: super-block i < supers of w (hmask at 0, codes at Q3_K_QS,
-    // scales at Q3_K_SCALES, d at Q3_K_D), and the activation's quants
+    // scales at Q3_K_SCALES, d at Q3_K_D), and every activation's quants
     // [256i..256i + 256] and scales [8i..8i + 8], are in bounds (caller);
     // SDOT only when the caller has it.
     unsafe {
         let zero = vdupq_n_s32(0);
         let (m3, four) = (vdupq_n_u8(3), vdupq_n_u8(4));
-        let mut acc = vdupq_n_f32(0.0);
+        let mut acc = [vdupq_n_f32(0.0); N];
         for i in 0..supers {
             let blk = wp.add(i * Q3_K_BLOCK_BYTES);
             let d = vdupq_n_f32(f16_at(blk.add(Q3_K_D)));
@@ -1353,30 +1421,39 @@ unsafe fn q3_k_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) 
             for n in 0..2 {
                 let qs = blk.add(Q3_K_QS + 32 * n);
                 let mut raw = [vld1q_u8(qs), vld1q_u8(qs.add(16))];
-                let q = qp.add((8 * i + 4 * n) * QK);
-                // p[2k + h]: sub-block 2k + h of the half, 4 lane sums.
-                let mut p = [zero; 8];
+                // codes[2k + h]: sub-block 2k + h of the half (its block
+                // k's half h), elements 16(2k + h).. of the half's quants.
+                let mut codes = [vdupq_n_s8(0); 8];
                 for k in 0..4 {
                     let bit = vdupq_n_u8(1 << (4 * n + k));
                     for h in 0..2 {
                         let high = vandq_u8(vtstq_u8(hm[h], bit), four);
                         let u = vorrq_u8(vandq_u8(raw[h], m3), high);
-                        let codes = vsubq_s8(vreinterpretq_s8_u8(u), vdupq_n_s8(4));
-                        p[2 * k + h] = dot4::<SDOT>(zero, codes, vld1q_s8(q.add(k * QK + 16 * h)));
+                        codes[2 * k + h] = vsubq_s8(vreinterpretq_s8_u8(u), vdupq_n_s8(4));
+                        raw[h] = vshrq_n_u8::<2>(raw[h]);
                     }
-                    raw = raw.map(|r| vshrq_n_u8::<2>(r));
                 }
                 let sc16 = if n == 0 {
                     vmovl_s8(vget_low_s8(sc))
                 } else {
                     vmovl_high_s8(sc)
                 };
-                let a = vcvtq_f32_s32(scaled_pairs(&p, sc16));
-                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
-                acc = vfmaq_f32(acc, vmulq_f32(d, xd), a);
+                for t in 0..N {
+                    let q = a.quants[t].add((8 * i + 4 * n) * QK);
+                    // p[j]: sub-block j of the half, 4 lane sums.
+                    let mut p = [zero; 8];
+                    for j in 0..8 {
+                        p[j] = dot4::<SDOT>(zero, codes[j], vld1q_s8(q.add(16 * j)));
+                    }
+                    let av = vcvtq_f32_s32(scaled_pairs(&p, sc16));
+                    let xd = vld1q_f32(a.scales[t].add(8 * i + 4 * n));
+                    acc[t] = vfmaq_f32(acc[t], vmulq_f32(d, xd), av);
+                }
             }
         }
-        tree4(acc)
+        for (o, &acc) in out.iter_mut().zip(&acc) {
+            *o = tree4(acc);
+        }
     }
 }
 
@@ -1402,52 +1479,69 @@ unsafe fn iq4_xs_scales(blk: *const u8) -> [int32x4_t; 2] {
     }
 }
 
-/// An IQ4_XS row (`supers` super-blocks of 136 bytes) · activation,
-/// `low_k::dot_iq4_xs_q8`'s arithmetic: block `k`'s 16 bytes of nibbles
-/// (element `l` the low nibble of byte `l`, `l + 16` its high one) looked
-/// up in [`IQ4_NL_VALUES`] (TBL), the exact `Σ v · a` times the block's
-/// scale (`A_b`, |·| < 2²⁴); per half super-block, lane `k` for block `b
-/// = 8i + 4n + k` becomes `fma(d · x.d_b, A_b, lane)` (blocks in order),
-/// reduced as [`tree4`].
+/// An IQ4_XS row (`supers` super-blocks of 136 bytes) · `N` activations,
+/// `low_k::dot_iq4_xs_q8`'s arithmetic for each: block `k`'s 16 bytes of
+/// nibbles (element `l` the low nibble of byte `l`, `l + 16` its high
+/// one) looked up in [`IQ4_NL_VALUES`] (TBL) once for every token; per
+/// token the exact `Σ v · a` times the block's scale (`A_b`, |·| < 2²⁴);
+/// per half super-block, the token's lane `k` for block `b = 8i + 4n + k`
+/// becomes `fma(d · x.d_b, A_b, lane)` (blocks in order), reduced as
+/// [`tree4`] into `out[t]`.
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
-/// `x.quants` at least `supers · 256` and `x.scales` `supers · 8` long.
+/// every activation's quants at least `supers · 256` and scales `supers
+/// · 8` long; `out.len() >= N`.
 #[inline(always)]
-unsafe fn iq4_xs_row<const SDOT: bool>(w: &[u8], x: &Q8Activation, supers: usize) -> f32 {
-    let (wp, qp, sp) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+#[allow(clippy::needless_range_loop)] // t indexes the accumulators and the activations
+unsafe fn iq4_xs_row<const SDOT: bool, const N: usize>(
+    w: &[u8],
+    a: &Acts<N>,
+    supers: usize,
+    out: &mut [f32],
+) {
+    let wp = w.as_ptr();
     // SAFETY: super-block i < supers of w (d at 0, scales at 2..8, nibbles
-    // at IQ4_XS_QS), and the activation's quants [256i..256i + 256] and
+    // at IQ4_XS_QS), and every activation's quants [256i..256i + 256] and
     // scales [8i..8i + 8], are in bounds (caller); the table load reads a
     // constant; SDOT only when the caller has it.
     unsafe {
         let zero = vdupq_n_s32(0);
         let m4 = vdupq_n_u8(0x0f);
         let table = vld1q_s8(IQ4_NL_VALUES.as_ptr());
-        let mut acc = vdupq_n_f32(0.0);
+        let mut acc = [vdupq_n_f32(0.0); N];
         for i in 0..supers {
             let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
             let d = vdupq_n_f32(f16_at(blk));
             let ls = iq4_xs_scales(blk);
             for (n, &ls) in ls.iter().enumerate() {
-                // v[k]: block 4n + k's 4 lane sums.
-                let mut v = [zero; 4];
-                for (k, v) in v.iter_mut().enumerate() {
-                    let b = 4 * n + k;
-                    let raw = vld1q_u8(blk.add(IQ4_XS_QS + 16 * b));
+                // values[k]: block 4n + k's values, two 16-byte halves.
+                let mut values = [(vdupq_n_s8(0), vdupq_n_s8(0)); 4];
+                for (k, v) in values.iter_mut().enumerate() {
+                    let raw = vld1q_u8(blk.add(IQ4_XS_QS + 16 * (4 * n + k)));
                     let lo = vqtbl1q_s8(table, vandq_u8(raw, m4));
                     let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(raw));
-                    let q = qp.add((8 * i + b) * QK);
-                    let p = dot4::<SDOT>(zero, lo, vld1q_s8(q));
-                    *v = dot4::<SDOT>(p, hi, vld1q_s8(q.add(16)));
+                    *v = (lo, hi);
                 }
-                let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
-                let a = vcvtq_f32_s32(vmulq_s32(sums, ls));
-                let xd = vld1q_f32(sp.add(8 * i + 4 * n));
-                acc = vfmaq_f32(acc, vmulq_f32(d, xd), a);
+                for t in 0..N {
+                    let q = a.quants[t].add((8 * i + 4 * n) * QK);
+                    // v[k]: block 4n + k's 4 lane sums.
+                    let mut v = [zero; 4];
+                    for k in 0..4 {
+                        let (lo, hi) = values[k];
+                        let p = dot4::<SDOT>(zero, lo, vld1q_s8(q.add(k * QK)));
+                        v[k] = dot4::<SDOT>(p, hi, vld1q_s8(q.add(k * QK + 16)));
+                    }
+                    let sums = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3]));
+                    let av = vcvtq_f32_s32(vmulq_s32(sums, ls));
+                    let xd = vld1q_f32(a.scales[t].add(8 * i + 4 * n));
+                    acc[t] = vfmaq_f32(acc[t], vmulq_f32(d, xd), av);
+                }
             }
         }
-        tree4(acc)
+        for (o, &acc) in out.iter_mut().zip(&acc) {
+            *o = tree4(acc);
+        }
     }
 }
 
@@ -1466,51 +1560,60 @@ fn more_q8_block(format: WeightFormat) -> (usize, usize) {
     }
 }
 
-/// What `dot_more_q8` asks of its arguments, checked as the x86 sets
-/// check them (`avx2_wrappers::more_q8_lengths` in `super`): `w` whole
-/// blocks of `format`, `x` at least the row's length — its quants, scales,
-/// bsums8 and `split` copy (not read here, but every kernel set accepts
-/// the same arguments). Panics otherwise. Returns the row's blocks (of
-/// 32 or of 256 elements).
-fn more_q8_lengths(format: WeightFormat, w: &[u8], x: &Q8Activation) -> usize {
+/// What `dot_more_q8` and `dot_more_q8_multi` ask of their arguments,
+/// checked as the x86 sets check them (`avx2_wrappers::more_q8_lengths`
+/// and `more_q8_multi_lengths` in `super`): `w` whole blocks of `format`,
+/// every activation of `xs` at least the row's length — its quants,
+/// scales, bsums8 and `split` copy (not read here, but every kernel set
+/// accepts the same arguments). Panics otherwise. Returns the row's
+/// blocks (of 32 or of 256 elements).
+fn more_q8_lengths(format: WeightFormat, w: &[u8], xs: &[&Q8Activation]) -> usize {
     let (elements, bytes) = more_q8_block(format);
     assert!(w.len().is_multiple_of(bytes), "whole blocks");
     let blocks = w.len() / bytes * elements / QK;
-    assert!(
-        x.quants.len() >= blocks * QK
-            && x.scales.len() >= blocks
-            && x.bsums8.len() >= blocks
-            && x.split.len() >= blocks.div_ceil(4) * 128,
-        "an activation of the row's length"
-    );
+    for x in xs {
+        assert!(
+            x.quants.len() >= blocks * QK
+                && x.scales.len() >= blocks
+                && x.bsums8.len() >= blocks
+                && x.split.len() >= blocks.div_ceil(4) * 128,
+            "an activation of the row's length"
+        );
+    }
     w.len() / bytes
 }
 
 /// The kernel of `format` (one of the seven [`more_q8_block`] knows) on
-/// a row of `blocks` blocks of it.
+/// a row of `blocks` blocks of it and the first `N` activations of `xs`,
+/// `out[t]` for `xs[t]`: each block's codes decoded once, each token's
+/// arithmetic that of the one-token kernel (`N = 1`).
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; the arguments checked by
-/// [`more_q8_lengths`], which returned `blocks`.
+/// [`more_q8_lengths`], which returned `blocks`; `xs.len() >= N` and
+/// `out.len() >= N`.
 #[inline(always)]
-unsafe fn more_q8<const SDOT: bool>(
+unsafe fn more_q8<const SDOT: bool, const N: usize>(
     format: WeightFormat,
     w: &[u8],
-    x: &Q8Activation,
+    xs: &[&Q8Activation],
+    out: &mut [f32],
     blocks: usize,
-) -> f32 {
-    // SAFETY: `w` is `blocks` whole blocks of `format` and `x` at least as
-    // long (caller), which is what each kernel reads; SDOT only when the
-    // caller has it.
+) {
+    let a = Acts::<N>::of(xs);
+    // SAFETY: `w` is `blocks` whole blocks of `format` and each of the
+    // `N` activations at least as long (caller), which is what each
+    // kernel reads; `out` holds `N` results; SDOT only when the caller has
+    // it.
     unsafe {
         match format {
-            WeightFormat::Q4_1 => legacy_row::<SDOT, Q41>(w, x),
-            WeightFormat::Q5_0 => legacy_row::<SDOT, Q50>(w, x),
-            WeightFormat::Q5_1 => legacy_row::<SDOT, Q51>(w, x),
-            WeightFormat::Iq4Nl => legacy_row::<SDOT, Iq4Nl>(w, x),
-            WeightFormat::Q2K => q2_k_row::<SDOT>(w, x, blocks),
-            WeightFormat::Q3K => q3_k_row::<SDOT>(w, x, blocks),
-            WeightFormat::Iq4Xs => iq4_xs_row::<SDOT>(w, x, blocks),
+            WeightFormat::Q4_1 => legacy_row::<SDOT, Q41, N>(w, &a, out),
+            WeightFormat::Q5_0 => legacy_row::<SDOT, Q50, N>(w, &a, out),
+            WeightFormat::Q5_1 => legacy_row::<SDOT, Q51, N>(w, &a, out),
+            WeightFormat::Iq4Nl => legacy_row::<SDOT, Iq4Nl, N>(w, &a, out),
+            WeightFormat::Q2K => q2_k_row::<SDOT, N>(w, &a, blocks, out),
+            WeightFormat::Q3K => q3_k_row::<SDOT, N>(w, &a, blocks, out),
+            WeightFormat::Iq4Xs => iq4_xs_row::<SDOT, N>(w, &a, blocks, out),
             other => panic!("{other:?} has a kernel of its own"),
         }
     }
@@ -1710,11 +1813,53 @@ macro_rules! integer_kernels {
             /// checked inside.
             #[target_feature(enable = $feature)]
             pub fn dot_more_q8(format: WeightFormat, w: &[u8], x: &Q8Activation) -> f32 {
-                let blocks = more_q8_lengths(format, w, x);
+                let blocks = more_q8_lengths(format, w, &[x]);
+                let mut out = [0.0f32];
                 // SAFETY: `w` is whole blocks of `format` and `x` of its
-                // length (checked); this function has the features the
-                // kernel's build needs.
-                unsafe { more_q8::<$sdot>(format, w, x, blocks) }
+                // length (checked), one activation and one output; this
+                // function has the features the kernel's build needs.
+                unsafe { more_q8::<$sdot, 1>(format, w, &[x], &mut out, blocks) };
+                out[0]
+            }
+
+            /// A row of one of [`dot_more_q8`]'s formats · up to
+            /// [`MULTI`] activations: each block's codes decoded once for
+            /// every token, `out[t]` equal to `dot_more_q8(format, w,
+            /// xs[t])` bit for bit; `out[xs.len()..]` untouched. Panics
+            /// where `dot_more_q8` would for any activation, on more than
+            /// [`MULTI`] activations or fewer outputs than activations
+            /// (as the x86 kernel sets check).
+            ///
+            /// # Safety
+            /// Needs the target features of this build (`dotprod` for
+            /// [`super::dotprod`], checked by the caller); lengths are
+            /// checked inside.
+            #[target_feature(enable = $feature)]
+            pub fn dot_more_q8_multi(
+                format: WeightFormat,
+                w: &[u8],
+                xs: &[&Q8Activation],
+                out: &mut [f32],
+            ) {
+                assert!(
+                    xs.len() <= MULTI && out.len() >= xs.len(),
+                    "at most MULTI activations, an output for each"
+                );
+                let blocks = more_q8_lengths(format, w, xs);
+                // SAFETY: `w` is whole blocks of `format`, every activation
+                // of its length and `out` as long as `xs` (checked), and
+                // each arm's `N` is `xs.len()`; this function has the
+                // features the kernel's build needs.
+                unsafe {
+                    match xs.len() {
+                        0 => {}
+                        1 => more_q8::<$sdot, 1>(format, w, xs, out, blocks),
+                        2 => more_q8::<$sdot, 2>(format, w, xs, out, blocks),
+                        3 => more_q8::<$sdot, 3>(format, w, xs, out, blocks),
+                        4 => more_q8::<$sdot, 4>(format, w, xs, out, blocks),
+                        n => panic!("{n} activations: more than this kernel takes"),
+                    }
+                }
             }
         }
     };
@@ -1931,6 +2076,206 @@ mod tests {
             let dot = set.dot_more_q8;
             assert!(
                 std::panic::catch_unwind(|| dot(WeightFormat::Q4_0, &q4_0, &x)).is_err(),
+                "{}: Q4_0 has a kernel of its own",
+                set.name
+            );
+        }
+    }
+
+    /// A build's `dot_more_q8_multi` (the `base` or `dotprod` one).
+    type MoreQ8Multi = unsafe fn(WeightFormat, &[u8], &[&Q8Activation], &mut [f32]);
+
+    /// The several-token builds this CPU runs: `base`, and `dotprod` where
+    /// it has SDOT.
+    fn multi_builds() -> Vec<(&'static str, MoreQ8Multi)> {
+        let mut b: Vec<(&'static str, MoreQ8Multi)> = vec![("base", base::dot_more_q8_multi)];
+        if has_neon_dotprod() {
+            b.push(("dotprod", dotprod::dot_more_q8_multi));
+        } else {
+            eprintln!("SKIP dotprod: this CPU has no dotprod (probe: is_aarch64_feature_detected)");
+        }
+        b
+    }
+
+    /// A NaN the kernels never produce: outputs past the tokens keep it.
+    const UNTOUCHED: u32 = 0x7fc0_dead;
+
+    /// `kernel` on `w` and the first 1..=4 of `acts`: every token's bits
+    /// are the reference's for it alone, and nothing past them is
+    /// written.
+    fn check_tokens(
+        name: &str,
+        kernel: MoreQ8Multi,
+        f: WeightFormat,
+        w: &[u8],
+        acts: &[Q8Activation],
+        want: &[f32],
+        at: &str,
+    ) {
+        for count in 1..=MULTI.min(acts.len()) {
+            let xs: Vec<&Q8Activation> = acts[..count].iter().collect();
+            let mut out = [f32::from_bits(UNTOUCHED); MULTI + 2];
+            // SAFETY: `base` needs NEON (baseline), `dotprod` is listed
+            // only where the CPU has it.
+            unsafe { kernel(f, w, &xs, &mut out) };
+            for t in 0..count {
+                same(
+                    out[t],
+                    want[t],
+                    &format!("{f:?} {name} {at}, {count} tokens, token {t}"),
+                );
+            }
+            for (t, o) in out.iter().enumerate().skip(count) {
+                assert_eq!(
+                    o.to_bits(),
+                    UNTOUCHED,
+                    "{f:?} {name} {at}, {count} tokens: out[{t}] written"
+                );
+            }
+        }
+    }
+
+    /// Random rows of 1..=13 blocks (legacy formats) or 1..=9 super-blocks
+    /// (K formats) with scales of both signs from subnormal to 6.5·10⁴,
+    /// against 1..=4 different random activations (in rotating order);
+    /// then rows of 0x00, 0xff or every byte value in turn against ±1 and
+    /// random activations: in both builds, each token of the several-token
+    /// kernel gives the scalar reference's bits for that token alone, and
+    /// outputs past the tokens are untouched.
+    #[test]
+    fn more_q8_multi_kernels_give_each_token_the_reference_bits_in_both_builds() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6d_75_1f);
+        let builds = multi_builds();
+        for (f, fields, most) in FORMATS {
+            let elements = more_q8_block(f).0;
+            for blocks in 1..=most {
+                let n = blocks * elements;
+                let mut later_nonzero = false;
+                for r in 0..4 {
+                    let w = random_row(&mut rng, f, fields, blocks);
+                    let [a, b] = activations(&mut rng, n);
+                    let [c, d] = activations(&mut rng, n);
+                    let mut acts = [a, c, b, d];
+                    acts.rotate_left(r);
+                    let want: Vec<f32> = acts.iter().map(|x| reference(f, &w, x)).collect();
+                    later_nonzero |= want[1..].iter().any(|&v| v != 0.0);
+                    for &(name, kernel) in &builds {
+                        let at = format!("{blocks} blocks, row {r}");
+                        check_tokens(name, kernel, f, &w, &acts, &want, &at);
+                    }
+                }
+                assert!(
+                    later_nonzero,
+                    "{f:?} {blocks} blocks: all-zero later tokens prove nothing"
+                );
+            }
+            let blocks = most;
+            let size = more_q8_block(f).1;
+            let counter: Vec<u8> = (0..blocks * size).map(|i| i as u8).collect();
+            for (fill, mut w) in [
+                ("0x00", vec![0u8; blocks * size]),
+                ("0xff", vec![0xffu8; blocks * size]),
+                ("counter", counter),
+            ] {
+                for blk in w.chunks_exact_mut(size) {
+                    for (&at, v) in fields.iter().zip([-3.5f32, 0.75]) {
+                        let bits = half::f16::from_f32(v).to_bits().to_le_bytes();
+                        blk[at..at + 2].copy_from_slice(&bits);
+                    }
+                }
+                let [a, b] = activations(&mut rng, blocks * elements);
+                let acts = [
+                    Q8Activation::quantize(&vec![1.0; blocks * elements]),
+                    a,
+                    Q8Activation::quantize(&vec![-1.0; blocks * elements]),
+                    b,
+                ];
+                let want: Vec<f32> = acts.iter().map(|x| reference(f, &w, x)).collect();
+                for &(name, kernel) in &builds {
+                    check_tokens(name, kernel, f, &w, &acts, &want, &format!("fill {fill}"));
+                }
+            }
+        }
+    }
+
+    /// The NEON kernel sets' `dot_more_q8_multi` is their own build's
+    /// several-token kernel (NEON's the base build, NEON_DOTPROD's the
+    /// dotprod one) for all seven formats: each token gives the
+    /// reference's bits, and (unlike a scalar fallback, which ignores a
+    /// partial last block) it rejects a row of partial blocks, a later
+    /// activation shorter than the row, more than `MULTI` activations,
+    /// fewer outputs than activations and a format of its own field.
+    #[test]
+    fn the_neon_sets_dispatch_each_more_q8_format_to_their_multi_kernels() {
+        use crate::kernels::MoreMultiDot;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5e_75_4a);
+        let mut sets: Vec<(crate::kernels::KernelSet, MoreMultiDot)> =
+            vec![(NEON, crate::kernels::neon_wrappers::dot_more_q8_multi)];
+        if has_neon_dotprod() {
+            sets.push((
+                NEON_DOTPROD,
+                crate::kernels::dotprod_wrappers::dot_more_q8_multi,
+            ));
+        } else {
+            eprintln!(
+                "SKIP neon+dotprod: this CPU has no dotprod (probe: is_aarch64_feature_detected)"
+            );
+        }
+        for (set, own) in sets {
+            let Some(multi) = set.dot_more_q8_multi else {
+                panic!("{}: no dot_more_q8_multi", set.name)
+            };
+            assert_eq!(
+                multi as usize, own as usize,
+                "{}: dot_more_q8_multi is not this set's build",
+                set.name
+            );
+            for (f, fields, _) in FORMATS {
+                let (elements, _) = more_q8_block(f);
+                let blocks = if elements == QK { 7 } else { 3 };
+                let n = blocks * elements;
+                let w = random_row(&mut rng, f, fields, blocks);
+                let [a, b] = activations(&mut rng, n);
+                let [c, d] = activations(&mut rng, n);
+                let acts = [a, b, c, d];
+                let xs: Vec<&Q8Activation> = acts.iter().collect();
+                let mut out = [f32::from_bits(UNTOUCHED); MULTI + 1];
+                multi(f, &w, &xs, &mut out);
+                for (t, x) in acts.iter().enumerate() {
+                    same(
+                        out[t],
+                        reference(f, &w, x),
+                        &format!("{} {f:?} token {t}", set.name),
+                    );
+                }
+                assert_eq!(out[MULTI].to_bits(), UNTOUCHED, "{} {f:?}", set.name);
+                let rejects = |w: &[u8], xs: &[&Q8Activation], outs: usize| {
+                    std::panic::catch_unwind(|| multi(f, w, xs, &mut vec![0.0; outs])).is_err()
+                };
+                let partial = &w[..w.len() - 1];
+                let _ = reference(f, partial, &acts[0]);
+                assert!(!rejects(&w, &xs, MULTI), "{} {f:?}: whole", set.name);
+                assert!(
+                    rejects(partial, &xs, MULTI),
+                    "{} {f:?}: partial block",
+                    set.name
+                );
+                let short = Q8Activation::quantize(&vec![1.0; n - QK]);
+                let with_short = [xs[0], xs[1], &short];
+                assert!(
+                    rejects(&w, &with_short, 3),
+                    "{} {f:?}: short activation",
+                    set.name
+                );
+                let five = [xs[0], xs[1], xs[2], xs[3], xs[0]];
+                assert!(rejects(&w, &five, 5), "{} {f:?}: more than MULTI", set.name);
+                assert!(rejects(&w, &xs, 3), "{} {f:?}: too few outputs", set.name);
+            }
+            let x = Q8Activation::quantize(&[1.0; QK]);
+            let q4_0 = vec![0u8; Q4_0_BLOCK_BYTES];
+            assert!(
+                std::panic::catch_unwind(|| multi(WeightFormat::Q4_0, &q4_0, &[&x], &mut [0.0]))
+                    .is_err(),
                 "{}: Q4_0 has a kernel of its own",
                 set.name
             );
