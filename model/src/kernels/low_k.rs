@@ -989,24 +989,21 @@ pub mod avx512 {
         v
     };
 
-    /// Byte `e` of table `n`'s spread: the raw scale `8n + e / 8` (taken
-    /// only at bytes `e` = 0, 4 mod 8: [`SPREAD_MASK`]).
+    /// Byte `e` of table `n`'s spread: the raw scale `8n + e / 8` at
+    /// bytes `e` = 0, 4 mod 8, else byte 16 (past the 16 scales, 0).
     const SPREAD: [[u8; 64]; 2] = {
-        let mut v = [[0u8; 64]; 2];
+        let mut v = [[16u8; 64]; 2];
         let mut n = 0;
         while n < 2 {
             let mut e = 0;
             while e < 64 {
                 v[n][e] = (8 * n + e / 8) as u8;
-                e += 1;
+                e += 4;
             }
             n += 1;
         }
         v
     };
-
-    /// Bytes 0 and 4 of every qword.
-    const SPREAD_MASK: u64 = 0x1111_1111_1111_1111;
 
     /// Q3_K for `N` activations: a super-block's tables and its 4 vectors
     /// of table bytes are built once; every activation's quants then meet
@@ -1050,11 +1047,12 @@ pub mod avx512 {
                 for i in 0..supers {
                     let blk = wp.add(i * Q3_K_BLOCK_BYTES);
                     prefetch(blk, 2);
-                    let raw = _mm512_castsi128_si512(q3_scales_raw(blk.add(Q3_K_SCALES)));
+                    // The 16 raw scales, bytes 16.. zero.
+                    let raw = _mm512_zextsi128_si512(q3_scales_raw(blk.add(Q3_K_SCALES)));
                     // Table n, qword j − 8n, byte u: 128 − sc_j·(u − 4).
                     let mut tabs = [zero; 2];
                     for (tab, s) in tabs.iter_mut().zip(spread) {
-                        let r = _mm512_maskz_permutexvar_epi8(SPREAD_MASK, s, raw);
+                        let r = _mm512_permutexvar_epi8(s, raw);
                         *tab = _mm512_add_epi32(_mm512_mullo_epi32(r, mul), base);
                     }
                     let dd = halves(blk.add(Q3_K_D - 2));
