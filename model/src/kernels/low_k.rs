@@ -455,6 +455,14 @@ pub mod avx2 {
     #[inline(always)]
     pub(super) unsafe fn q3_scales(s: *const u8) -> __m128i {
         // SAFETY: 12 bytes at `s` (caller); SSE2 per the module contract.
+        unsafe { _mm_sub_epi8(q3_scales_raw(s), _mm_set1_epi8(32)) }
+    }
+
+    /// [`q3_scales`] before the 32 is taken off: the raw 6-bit fields
+    /// (0..=63).
+    #[inline(always)]
+    pub(super) unsafe fn q3_scales_raw(s: *const u8) -> __m128i {
+        // SAFETY: 12 bytes at `s` (caller); SSE2 per the module contract.
         unsafe {
             let word = |k: usize| {
                 u32::from_le_bytes(std::ptr::read_unaligned(s.add(4 * k) as *const [u8; 4]))
@@ -462,13 +470,12 @@ pub mod avx2 {
             let (w0, w1, w2) = (word(0), word(1), word(2));
             let (lo, hi2) = (0x0f0f_0f0f, 0x0303_0303);
             let part = |low: u32, high: u32| low & lo | (high & hi2) << 4;
-            let v = _mm_setr_epi32(
+            _mm_setr_epi32(
                 part(w0, w2) as i32,
                 part(w1, w2 >> 2) as i32,
                 part(w0 >> 4, w2 >> 4) as i32,
                 part(w1 >> 4, w2 >> 6) as i32,
-            );
-            _mm_sub_epi8(v, _mm_set1_epi8(32))
+            )
         }
     }
 
@@ -713,13 +720,18 @@ pub mod avx512 {
     //!   or'ed with `4j`: `A_b`. `B_b` from the mins spread over their
     //!   lanes (`vpermb`) times the quants, a second accumulator.
     //! - **Q3_K**: `q` = code − 4 unless the hmask bit is set (then code),
-    //!   `sc` signed. The byte is `124 + sc·q` (0..=252), at byte `u` of
+    //!   `sc` signed. The byte is `128 − sc·q` (0..=252), at byte `u` of
     //!   qword `j` with `u = q + 4` (8 bytes a sub-block: lane `k` of the
     //!   table of `n` holds sub-blocks `8n + 2k`, `8n + 2k + 1`, looked up
-    //!   by `vpshufb`). The index comes from two `vgf2p8affineqb`s (bits
-    //!   `2k`, `2k + 1` of the code byte to bits 0–1, hmask bit `4n + k` to
-    //!   bit 2, `8h` added as the constant), or'ed. The block's sum is then
-    //!   `A_b + 124 · Σ a`, and `Σ a` is `bsums8 / 8`.
+    //!   by `vpshufb`), built from the raw 6-bit scales spread to their
+    //!   qwords by one `vpermb` (the −32 folded into the constants). The
+    //!   index: the hmask bytes' bits permuted once per half (a
+    //!   `vgf2p8affineqb`), so that hmask bits `k`, `4 + k` sit off lane
+    //!   `k`'s code bits `2k`, `2k + 1`; one bit-select (`vpternlogd`)
+    //!   merges them into the code bytes and one `vgf2p8affineqb` moves the
+    //!   code bits to bits 0–1, hmask bit `4n + k` to bit 2 and adds `8h`.
+    //!   The block's sum is then `128 · Σ a − A_b`, and `128 · Σ a` is `16
+    //!   · bsums8` (a shift, not a multiply).
     //!
     //! All integers are exact, so they equal the reference's. Two rounds of
     //! unpack-and-add leave each block's sum (and Q2_K's `B_b`) in one
@@ -731,7 +743,7 @@ pub mod avx512 {
 
     use super::super::q8act::{Q8Activation, Tokens, by_count};
     use super::BLOCKS;
-    use super::avx2::{halves, prefetch, q3_scales, reduce_all};
+    use super::avx2::{halves, prefetch, q3_scales_raw, reduce_all};
     use crate::quant::{
         Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
     };
@@ -933,30 +945,60 @@ pub mod avx512 {
         unsafe { by_count::<Q2K>(w, xs, out) }
     }
 
-    /// Per lane `k` (both its qwords), the GF(2) matrix taking bits `2k`,
-    /// `2k + 1` of a byte to bits 0, 1 (`vgf2p8affineqb`: output bit `i` is
-    /// the parity of the input and byte `7 − i` of the qword).
-    const CODE_BITS: [u64; 8] = {
-        let mut v = [0u64; 8];
-        let mut e = 0;
-        while e < 8 {
-            let k = e / 2;
-            v[e] = (1u64 << (2 * k)) << 56 | (1u64 << (2 * k + 1)) << 48;
-            e += 1;
+    /// Where the hmask bit `b` of a byte goes before it meets the code
+    /// bytes ([`HM_PERM`]): in lane `k`, bits `k` and `4 + k` (the hmask
+    /// bits of the lane's blocks `k`, `4 + k`) land off bits `2k`, `2k +
+    /// 1` (its code bits), so one bit-select merges the two.
+    const PI: [u32; 8] = [2, 0, 6, 4, 3, 1, 7, 5];
+
+    /// The GF(2) matrix moving bit `b` of a byte to bit `PI[b]`
+    /// (`vgf2p8affineqb`: output bit `i` is the parity of the input and
+    /// byte `7 − i` of the qword).
+    const HM_PERM: u64 = {
+        let mut m = 0u64;
+        let mut b = 0;
+        while b < 8 {
+            m |= (1u64 << b) << (8 * (7 - PI[b]));
+            b += 1;
         }
-        v
+        m
     };
 
-    /// Per lane `k`, for `n` = 0, 1: the matrix taking bit `4n + k` of a
-    /// byte to bit 2.
-    const HIGH_BITS: [[u64; 8]; 2] = {
+    /// Per lane `k`: bits `2k`, `2k + 1` set in every byte, the code bits
+    /// the bit-select takes from the code bytes (the rest from the
+    /// permuted hmask).
+    const CODE_MASK: [u8; 64] = lanes([0x03, 0x0c, 0x30, 0xc0]);
+
+    /// Per lane `k` (both its qwords), for `n` = 0, 1: the matrix taking
+    /// the merged byte's bits `2k`, `2k + 1` to bits 0, 1 and `PI[4n + k]`
+    /// (hmask bit `4n + k`) to bit 2.
+    const INDEX_BITS: [[u64; 8]; 2] = {
         let mut v = [[0u64; 8]; 2];
         let mut n = 0;
         while n < 2 {
             let mut e = 0;
             while e < 8 {
-                v[n][e] = (1u64 << (4 * n + e / 2)) << 40;
+                let k = e / 2;
+                v[n][e] = (1u64 << (2 * k)) << 56
+                    | (1u64 << (2 * k + 1)) << 48
+                    | (1u64 << PI[4 * n + k]) << 40;
                 e += 1;
+            }
+            n += 1;
+        }
+        v
+    };
+
+    /// Byte `e` of table `n`'s spread: the raw scale `8n + e / 8` at
+    /// bytes `e` = 0, 4 mod 8, else byte 16 (past the 16 scales, 0).
+    const SPREAD: [[u8; 64]; 2] = {
+        let mut v = [[16u8; 64]; 2];
+        let mut n = 0;
+        while n < 2 {
+            let mut e = 0;
+            while e < 64 {
+                v[n][e] = (8 * n + e / 8) as u8;
+                e += 4;
             }
             n += 1;
         }
@@ -980,48 +1022,64 @@ pub mod avx512 {
             unsafe {
                 let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
                 let zero = _mm512_setzero_si512();
-                // Qword j of a table is 124·(1, …, 1) + sc_j·(−4, …, 3) as
-                // bytes: its low i32 124·0x01010101 − sc_j·0x01020304, its
-                // high 124·0x01010101 + sc_j·0x03020100.
-                let mul = _mm512_set1_epi64(0x0302_0100 << 32 | (-0x0102_0304i32 as u32 as i64));
-                let base = _mm512_set1_epi8(124);
-                let code_bits = _mm512_loadu_si512(CODE_BITS.as_ptr() as *const __m512i);
+                // Qword j of a table, byte u: 128 − sc_j·(u − 4) with sc_j
+                // = r_j − 32 (r_j the raw 6-bit scale), that is 32u +
+                // r_j·(4 − u), in 0..=252: its low i32 0x60402000 +
+                // r_j·0x01020304, its high 0xe0c0a080 − r_j·0x03020100
+                // (exact modulo 2³², as every byte is in range).
+                let mul =
+                    _mm512_set1_epi64(((-0x0302_0100i32 as u32 as u64) << 32 | 0x0102_0304) as i64);
+                let base = _mm512_set1_epi64((0xe0c0_a080u64 << 32 | 0x6040_2000) as i64);
+                let hm_perm = _mm512_set1_epi64(HM_PERM as i64);
+                let code_mask = load(&CODE_MASK);
                 // (Loops, not closures, here and below: a closure in this
                 // function, which is not itself a `target_feature` one, is
                 // called out of line with its vectors in memory.)
-                let mut high_bits = [zero; 2];
-                for (h, b) in high_bits.iter_mut().zip(&HIGH_BITS) {
+                let mut index_bits = [zero; 2];
+                for (h, b) in index_bits.iter_mut().zip(&INDEX_BITS) {
                     *h = _mm512_loadu_si512(b.as_ptr() as *const __m512i);
+                }
+                let mut spread = [zero; 2];
+                for (s, v) in spread.iter_mut().zip(&SPREAD) {
+                    *s = load(v);
                 }
                 let mut acc = [_mm_setzero_ps(); N];
                 for i in 0..supers {
                     let blk = wp.add(i * Q3_K_BLOCK_BYTES);
                     prefetch(blk, 2);
-                    let sc = q3_scales(blk.add(Q3_K_SCALES));
-                    // Table n, qword j − 8n, byte u: 124 + sc_j·(u − 4).
+                    // The 16 raw scales, bytes 16.. zero.
+                    let raw = _mm512_zextsi128_si512(q3_scales_raw(blk.add(Q3_K_SCALES)));
+                    // Table n, qword j − 8n, byte u: 128 − sc_j·(u − 4).
                     let mut tabs = [zero; 2];
-                    for (tab, m) in tabs.iter_mut().zip([sc, _mm_unpackhi_epi64(sc, sc)]) {
-                        let q = _mm512_shuffle_epi32::<0b10_10_00_00>(_mm512_cvtepi8_epi64(m));
-                        *tab = _mm512_add_epi32(_mm512_mullo_epi32(q, mul), base);
+                    for (tab, s) in tabs.iter_mut().zip(spread) {
+                        let r = _mm512_permutexvar_epi8(s, raw);
+                        *tab = _mm512_add_epi32(_mm512_mullo_epi32(r, mul), base);
                     }
                     let dd = halves(blk.add(Q3_K_D - 2));
                     let d = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+                    // The hmask bytes of half h (element l of every block),
+                    // bits permuted by PI.
+                    let mut hm = [zero; 2];
+                    for (h, hm) in hm.iter_mut().enumerate() {
+                        *hm = _mm512_gf2p8affine_epi64_epi8::<0>(lanes16(blk.add(16 * h)), hm_perm);
+                    }
                     let mut u = [zero; 4];
                     for (t, u) in u.iter_mut().enumerate() {
                         let (n, h) = (t / 2, t % 2);
-                        let c = _mm512_gf2p8affine_epi64_epi8::<0>(
+                        // Code bits from the code bytes, the rest from the
+                        // permuted hmask.
+                        let merged = _mm512_ternarylogic_epi32::<0xca>(
+                            code_mask,
                             lanes16(blk.add(Q3_K_QS + 16 * t)),
-                            code_bits,
+                            hm[h],
                         );
-                        // Bit 2: the hmask bit; bit 3: h, the qword of the
-                        // lane.
-                        let hm = lanes16(blk.add(16 * h));
-                        let high = if h == 0 {
-                            _mm512_gf2p8affine_epi64_epi8::<0>(hm, high_bits[n])
+                        // Bits 0–1: the code; bit 2: the hmask bit; bit 3:
+                        // h, the qword of the lane.
+                        let idx = if h == 0 {
+                            _mm512_gf2p8affine_epi64_epi8::<0>(merged, index_bits[n])
                         } else {
-                            _mm512_gf2p8affine_epi64_epi8::<8>(hm, high_bits[n])
+                            _mm512_gf2p8affine_epi64_epi8::<8>(merged, index_bits[n])
                         };
-                        let idx = _mm512_or_si512(c, high);
                         *u = _mm512_shuffle_epi8(tabs[n], idx);
                     }
                     for (x, acc) in xs.iter().zip(acc.iter_mut()) {
@@ -1031,14 +1089,20 @@ pub mod avx512 {
                             let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
                             a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], *u, xq);
                         }
-                        let s = _mm512_permutexvar_epi32(back, lane_sums(a[0], a[1], zero, zero));
-                        // Less 124·Σ a of each block (bsums8 = 8·Σ a).
-                        let sums = _mm256_srai_epi32::<3>(_mm256_loadu_si256(
-                            x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i,
-                        ));
+                        // Lane k: blocks k, 4 + k, twice each.
+                        let ab = _mm512_add_epi32(
+                            _mm512_unpacklo_epi32(a[0], a[1]),
+                            _mm512_unpackhi_epi32(a[0], a[1]),
+                        );
+                        let ab = _mm512_add_epi32(ab, _mm512_shuffle_epi32::<0b01_00_11_10>(ab));
+                        let s = _mm512_permutexvar_epi32(back, ab);
+                        // 128·Σ a of each block (bsums8 = 8·Σ a) less the
+                        // sum: Σ sc·q·a.
+                        let sums =
+                            _mm256_loadu_si256(x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i);
                         let s = _mm256_sub_epi32(
+                            _mm256_slli_epi32::<4>(sums),
                             _mm512_castsi512_si256(s),
-                            _mm256_mullo_epi32(sums, _mm256_set1_epi32(124)),
                         );
                         let s = _mm256_cvtepi32_ps(s);
                         let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
