@@ -31,7 +31,7 @@
 //! The scalar `dot_*_q8` functions are the references (a block's codes
 //! decoded into an array first, so that the integer products vectorize
 //! with the baseline SIMD, SSE2 or NEON); the AVX2 kernels ([`avx2`]) and
-//! the AVX-512 VNNI ones for Q2_K and Q3_K ([`avx512`]) give their bits:
+//! the AVX-512 VNNI ones ([`avx512`]) give their bits:
 //! the integers are exact whichever way they are summed, and the f32
 //! operations are the same ones in the same order.
 
@@ -732,6 +732,16 @@ pub mod avx512 {
     //!   code bits to bits 0–1, hmask bit `4n + k` to bit 2 and adds `8h`.
     //!   The block's sum is then `128 · Σ a − A_b`, and `128 · Σ a` is `16
     //!   · bsums8` (a shift, not a multiply).
+    //! - **IQ4_XS**: block `4n + k`'s 16 nibble bytes are lane `k` of the
+    //!   64 bytes at `64n` of the nibbles, its low nibbles half 0 and its
+    //!   high ones half 1, just as `S_{2n}`, `S_{2n+1}` lie: `vpermb` of
+    //!   those bytes (and of them shifted right by 4 bits) in a 64-byte
+    //!   table of the values + 128 (1..=241, the table repeating every 16
+    //!   bytes, so the index bits above the nibble do not matter) gives the
+    //!   unsigned bytes. The block's sum is `Σ v·a + 128 · Σ a`; less `16 ·
+    //!   bsums8` it is `Σ v·a`, times the 6-bit scale less 32 (`vpmulld`;
+    //!   the 8 raw scales gathered from the super-block's first 8 bytes by
+    //!   one `vpmultishiftqb`): `A_b`.
     //!
     //! All integers are exact, so they equal the reference's. Two rounds of
     //! unpack-and-add leave each block's sum (and Q2_K's `B_b`) in one
@@ -745,7 +755,8 @@ pub mod avx512 {
     use super::BLOCKS;
     use super::avx2::{halves, prefetch, q3_scales_raw, reduce_all};
     use crate::quant::{
-        Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS, Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
+        IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS,
+        Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
     };
 
     /// Sub-block `j` of lane `k` of `S_t`.
@@ -1142,6 +1153,131 @@ pub mod avx512 {
         // SAFETY: the module contract.
         unsafe { by_count::<Q3K>(w, xs, out) }
     }
+
+    /// [`IQ4_NL_VALUES`] + 128 (1..=241, unsigned for `vpdpbusd`) at
+    /// every byte `e`, value `e mod 16`: `vpermb` reads an index's low 6
+    /// bits, so bits 4–5 of a nibble byte (the other nibble's) fall on the
+    /// same value.
+    const IQ4_BIASED: [u8; 64] = {
+        let mut v = [0u8; 64];
+        let mut e = 0;
+        while e < 64 {
+            v[e] = (IQ4_NL_VALUES[e % 16] as i16 + 128) as u8;
+            e += 1;
+        }
+        v
+    };
+
+    /// `vpmultishiftqb` shifts that bring an IQ4_XS super-block's raw
+    /// scale bits to byte `k` (< 8) from its first 8 bytes as one u64 (`d`
+    /// in bits 0–15, `scales_h` 16–31, `scales_l` 32–63): bytes 0–7 its
+    /// low nibble (bits `32 + 4k` on, in bits 0–3), bytes 8–15 its high
+    /// bits (bits `16 + 2k`, `17 + 2k`, in bits 4–5).
+    const IQ4_SCALE_SHIFTS: [u8; 16] = [
+        32, 36, 40, 44, 48, 52, 56, 60, 12, 14, 16, 18, 20, 22, 24, 26,
+    ];
+
+    /// IQ4_XS for `N` activations: a super-block's 4 vectors of biased
+    /// values and its 8 scales are built once; every activation's quants
+    /// then meet them.
+    struct Iq4Xs;
+
+    impl Tokens for Iq4Xs {
+        #[inline(always)]
+        unsafe fn run<const N: usize>(w: &[u8], xs: &[&Q8Activation; N]) -> [f32; N] {
+            let supers = w.len() / IQ4_XS_BLOCK_BYTES;
+            let wp = w.as_ptr();
+            // SAFETY: super-blocks i < supers are read (136 bytes each: d,
+            // scales_h and scales_l in the first 8, 128 of nibbles at
+            // IQ4_XS_QS), with every activation's 256 split quants of them
+            // (2 groups of 4 blocks, 128 bytes each), 8 scales and 8
+            // bsums8 (module docs).
+            unsafe {
+                let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
+                let zero = _mm512_setzero_si512();
+                let table = load(&IQ4_BIASED);
+                let shifts = _mm_loadu_si128(IQ4_SCALE_SHIFTS.as_ptr() as *const __m128i);
+                let masks = _mm_set_epi64x(0x3030_3030_3030_3030, 0x0f0f_0f0f_0f0f_0f0f);
+                let mut acc = [_mm_setzero_ps(); N];
+                for i in 0..supers {
+                    let blk = wp.add(i * IQ4_XS_BLOCK_BYTES);
+                    prefetch(blk, 3);
+                    // The 8 raw 6-bit scales as bytes, less 32 as i32s.
+                    let head = u64::from_le_bytes(std::ptr::read_unaligned(blk as *const [u8; 8]));
+                    let bits = _mm_and_si128(
+                        _mm_multishift_epi64_epi8(shifts, _mm_set1_epi64x(head as i64)),
+                        masks,
+                    );
+                    let raw = _mm_or_si128(bits, _mm_unpackhi_epi64(bits, bits));
+                    let ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(raw), _mm256_set1_epi32(32));
+                    let d = _mm256_broadcastss_ps(halves(blk));
+                    // u[2n + h], lane k: block 4n + k's half h (its 16
+                    // bytes' low nibbles, h = 0, or high ones) as biased
+                    // values, as S_{2n+h} lies.
+                    let mut u = [zero; 4];
+                    for n in 0..2 {
+                        let qs = _mm512_loadu_si512(blk.add(IQ4_XS_QS + 64 * n) as *const __m512i);
+                        u[2 * n] = _mm512_permutexvar_epi8(qs, table);
+                        u[2 * n + 1] = _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(qs), table);
+                    }
+                    for (x, acc) in xs.iter().zip(acc.iter_mut()) {
+                        let q = x.split.as_ptr().add(i * QK_K);
+                        let mut a = [zero; 2];
+                        for (t, u) in u.iter().enumerate() {
+                            let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
+                            a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], *u, xq);
+                        }
+                        // Lane k: blocks k, 4 + k, twice each.
+                        let ab = _mm512_add_epi32(
+                            _mm512_unpacklo_epi32(a[0], a[1]),
+                            _mm512_unpackhi_epi32(a[0], a[1]),
+                        );
+                        let ab = _mm512_add_epi32(ab, _mm512_shuffle_epi32::<0b01_00_11_10>(ab));
+                        let s = _mm512_castsi512_si256(_mm512_permutexvar_epi32(back, ab));
+                        // Less 128·Σ a of each block (bsums8 = 8·Σ a): Σ
+                        // v·a, then times the scale.
+                        let sums =
+                            _mm256_loadu_si256(x.bsums8.as_ptr().add(i * BLOCKS) as *const __m256i);
+                        let s = _mm256_sub_epi32(s, _mm256_slli_epi32::<4>(sums));
+                        let s = _mm256_cvtepi32_ps(_mm256_mullo_epi32(s, ls));
+                        let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
+                        let dx = _mm256_mul_ps(d, xd);
+                        *acc = _mm_fmadd_ps(
+                            _mm256_castps256_ps128(dx),
+                            _mm256_castps256_ps128(s),
+                            *acc,
+                        );
+                        *acc = _mm_fmadd_ps(
+                            _mm256_extractf128_ps::<1>(dx),
+                            _mm256_extractf128_ps::<1>(s),
+                            *acc,
+                        );
+                    }
+                }
+                reduce_all(acc)
+            }
+        }
+    }
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_xs_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        // SAFETY: the module contract.
+        unsafe { Iq4Xs::run::<1>(w, &[x])[0] }
+    }
+
+    /// Up to [`MULTI`](crate::kernels::q8act::MULTI) activations against
+    /// one IQ4_XS row: `out[t]` is [`dot_iq4_xs_q8`]`(w, xs[t])`, bit for
+    /// bit.
+    ///
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_xs_q8_multi(w: &[u8], xs: &[&Q8Activation], out: &mut [f32]) {
+        // SAFETY: the module contract.
+        unsafe { by_count::<Iq4Xs>(w, xs, out) }
+    }
 }
 
 #[cfg(test)]
@@ -1222,7 +1358,7 @@ mod tests {
                     avx512::dot_q3_k_q8,
                     vnni && is_x86_feature_detected!("gfni"),
                 )),
-                Format::Iq4Xs => None,
+                Format::Iq4Xs => Some((avx512::dot_iq4_xs_q8, vnni)),
             }
         }
 
@@ -1246,7 +1382,7 @@ mod tests {
                     avx512::dot_q3_k_q8_multi,
                     vnni && is_x86_feature_detected!("gfni"),
                 )),
-                Format::Iq4Xs => None,
+                Format::Iq4Xs => Some((avx512::dot_iq4_xs_q8_multi, vnni)),
             }
         }
 

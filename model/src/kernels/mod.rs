@@ -667,8 +667,8 @@ mod avx512_wrappers {
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q4_0::avx512::dot_q4_0_q8(w, x) }
     }
-    /// Q2_K and Q3_K (where the CPU has GFNI, as every AVX-512 VNNI CPU
-    /// since Ice Lake and Zen 4 does) by their AVX-512 kernels, after the
+    /// Q2_K, Q3_K (where the CPU has GFNI, as every AVX-512 VNNI CPU
+    /// since Ice Lake and Zen 4 does) and IQ4_XS by their AVX-512 kernels, after the
     /// length checks their contract asks for; the other formats by AVX2's.
     pub fn dot_more_q8(f: super::WeightFormat, w: &[u8], x: &super::Q8Activation) -> f32 {
         use super::WeightFormat;
@@ -684,6 +684,11 @@ mod avx512_wrappers {
                 super::avx2_wrappers::more_q8_lengths(f, w, x);
                 // SAFETY: as for Q2_K, and the CPU has GFNI (checked here).
                 unsafe { low::dot_q3_k_q8(w, x) }
+            }
+            WeightFormat::Iq4Xs => {
+                super::avx2_wrappers::more_q8_lengths(f, w, x);
+                // SAFETY: as for Q2_K.
+                unsafe { low::dot_iq4_xs_q8(w, x) }
             }
             _ => super::avx2_wrappers::dot_more_q8(f, w, x),
         }
@@ -710,6 +715,11 @@ mod avx512_wrappers {
                 more_q8_multi_lengths(f, w, xs, out);
                 // SAFETY: as for Q2_K, and the CPU has GFNI (checked here).
                 unsafe { low::dot_q3_k_q8_multi(w, xs, out) }
+            }
+            WeightFormat::Iq4Xs => {
+                more_q8_multi_lengths(f, w, xs, out);
+                // SAFETY: as for Q2_K.
+                unsafe { low::dot_iq4_xs_q8_multi(w, xs, out) }
             }
             _ => super::avx2_wrappers::dot_more_q8_multi(f, w, xs, out),
         }
