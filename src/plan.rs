@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use colibri_model::Model;
 use colibri_sched::gpu::{DeviceChoice, DeviceMemory, VramPlan, open_device};
-use colibri_sched::tier::plan_checkpoint;
+use colibri_sched::tier::{ExpertLayout, plan_checkpoint};
 
 use crate::common::ModelArgs;
 
@@ -28,7 +28,12 @@ pub fn main(args: PlanArgs) -> Result<()> {
     // Where the threads would run (the engine makes the same choice).
     let topo = colibri_io::topology::Topology::detect();
     let placement = topo.placement(topo.drive_node(&path), args.model.threads);
-    let gpu = gpu_plan(&args.model, &path, report.plan.holds_every_expert())?;
+    let gpu = gpu_plan(
+        &args.model,
+        &path,
+        &report.layout,
+        report.plan.holds_every_expert(),
+    )?;
     if args.json {
         let mut v = serde_json::to_value(&report)?;
         v["placement"] = serde_json::to_value(&placement)?;
@@ -61,7 +66,12 @@ enum GpuPlacement {
 
 /// The GPU tier's placement on the device `--device`/`--devices` name, or
 /// why there is none (`--device cuda` without a usable GPU is an error).
-fn gpu_plan(args: &ModelArgs, path: &std::path::Path, ram_holds_all: bool) -> Result<GpuPlacement> {
+fn gpu_plan(
+    args: &ModelArgs,
+    path: &std::path::Path,
+    layout: &ExpertLayout,
+    ram_holds_all: bool,
+) -> Result<GpuPlacement> {
     let opts = args.gpu_options();
     if opts.device == DeviceChoice::Cpu {
         return Ok(GpuPlacement::None("--device cpu".into()));
@@ -85,17 +95,9 @@ fn gpu_plan(args: &ModelArgs, path: &std::path::Path, ram_holds_all: bool) -> Re
             total: total as u64,
         });
     }
-    let (model, src) = Model::load(path)?;
-    let locator = src.locator(&model.spec).ok();
+    let (model, _) = Model::load(path)?;
     let ctx = args.ctx;
-    match colibri_sched::gpu::plans_for(
-        &model,
-        locator.as_deref(),
-        ctx,
-        &opts,
-        &devices,
-        ram_holds_all,
-    ) {
+    match colibri_sched::gpu::plans_for(&model, layout, ctx, &opts, &devices, ram_holds_all) {
         Ok(p) => Ok(GpuPlacement::Plan(p)),
         Err(e) if opts.device == DeviceChoice::Auto => Ok(GpuPlacement::None(format!(
             "{e}; the CPU tier runs the model"

@@ -202,6 +202,26 @@ impl Bytes {
         })
     }
 
+    /// The shortest stretch of one storage that holds every view of
+    /// `views` (and whatever lies between them), with each view's offset
+    /// into it; `None` when `views` is empty or they are views of
+    /// different storages. Lets a caller move several views that share a
+    /// buffer with one copy.
+    pub fn common_span<const N: usize>(views: [&Bytes; N]) -> Option<(&[u8], [usize; N])> {
+        let first = views.first()?;
+        let owner = Arc::as_ptr(&first.owner).cast::<()>();
+        if views
+            .iter()
+            .any(|v| Arc::as_ptr(&v.owner).cast::<()>() != owner)
+        {
+            return None;
+        }
+        let start = views.iter().map(|v| v.start).min()?;
+        let end = views.iter().map(|v| v.start + v.len).max()?;
+        let span = first.owner.bytes().get(start..end)?;
+        Some((span, views.map(|v| v.start - start)))
+    }
+
     /// This view with its start aligned to `align` bytes: itself when already
     /// aligned, otherwise an owned, aligned copy. Safetensors files do not
     /// promise element alignment, the kernels need it.
@@ -491,5 +511,27 @@ mod tests {
         zeros.bytes_mut()[4096] = 9;
         assert_eq!(zeros.bytes()[4096], 9);
         assert_eq!(zeros.bytes().len(), 4097);
+    }
+
+    #[test]
+    fn a_common_span_covers_views_of_one_storage_in_any_order() {
+        let src: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 5) as u8).collect();
+        let all = Bytes::from_vec(src.clone());
+        // Out of order, with gaps, one view inside the span's ends.
+        let a = all.slice(600, 100).unwrap();
+        let b = all.slice(100, 50).unwrap();
+        let c = all.slice(300, 20).unwrap();
+        let (span, at) = Bytes::common_span([&a, &b, &c]).expect("one storage");
+        assert_eq!(span, &src[100..700]);
+        assert_eq!(at, [500, 0, 200]);
+        for (v, o) in [&a, &b, &c].iter().zip(at) {
+            assert_eq!(&span[o..o + v.len()], v.as_slice());
+        }
+        // A view of another storage with the same bytes is not the same one.
+        let other = Bytes::from_vec(src.clone()).slice(100, 50).unwrap();
+        assert!(Bytes::common_span([&a, &other]).is_none());
+        assert!(Bytes::common_span::<0>([]).is_none());
+        let (one, at) = Bytes::common_span([&c]).unwrap();
+        assert_eq!((one, at), (&src[300..320], [0]));
     }
 }

@@ -297,11 +297,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         hits + misses,
         100.0 * hits as f64 / (hits + misses).max(1) as f64
     );
+    let experts_moved =
+        (s_b.experts_copied - s_a.experts_copied) + (s_b.ahead_copied - s_a.ahead_copied);
     println!(
         "host-to-device        {} per token, {h2d_rate:.1} GB/s during decode vs {h2d:.1} GB/s \
-         measured ({:.0}%)",
+         measured ({:.0}%); {:.2} copies per expert copied",
         ByteSize(h2d_bytes / tokens.max(1) as u64),
-        100.0 * h2d_rate / h2d
+        100.0 * h2d_rate / h2d,
+        (s_b.expert_h2d_copies - s_a.expert_h2d_copies) as f64 / experts_moved.max(1) as f64
     );
     println!(
         "read in place         {in_place_reads:.1} experts per token ({} per token) in {} of {tokens} \

@@ -471,6 +471,61 @@ fn reading_experts_in_place_changes_no_bit() {
     );
 }
 
+/// A GGUF whose experts all sit alike in their RAM slots (stacked tensors
+/// of whole 4 KiB experts, as in the released models): a VRAM slot mirrors
+/// the RAM slot, so every copied expert is one host-to-device copy, gaps
+/// included, and the bits are those of every expert in VRAM; the greedy
+/// continuation is the CPU tier's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
+fn a_gguf_expert_is_copied_in_one_piece_with_the_same_bits() {
+    use colibri_model::convert::Silent;
+    use colibri_model::convert::cast::Quant;
+    use colibri_model::synth::{self, SynthFormat, SynthSource};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("small.gguf");
+    let src = SynthSource::new(synth::small_qwen3_moe(), 11).unwrap();
+    synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &model, &Silent).unwrap();
+    let tokens: Vec<u32> = (0..24u32).map(|i| (i * 37 + 11) % 512).collect();
+    let prompt = &tokens[..6];
+    let run = |e: &Engine| (bits(&teacher_forced(e, &tokens, 4)), greedy(e, prompt, 12));
+    let full = engine(&model, DeviceChoice::Cuda, None, None, 512);
+    let want = run(&full);
+    let cpu = engine(&model, DeviceChoice::Cpu, None, None, 512);
+    assert_eq!(want.1, greedy(&cpu, prompt, 12), "greedy: GPU against CPU");
+    let plan = full.gpu.as_ref().unwrap().plan().clone();
+    let small = plan.dense_resident_bytes + plan.dense_streamed_bytes + plan.kv_vram_bytes;
+    let slot = plan.classes.first().map_or(0, |c| c.slot_bytes);
+    for slots in [0, 3] {
+        let opts = GpuOptions {
+            device: DeviceChoice::Cuda,
+            vram_budget: Some(small + slots * slot),
+            max_rows: 4,
+            in_place: false,
+            ..GpuOptions::default()
+        };
+        let e = engine_with(&model, &opts, None);
+        let got = run(&e);
+        let s = e.gpu.as_ref().unwrap().stats();
+        assert!(got.0 == want.0, "logits differ with {slots} slots ({s:?})");
+        assert_eq!(got.1, want.1, "greedy differs with {slots} slots");
+        assert!(
+            s.experts_copied > 0,
+            "{slots} slots: nothing copied ({s:?})"
+        );
+        assert_eq!(
+            s.expert_h2d_copies,
+            s.experts_copied + s.ahead_copied,
+            "{slots} slots: not one copy per expert ({s:?})"
+        );
+        eprintln!(
+            "{slots} slots: identical; {} experts copied in {} copies",
+            s.experts_copied + s.ahead_copied,
+            s.expert_h2d_copies
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: CUDA 13 driver and NVRTC (COLIBRI_NVRTC_DIR)"]
 fn gpu_is_bit_identical_across_batch_compositions() {

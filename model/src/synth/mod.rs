@@ -303,6 +303,29 @@ pub fn config(preset: Option<&str>, config: Option<Value>, layers: Option<usize>
     })
 }
 
+/// A small Qwen3-MoE geometry for tests and smoke runs: 2 layers, hidden
+/// size 256, 8 experts of width 256 (2 per token), a 512-token
+/// vocabulary. Its Q4_0 expert matrices are 36 KiB, whole 4 KiB units as
+/// in the released models, so every expert of a GGUF's stacked tensor
+/// sits alike relative to the disk's alignment.
+pub fn small_qwen3_moe() -> Value {
+    let mut c = presets::with_layers(&presets::preset("qwen3-30b-a3b").unwrap_or_default(), 2);
+    for (k, v) in [
+        ("hidden_size", 256),
+        ("moe_intermediate_size", 256),
+        ("intermediate_size", 512),
+        ("num_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 64),
+        ("vocab_size", 512),
+    ] {
+        c[k] = v.into();
+    }
+    c
+}
+
 /// The summary of writing `source` as `format` in `quant`, without writing.
 pub fn plan(
     source: &SynthSource,

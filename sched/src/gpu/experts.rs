@@ -38,8 +38,8 @@ use colibri_cuda::{
 };
 use colibri_model::experts::{ExpertSource, ExpertWeights};
 use colibri_model::moe::Routing;
-use colibri_model::source::{ExpertLocator, MatrixLocation};
-use colibri_model::tensor::QMatrix;
+use colibri_model::source::MatrixLocation;
+use colibri_model::tensor::{Bytes, QMatrix};
 use colibri_model::{Model, ModelError};
 
 use super::plan::{ExpertClassRequest, VramPlan};
@@ -121,6 +121,43 @@ impl ExpertShape {
             scale_off,
             slot_bytes: (at + 16).next_multiple_of(TENSOR_ALIGN),
         }
+    }
+
+    /// Gate, up and down at `at` bytes from the slot's start (the first
+    /// at 0), where the RAM tier's slot holds them relative to each other
+    /// (`ExpertRecord::slot_offsets`), so that an expert moves to the
+    /// device in one copy even when its matrices were separate reads (a
+    /// GGUF's stacked `*_exps` tensors). `None` where that layout would not
+    /// do: FP8 scales (copied apart), a matrix off a 16-byte boundary
+    /// (the kernels' widest loads), overlapping matrices, or gaps of more
+    /// than an eighth of the matrices' bytes or [`MIRROR_SLACK`], whichever
+    /// is larger (VRAM spent on nothing).
+    pub fn mirroring(mats: [MatShape; 3], at: [usize; 3]) -> Option<ExpertShape> {
+        if mats.iter().any(|m| m.scales.is_some())
+            || at.iter().min() != Some(&0)
+            || at.iter().any(|o| o % MIRROR_ALIGN != 0)
+        {
+            return None;
+        }
+        let mut order = [0, 1, 2];
+        order.sort_by_key(|&i| at[i]);
+        if order
+            .windows(2)
+            .any(|p| at[p[0]] + mats[p[0]].bytes > at[p[1]])
+        {
+            return None;
+        }
+        let end = (0..3).map(|i| at[i] + mats[i].bytes).max()?;
+        let bytes: usize = mats.iter().map(|m| m.bytes).sum();
+        if end - bytes > (bytes / 8).max(MIRROR_SLACK) {
+            return None;
+        }
+        Some(ExpertShape {
+            mats,
+            off: at,
+            scale_off: [0; 3],
+            slot_bytes: (end + 16).next_multiple_of(TENSOR_ALIGN),
+        })
     }
 
     fn of_weights(w: &ExpertWeights) -> Result<ExpertShape, GpuError> {
@@ -216,18 +253,32 @@ fn uniform(
     Ok(first)
 }
 
-/// Per-layer expert shapes from the RAM tier's layout.
+/// The device alignment a mirrored matrix keeps (see
+/// [`ExpertShape::mirroring`]).
+const MIRROR_ALIGN: usize = 16;
+
+/// Gaps a mirrored slot may always hold: the alignment slack of four
+/// 4 KiB-aligned reads, whatever the expert's size.
+const MIRROR_SLACK: usize = 16 << 10;
+
+/// Per-layer expert shapes from the RAM tier's layout: each layer's slots
+/// mirror its RAM slots ([`ExpertShape::mirroring`]) where every expert of
+/// the layer places its matrices alike, else the matrices packed one after
+/// another. Mirrored slots are then widened to the largest mirrored slot
+/// among the layers whose packed slots are the same size, so that a gap
+/// of a few KiB that varies from layer to layer does not split a size
+/// class.
 pub(crate) fn shapes_from_layout(
     model: &Model,
     layout: &ExpertLayout,
 ) -> Result<Vec<Option<ExpertShape>>, GpuError> {
-    (0..model.spec.num_layers())
+    let shapes: Vec<Option<(ExpertShape, usize)>> = (0..model.spec.num_layers())
         .map(|l| {
             let Some(base) = layout.base.get(l).copied().flatten() else {
                 return Ok(None);
             };
             let recs = &layout.records[base..base + layout.experts_per_layer];
-            uniform(
+            let packed = uniform(
                 l,
                 recs.iter().map(|r| {
                     let m = r.location.matrices();
@@ -237,35 +288,41 @@ pub(crate) fn shapes_from_layout(
                         MatShape::of_location(m[2])?,
                     ]))
                 }),
-            )
-        })
-        .collect()
-}
-
-/// Per-layer expert shapes from a locator (expert 0 of each layer stands
-/// for the layer; the GPU pass checks every expert as it arrives).
-pub(crate) fn shapes_from_locator(
-    model: &Model,
-    locator: Option<&dyn ExpertLocator>,
-) -> Result<Vec<Option<ExpertShape>>, GpuError> {
-    let spec = &model.spec;
-    (0..spec.num_layers())
-        .map(|l| {
-            if spec.layers[l].ffn != colibri_model::config::FfnKind::Moe || spec.moe.is_none() {
-                return Ok(None);
-            }
-            let Some(loc) = locator else {
+            )?;
+            let Some(packed) = packed else {
                 return Ok(None);
             };
-            let e = loc.locate(l, 0)?;
-            let m = e.matrices();
-            Ok(Some(ExpertShape::new([
-                MatShape::of_location(m[0])?,
-                MatShape::of_location(m[1])?,
-                MatShape::of_location(m[2])?,
-            ])))
+            let mirrored = recs.iter().try_fold(None::<ExpertShape>, |same, r| {
+                let lo = r.slot_offsets.iter().min().copied()?;
+                let at = r
+                    .slot_offsets
+                    .map(|o| usize::try_from(o - lo).unwrap_or(usize::MAX));
+                let s = ExpertShape::mirroring(packed.mats, at)?;
+                match same {
+                    Some(f) if f != s => None,
+                    _ => Some(Some(s)),
+                }
+            });
+            Ok(Some(match mirrored.flatten() {
+                Some(m) => (m, packed.slot_bytes),
+                None => (packed, packed.slot_bytes),
+            }))
         })
-        .collect()
+        .collect::<Result<_, GpuError>>()?;
+    let mut widest: BTreeMap<usize, usize> = BTreeMap::new();
+    for (s, packed) in shapes.iter().flatten() {
+        let w = widest.entry(*packed).or_insert(0);
+        *w = (*w).max(s.slot_bytes);
+    }
+    Ok(shapes
+        .into_iter()
+        .map(|s| {
+            s.map(|(mut s, packed)| {
+                s.slot_bytes = widest.get(&packed).copied().unwrap_or(s.slot_bytes);
+                s
+            })
+        })
+        .collect())
 }
 
 /// Per-layer expert shapes from a source that is not the RAM tier (every
@@ -470,6 +527,9 @@ struct Launch {
 pub(crate) struct ExpertCounters {
     pub copied: u64,
     pub h2d_bytes: u64,
+    /// Host-to-device copies that moved the staged and ahead-copied
+    /// experts (one per expert where its slot mirrors its RAM slot).
+    pub h2d_copies: u64,
     pub promotions: u64,
     /// MoE layers routed and planned on the device (the device table
     /// knows where every expert is).
@@ -650,7 +710,7 @@ impl ExpertTier {
                 }
                 _ => break,
             };
-            let copied = (|| -> Result<(Event, u64), GpuError> {
+            let copied = (|| -> Result<(Event, Copied), GpuError> {
                 if !ordered && self.slot_touched[class][slot.slot] == self.layer_seq {
                     // This layer's kernels may still read the slot's old
                     // expert: the copies start after them. (The least
@@ -669,7 +729,7 @@ impl ExpertTier {
                 unsafe { copy_expert_event(dev, &shape, &w, buf, slot.slot * sb) }
             })();
             match copied {
-                Ok((done, bytes)) => {
+                Ok((done, Copied { bytes, copies, .. })) => {
                     self.cache.complete(entry, 0, false);
                     self.ahead.push(Ahead {
                         slot,
@@ -680,6 +740,7 @@ impl ExpertTier {
                     self.counters.ahead_copied += 1;
                     self.counters.ahead_bytes += bytes;
                     self.counters.h2d_bytes += bytes;
+                    self.counters.h2d_copies += copies;
                     issued += 1;
                 }
                 Err(err) => {
@@ -776,34 +837,13 @@ impl ExpertTier {
                         let buf = self.cache_bufs[slot.class]
                             .as_mut()
                             .ok_or_else(|| GpuError::Internal("preload without cache".into()))?;
-                        let mut last = None;
-                        for (i, m) in [&w.gate, &w.up, &w.down].iter().enumerate() {
-                            let at = slot.slot * sb + shape.off[i];
-                            let src = stored_bytes(m)?;
-                            // SAFETY: `w` stays alive until the event below
-                            // has been waited for; the slot is reserved and
-                            // read by no kernel yet.
-                            last = Some(unsafe {
-                                dev.copy_host_ptr_async(
-                                    src.as_ptr(),
-                                    buf.view_mut(at..at + src.len())?,
-                                )?
-                            });
-                            if let Some(s) = m.scales() {
-                                let sbytes = bytemuck_f32(&s.scales);
-                                let at = slot.slot * sb + shape.scale_off[i];
-                                // SAFETY: as above.
-                                last = Some(unsafe {
-                                    dev.copy_host_ptr_async(
-                                        sbytes.as_ptr(),
-                                        buf.view_mut(at..at + sbytes.len())?,
-                                    )?
-                                });
-                            }
-                        }
+                        // SAFETY: `w` stays alive until the event below has
+                        // been waited for; the slot is reserved and read by
+                        // no kernel yet.
+                        let copied = unsafe { copy_expert(dev, &shape, &w, buf, slot.slot * sb)? };
                         // Copies on one stream complete in order: the last
                         // one's event covers the expert.
-                        if let Some(ev) = last {
+                        if let Some(ev) = copied.last {
                             ev.synchronize()?;
                         }
                         Ok(())
@@ -1007,7 +1047,11 @@ impl ExpertTier {
         // SAFETY: `w` is kept in the ring slot until this copy's event has
         // been waited for; the ring slot's previous readers were waited
         // for above (copy_wait).
-        let (last, bytes) = unsafe { copy_expert(dev, shape, &w, &mut ring.buf, r * sb)? };
+        let Copied {
+            last,
+            bytes,
+            copies,
+        } = unsafe { copy_expert(dev, shape, &w, &mut ring.buf, r * sb)? };
         let base = ring.buf.as_view().device_ptr() + (r * sb) as u64;
         let slot = &mut ring.slots[r];
         slot.filled = last;
@@ -1024,6 +1068,7 @@ impl ExpertTier {
         }
         self.counters.copied += 1;
         self.counters.h2d_bytes += bytes;
+        self.counters.h2d_copies += copies;
         Ok((r, base))
     }
 
@@ -1428,30 +1473,10 @@ impl ExpertTier {
                     let buf = self.cache_bufs[slot.class]
                         .as_mut()
                         .ok_or_else(|| GpuError::Internal("pin without cache".into()))?;
-                    let mats = [&w.gate, &w.up, &w.down];
-                    for (i, m) in mats.iter().enumerate() {
-                        let at = slot.slot * sb + shape.off[i];
-                        let src = stored_bytes(m)?;
-                        // SAFETY: `w` is alive until the synchronize below;
-                        // the slot is reserved and read by no kernel yet.
-                        let ev = unsafe {
-                            dev.copy_host_ptr_async(
-                                src.as_ptr(),
-                                buf.view_mut(at..at + src.len())?,
-                            )?
-                        };
-                        if let Some(s) = m.scales() {
-                            let sbytes = bytemuck_f32(&s.scales);
-                            let at = slot.slot * sb + shape.scale_off[i];
-                            // SAFETY: as above.
-                            let ev2 = unsafe {
-                                dev.copy_host_ptr_async(
-                                    sbytes.as_ptr(),
-                                    buf.view_mut(at..at + sbytes.len())?,
-                                )?
-                            };
-                            ev2.synchronize()?;
-                        }
+                    // SAFETY: `w` is alive until the synchronize below; the
+                    // slot is reserved and read by no kernel yet.
+                    let copied = unsafe { copy_expert(dev, &shape, &w, buf, slot.slot * sb)? };
+                    if let Some(ev) = copied.last {
                         ev.synchronize()?;
                     }
                     Ok(())
@@ -1479,6 +1504,14 @@ impl ExpertTier {
     }
 }
 
+/// What [`copy_expert`] issued: the last copy's event, the bytes and the
+/// number of host-to-device copies.
+struct Copied {
+    last: Option<Event>,
+    bytes: u64,
+    copies: u64,
+}
+
 /// Copies expert `w`'s matrices and FP8 scales on the copy stream into the
 /// slot at byte `at` of `buf`, laid out as `shape`; returns the last copy's
 /// event (its stream's copies complete in order) and the bytes copied.
@@ -1491,52 +1524,64 @@ unsafe fn copy_expert(
     shape: &ExpertShape,
     w: &ExpertWeights,
     buf: &mut DeviceBuffer<u8>,
-    at: usize,
-) -> Result<(Option<Event>, u64), GpuError> {
+    at_slot: usize,
+) -> Result<Copied, GpuError> {
     let mats = [&w.gate, &w.up, &w.down];
     let srcs = [
         stored_bytes(mats[0])?,
         stored_bytes(mats[1])?,
         stored_bytes(mats[2])?,
     ];
-    // Matrices back to back in host memory exactly as in the slot (a
-    // packed record: gate, up, down with no gap): one copy, not three.
-    let back_to_back = mats.iter().all(|m| m.scales().is_none())
-        && (1..3).all(|i| {
-            shape.off[i] == shape.off[i - 1] + srcs[i - 1].len()
-                && srcs[i].as_ptr() as usize == srcs[i - 1].as_ptr() as usize + srcs[i - 1].len()
-        });
-    if back_to_back {
-        let len = shape.off[2] - shape.off[0] + srcs[2].len();
-        let o = at + shape.off[0];
-        let dst = buf.view_mut(o..o + len)?;
-        // SAFETY: the three ranges are adjacent parts of the memory `w`
-        // holds (checked above), so `len` bytes from the first are all
-        // `w`'s; the caller keeps `w` and the slot untouched until the
-        // event.
-        let done = unsafe { dev.copy_host_ptr_async(srcs[0].as_ptr(), dst)? };
-        return Ok((Some(done), len as u64));
+    // One copy when the three matrices lie in one host buffer exactly as
+    // the slot places them relative to each other (a packed record, or a
+    // RAM-tier slot whose separate reads the slot's shape mirrors: see
+    // `ExpertShape::mirroring`), whatever lies between them included.
+    if mats.iter().all(|m| m.scales().is_none())
+        && let Some((span, at)) =
+            Bytes::common_span([mats[0].data(), mats[1].data(), mats[2].data()])
+    {
+        let first = (0..3).min_by_key(|&i| shape.off[i]).unwrap_or(0);
+        let mirrored = (0..3).all(|i| shape.off[i].checked_sub(shape.off[first]) == Some(at[i]));
+        if mirrored && shape.off[first] + span.len() <= shape.slot_bytes {
+            let o = at_slot + shape.off[first];
+            let dst = buf.view_mut(o..o + span.len())?;
+            // SAFETY: `span` is memory of the one storage that `w`'s
+            // matrices are views of (common_span), which the caller keeps
+            // alive until the event; the slot is untouched by others until
+            // then.
+            let done = unsafe { dev.copy_host_ptr_async(span.as_ptr(), dst)? };
+            return Ok(Copied {
+                last: Some(done),
+                bytes: span.len() as u64,
+                copies: 1,
+            });
+        }
     }
-    let mut last = None;
-    let mut bytes = 0u64;
+    let mut out = Copied {
+        last: None,
+        bytes: 0,
+        copies: 0,
+    };
     for (i, m) in mats.iter().enumerate() {
         let src = srcs[i];
-        let o = at + shape.off[i];
+        let o = at_slot + shape.off[i];
         let dst = buf.view_mut(o..o + src.len())?;
         // SAFETY: the caller keeps `w` (which owns `src`) and the slot
         // untouched until the event.
-        last = Some(unsafe { dev.copy_host_ptr_async(src.as_ptr(), dst)? });
-        bytes += src.len() as u64;
+        out.last = Some(unsafe { dev.copy_host_ptr_async(src.as_ptr(), dst)? });
+        out.bytes += src.len() as u64;
+        out.copies += 1;
         if let Some(s) = m.scales() {
             let sbytes = bytemuck_f32(&s.scales);
-            let o = at + shape.scale_off[i];
+            let o = at_slot + shape.scale_off[i];
             let dst = buf.view_mut(o..o + sbytes.len())?;
             // SAFETY: as above; the scales are owned by `w` too.
-            last = Some(unsafe { dev.copy_host_ptr_async(sbytes.as_ptr(), dst)? });
-            bytes += sbytes.len() as u64;
+            out.last = Some(unsafe { dev.copy_host_ptr_async(sbytes.as_ptr(), dst)? });
+            out.bytes += sbytes.len() as u64;
+            out.copies += 1;
         }
     }
-    Ok((last, bytes))
+    Ok(out)
 }
 
 /// [`copy_expert`], with an event even when there was nothing to copy.
@@ -1549,14 +1594,14 @@ unsafe fn copy_expert_event(
     w: &ExpertWeights,
     buf: &mut DeviceBuffer<u8>,
     at: usize,
-) -> Result<(Event, u64), GpuError> {
+) -> Result<(Event, Copied), GpuError> {
     // SAFETY: the caller's contract is copy_expert's.
-    let (done, bytes) = unsafe { copy_expert(dev, shape, w, buf, at)? };
-    let done = match done {
+    let mut copied = unsafe { copy_expert(dev, shape, w, buf, at)? };
+    let done = match copied.last.take() {
         Some(d) => d,
         None => dev.record_copy()?,
     };
-    Ok((done, bytes))
+    Ok((done, copied))
 }
 
 fn bytemuck_f32(v: &[f32]) -> &[u8] {
@@ -1756,4 +1801,112 @@ fn stored_bytes(m: &colibri_model::tensor::QMatrix) -> Result<&[u8], GpuError> {
         )));
     }
     Ok(m.data().as_slice())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::FileFacts;
+
+    fn q4_0(rows: usize, cols: usize) -> MatShape {
+        MatShape {
+            format: DevFormat::Q4_0,
+            rows,
+            cols,
+            bytes: rows * cols / 32 * 18,
+            scales: None,
+        }
+    }
+
+    #[test]
+    fn mirrored_slots_keep_the_ram_slots_gaps_within_bounds() {
+        // 768 × 2048 gate and up, 2048 × 768 down: 884,736 bytes each.
+        let mats = [q4_0(768, 2048), q4_0(768, 2048), q4_0(2048, 768)];
+        let n = mats[0].bytes;
+        // A GGUF's three reads, each 4 KiB-aligned, 160 bytes in.
+        let at = [0, n + 4096 - 160 + 160, 2 * (n + 4096)];
+        let s = ExpertShape::mirroring(mats, at).expect("mirrored");
+        assert_eq!(s.off, at);
+        assert!(s.slot_bytes >= at[2] + n + 16);
+        assert_eq!(s.slot_bytes % TENSOR_ALIGN, 0);
+        // Any order in the slot (down read first).
+        let s = ExpertShape::mirroring(mats, [n + 4096, 2 * (n + 4096), 0]).expect("mirrored");
+        assert!(s.slot_bytes >= 2 * (n + 4096) + n + 16);
+        // Refused: not starting at 0, off 16 bytes, overlapping, far apart.
+        assert!(ExpertShape::mirroring(mats, [16, n + 16, 2 * n + 16]).is_none());
+        assert!(ExpertShape::mirroring(mats, [0, n + 8, 2 * n + 16]).is_none());
+        assert!(ExpertShape::mirroring(mats, [0, n - 16, 2 * n]).is_none());
+        assert!(ExpertShape::mirroring(mats, [0, n, 2 * n + n / 2]).is_none());
+        // FP8 scales are copied apart: never mirrored.
+        let mut fp8 = mats;
+        fp8[0].scales = Some((128, 96));
+        assert!(ExpertShape::mirroring(fp8, [0, n, 2 * n]).is_none());
+    }
+
+    /// `synth::small_qwen3_moe` as a Q4_0 GGUF: every expert of a layer
+    /// lands alike in its RAM slot, with gaps between the matrices.
+    fn small_gguf(dir: &std::path::Path) -> std::path::PathBuf {
+        use colibri_model::convert::Silent;
+        use colibri_model::convert::cast::Quant;
+        use colibri_model::synth::{self, SynthFormat, SynthSource};
+        let out = dir.join("small.gguf");
+        let src = SynthSource::new(synth::small_qwen3_moe(), 7).expect("config");
+        synth::write(&src, Quant::Q4_0, SynthFormat::Gguf, &out, &Silent).expect("synth");
+        out
+    }
+
+    /// Over real GGUFs' layouts at two alignment units: a layer's slots
+    /// mirror where its experts' matrices land in RAM whenever every
+    /// expert of the layer places them alike, and equal layers share one
+    /// slot size.
+    #[test]
+    fn gguf_layers_get_slots_that_mirror_the_ram_slots() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let small = small_gguf(tmp.path());
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/gguf/qwen3_moe.q4_0.gguf");
+        let mut mirrored = 0;
+        for path in [small, fixture] {
+            let (model, src) = Model::load(&path).expect("model");
+            let locator = src.locator(&model.spec).expect("locator");
+            let len = std::fs::metadata(&path).expect("file").len();
+            for unit in [512, 4096] {
+                let facts = [FileFacts { unit, len }];
+                let layout =
+                    ExpertLayout::build(&model.spec, locator.as_ref(), &facts).expect("layout");
+                let shapes = shapes_from_layout(&model, &layout).expect("shapes");
+                let mut sizes = std::collections::BTreeSet::new();
+                for l in layout.moe_layers() {
+                    let s = shapes[l].expect("a MoE layer has a shape");
+                    sizes.insert(s.slot_bytes);
+                    let base = layout.base[l].expect("MoE layer");
+                    let rel: Vec<[usize; 3]> = layout.records
+                        [base..base + layout.experts_per_layer]
+                        .iter()
+                        .map(|r| {
+                            let lo = *r.slot_offsets.iter().min().expect("three");
+                            r.slot_offsets.map(|o| (o - lo) as usize)
+                        })
+                        .collect();
+                    let alike = rel.iter().all(|r| *r == rel[0]);
+                    let what = format!("{} unit {unit} layer {l}", path.display());
+                    if alike {
+                        assert_eq!(s.off, rel[0], "{what}");
+                        // Separate reads: gaps between the matrices.
+                        let bytes: usize = s.mats.iter().map(|m| m.bytes).sum();
+                        assert!(s.slot_bytes > bytes + 256, "{what}");
+                        mirrored += 1;
+                    } else {
+                        assert_eq!(s.off, ExpertShape::new(s.mats).off, "{what}: packed");
+                    }
+                    for i in 0..3 {
+                        assert!(s.off[i] + s.mats[i].bytes + 16 <= s.slot_bytes, "{what}");
+                    }
+                }
+                assert_eq!(sizes.len(), 1, "unit {unit}: one size class, {sizes:?}");
+            }
+        }
+        // The small file's two layers at both units.
+        assert!(mirrored >= 4, "{mirrored}");
+    }
 }

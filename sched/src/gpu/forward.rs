@@ -692,6 +692,7 @@ impl State {
             cache: self.experts.cache_stats(),
             experts_copied: c.copied,
             expert_h2d_bytes: c.h2d_bytes,
+            expert_h2d_copies: c.h2d_copies,
             dense_h2d_bytes: self.dense.streamed_bytes,
             promotions: c.promotions + self.experts.in_place.promotions,
             kv_vram_bytes: self

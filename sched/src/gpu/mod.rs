@@ -370,6 +370,10 @@ pub struct GpuStats {
     /// Bytes copied host-to-device for experts / dense blocks.
     pub expert_h2d_bytes: u64,
     pub dense_h2d_bytes: u64,
+    /// Host-to-device copies that moved the copied experts (staged and
+    /// ahead): one per expert where the VRAM slot mirrors the RAM slot,
+    /// else one per matrix.
+    pub expert_h2d_copies: u64,
     /// Experts promoted from the staging ring into the VRAM cache.
     pub promotions: u64,
     pub kv_vram_bytes: u64,
@@ -425,6 +429,7 @@ impl GpuStats {
             },
             experts_copied: d(self.experts_copied, earlier.experts_copied),
             expert_h2d_bytes: d(self.expert_h2d_bytes, earlier.expert_h2d_bytes),
+            expert_h2d_copies: d(self.expert_h2d_copies, earlier.expert_h2d_copies),
             dense_h2d_bytes: d(self.dense_h2d_bytes, earlier.dense_h2d_bytes),
             promotions: d(self.promotions, earlier.promotions),
             device_routed_layers: d(self.device_routed_layers, earlier.device_routed_layers),
@@ -457,6 +462,7 @@ impl GpuStats {
         self.cache.full += o.cache.full;
         self.experts_copied += o.experts_copied;
         self.expert_h2d_bytes += o.expert_h2d_bytes;
+        self.expert_h2d_copies += o.expert_h2d_copies;
         self.dense_h2d_bytes += o.dense_h2d_bytes;
         self.promotions += o.promotions;
         self.kv_vram_bytes += o.kv_vram_bytes;
@@ -851,17 +857,18 @@ pub struct DeviceMemory {
 }
 
 /// What `colibri plan` shows for the GPU tier of a model on `devices` (in
-/// layer order; several split the layers); `ram_holds_all`: the RAM
-/// tier's plan holds every routed expert.
+/// layer order; several split the layers), its expert slots laid out as
+/// the RAM tier's `layout` has them; `ram_holds_all`: the RAM tier's plan
+/// holds every routed expert.
 pub fn plans_for(
     model: &Model,
-    locator: Option<&dyn colibri_model::source::ExpertLocator>,
+    layout: &crate::tier::ExpertLayout,
     ctx: usize,
     opts: &GpuOptions,
     devices: &[DeviceMemory],
     ram_holds_all: bool,
 ) -> Result<Vec<VramPlan>, GpuError> {
-    let shapes = experts::shapes_from_locator(model, locator)?;
+    let shapes = experts::shapes_from_layout(model, layout)?;
     let shares = shares(model, &shapes, devices.len())?;
     devices
         .iter()

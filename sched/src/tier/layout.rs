@@ -76,6 +76,12 @@ pub struct ExpertRecord {
     /// For gate, up and down: which read holds it and at which offset from
     /// the start of that read's wanted bytes.
     pub matrices: [(usize, u64); 3],
+    /// Where each of gate, up and down begins in the slot under the
+    /// reader's layout rule (what [`matrix_ranges`](Self::matrix_ranges)
+    /// gives once the reads are done): the GPU tier lays its device slots
+    /// out the same way, so that one host-to-device copy moves a whole
+    /// expert even when its matrices were separate reads.
+    pub slot_offsets: [u64; 3],
     /// Slot bytes the reads need under the reader's layout rule.
     pub slot_bytes: u64,
     /// Bytes the kernel transfers for one load (aligned reads).
@@ -281,6 +287,7 @@ fn plan_record(location: ExpertLocation, files: &[FileFacts]) -> Result<ExpertRe
     // file's unit and occupies its unit-aligned superset.
     let mut cursor = 0u64;
     let mut read_bytes = 0u64;
+    let mut wanted_at = Vec::with_capacity(reads.len());
     for r in &reads {
         let unit = files[r.file.0 as usize].unit.max(1);
         let alignment = unit_alignment(unit);
@@ -289,15 +296,18 @@ fn plan_record(location: ExpertLocation, files: &[FileFacts]) -> Result<ExpertRe
             .map_err(|e| bad(&location, e.to_string()))?;
         let start =
             align_up(cursor, unit).ok_or_else(|| bad(&location, "slot overflows".into()))?;
+        wanted_at.push(start + widened.skip);
         cursor = start + widened.len;
         read_bytes += widened.len;
     }
+    let slot_offsets = matrices.map(|(read, offset)| wanted_at[read] + offset);
     Ok(ExpertRecord {
         layer: location.layer,
         expert: location.expert,
         location,
         reads,
         matrices,
+        slot_offsets,
         slot_bytes: cursor,
         read_bytes,
         class: 0,
@@ -406,6 +416,7 @@ mod tests {
         assert_eq!(r.read_bytes, 28672);
         // gate at 18192 in the file, the read starts at 8192.
         assert_eq!(r.matrices, [(0, 10_000), (0, 18_192), (0, 1808)]);
+        assert_eq!(r.slot_offsets, [10_000, 18_192, 1808]);
         assert_eq!(r.slot_bytes, 28672);
         let read = 100..100 + 28672;
         let ranges = r
@@ -426,6 +437,9 @@ mod tests {
         // 4096 + 4096 + (the third straddles two units) 8192.
         assert_eq!(r.read_bytes, 16384);
         assert_eq!(r.slot_bytes, 16384);
+        // One read per unit-aligned stretch, back to back in the slot; the
+        // third matrix 100 bytes into its read.
+        assert_eq!(r.slot_offsets, [0, 4096, 8192 + 100]);
     }
 
     #[test]

@@ -348,6 +348,10 @@ pub struct PlanReport {
     pub usage_history: Option<PathBuf>,
     pub plan: Plan,
     pub io: IoSummary,
+    /// Where every routed expert is read from and how its RAM slot is laid
+    /// out (the GPU tier's slots follow it).
+    #[serde(skip)]
+    pub layout: ExpertLayout,
 }
 
 impl PlanReport {
@@ -408,5 +412,6 @@ pub fn plan_checkpoint(
         model_key: key,
         plan,
         io: IoSummary::probe(options.io, &files, queue_depth),
+        layout,
     })
 }

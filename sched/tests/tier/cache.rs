@@ -216,6 +216,51 @@ fn delivered_bytes_are_the_checkpoint_bytes() {
     }
 }
 
+/// The GPU tier lays its slots out as `ExpertRecord::slot_offsets` says the
+/// RAM slots are, and copies an expert with one copy when the bytes agree:
+/// so the prediction must be where the reader really puts each matrix.
+#[test]
+fn matrices_land_in_the_slot_where_the_layout_says() {
+    let paths = [
+        gguf("qwen3_moe.q4_0.gguf"),
+        gguf("mixtral.q8_0.gguf"),
+        gguf("qwen3_moe.low.gguf"),
+        gguf("olmoe.bf16.gguf"),
+        fixture("qwen3_moe_bf16_sharded"),
+        fixture("deepseek_v3_fp8"),
+    ];
+    let mut separate_reads = 0;
+    for path in &paths {
+        for budget in [0, 1 << 30] {
+            let (_, tier) = if path.is_dir() {
+                open_tier(path, options(budget, IoBackendChoice::Auto))
+            } else {
+                tier_over(path, options(budget, IoBackendChoice::Auto))
+            };
+            let layout = tier.layout();
+            for l in layout.moe_layers().collect::<Vec<_>>() {
+                let ids: Vec<usize> = (0..layout.experts_per_layer).collect();
+                for (e, w) in fetch_keep(tier.as_ref(), l, &ids) {
+                    let r = &layout.records[layout.entry(l, e).unwrap()];
+                    separate_reads += usize::from(r.reads.len() > 1);
+                    let at =
+                        [&w.gate, &w.up, &w.down].map(|m| m.data().as_slice().as_ptr() as i128);
+                    for i in 1..3 {
+                        assert_eq!(
+                            at[i] - at[0],
+                            r.slot_offsets[i] as i128 - r.slot_offsets[0] as i128,
+                            "{} budget {budget} layer {l} expert {e} matrix {i}",
+                            path.display()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // The GGUFs' stacked tensors are read apart: the case with gaps.
+    assert!(separate_reads > 0);
+}
+
 #[test]
 fn prefetch_never_evicts_cached_or_leased_experts() {
     // 2 cache slots + 2 staging; prefetch keeps 1 free slot for demand.

@@ -71,6 +71,27 @@ pub fn options(budget: u64, io: IoBackendChoice) -> TierOptions {
 }
 
 /// A tier over the fixture in `dir`, and the model's dense part.
+/// A GGUF fixture file.
+pub fn gguf(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/gguf")
+        .join(name)
+}
+
+/// A tier over the model at `path` (a GGUF file or a packed store: no
+/// `config.json` beside it).
+pub fn tier_over(path: &Path, options: TierOptions) -> (Model, Arc<TierCache>) {
+    let (model, src) = Model::load(path).unwrap();
+    let locator: Arc<dyn ExpertLocator> = Arc::from(src.locator(&model.spec).unwrap());
+    let setup = TierSetup {
+        options,
+        footprint: Footprint::of(&model.spec, &model.weights, 0),
+        config_json: Vec::new(),
+    };
+    let tier = TierCache::open(&model.spec, locator, &setup).unwrap();
+    (model, Arc::new(tier))
+}
+
 pub fn open_tier(dir: &Path, options: TierOptions) -> (Model, Arc<TierCache>) {
     let (model, src) = Model::load(dir).unwrap();
     let locator: Arc<dyn ExpertLocator> = Arc::from(src.locator(&model.spec).unwrap());

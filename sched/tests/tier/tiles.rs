@@ -12,32 +12,12 @@ use colibri_model::convert::cast::Quant;
 use colibri_model::convert::{ConvertOptions, Silent, convert};
 use colibri_model::format::WeightFormat;
 use colibri_model::kernels::{q4_0_tiles_run_here, quads16_run_here};
-use colibri_model::source::ExpertLocator;
 use colibri_model::source::packed::PackedStore;
 use colibri_model::{ExpertSource, Model, ResidentExperts};
-use colibri_sched::tier::{Footprint, TierCache, TierOptions, TierSetup};
+use colibri_sched::tier::TierOptions;
 use colibri_sched::{Engine, EngineOptions};
 
 use crate::common::*;
-
-fn gguf(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/gguf")
-        .join(name)
-}
-
-/// A tier over the model at `path` (a GGUF file or a packed store).
-fn tier_over(path: &Path, options: TierOptions) -> (Model, Arc<TierCache>) {
-    let (model, src) = Model::load(path).unwrap();
-    let locator: Arc<dyn ExpertLocator> = Arc::from(src.locator(&model.spec).unwrap());
-    let setup = TierSetup {
-        options,
-        footprint: Footprint::of(&model.spec, &model.weights, 0),
-        config_json: Vec::new(),
-    };
-    let tier = TierCache::open(&model.spec, locator, &setup).unwrap();
-    (model, Arc::new(tier))
-}
 
 fn tiles(on: bool, budget: u64) -> TierOptions {
     TierOptions {

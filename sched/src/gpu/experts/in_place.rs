@@ -36,7 +36,7 @@ use colibri_model::experts::{ExpertSource, ExpertWeights};
 
 use super::super::slots::{Reserve, VramResidency};
 use super::super::{Dims, GpuError};
-use super::{ExpertTier, MoeBufs, bytemuck_f32, copy_expert_event, stored_bytes};
+use super::{Copied, ExpertTier, MoeBufs, bytemuck_f32, copy_expert_event, stored_bytes};
 
 /// Missed experts promoted into VRAM per device-routed pass at most, once
 /// the cache has no free slot (while it has, every miss is promoted). Each
@@ -400,7 +400,7 @@ impl ExpertTier {
         };
         for (i, &(e, slot)) in issue.iter().enumerate() {
             let layer = e as usize / self.per_layer;
-            let copied = (|| -> Result<(Event, u64), GpuError> {
+            let copied = (|| -> Result<(Event, Copied), GpuError> {
                 let (Some(shape), Some(w)) = (self.shapes[layer], ip.held[e as usize].as_ref())
                 else {
                     return Err(GpuError::Internal(format!(
@@ -419,10 +419,10 @@ impl ExpertTier {
                 unsafe { copy_expert_event(dev, &shape, w, buf, slot.slot * sb) }
             })();
             match copied {
-                Ok((done, bytes)) => {
+                Ok((done, copied)) => {
                     ip.copying.push((e, done));
                     self.in_place.promotions += 1;
-                    self.counters.h2d_bytes += bytes;
+                    self.counters.h2d_bytes += copied.bytes;
                 }
                 Err(err) => {
                     for &(e, _) in &issue[i..] {
