@@ -322,6 +322,21 @@ pub mod avx2 {
         }
     }
 
+    /// `acc + d·a` over 8 blocks in two 4-lane steps, blocks 0–3 first:
+    /// block `b`'s term lands in lane `b mod 4`, as the module's order asks.
+    #[inline(always)]
+    pub(super) fn fma_halves(acc: __m128, d: __m256, a: __m256) -> __m128 {
+        // SAFETY: register arithmetic under the module's guarantee (FMA).
+        unsafe {
+            let acc = _mm_fmadd_ps(_mm256_castps256_ps128(d), _mm256_castps256_ps128(a), acc);
+            _mm_fmadd_ps(
+                _mm256_extractf128_ps::<1>(d),
+                _mm256_extractf128_ps::<1>(a),
+                acc,
+            )
+        }
+    }
+
     /// The 4 lanes' final reduction, `(a0 + a2) + (a1 + a3)` as `tree4`.
     #[inline(always)]
     pub(super) fn reduce(acc: __m128) -> f32 {
@@ -650,16 +665,7 @@ pub mod avx2 {
                         let a = _mm256_cvtepi32_ps(a);
                         let d =
                             _mm256_mul_ps(d, _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)));
-                        *acc = _mm_fmadd_ps(
-                            _mm256_castps256_ps128(d),
-                            _mm256_castps256_ps128(a),
-                            *acc,
-                        );
-                        *acc = _mm_fmadd_ps(
-                            _mm256_extractf128_ps::<1>(d),
-                            _mm256_extractf128_ps::<1>(a),
-                            *acc,
-                        );
+                        *acc = fma_halves(*acc, d, a);
                     }
                 }
                 reduce_all(acc)
@@ -753,7 +759,7 @@ pub mod avx512 {
 
     use super::super::q8act::{Q8Activation, Tokens, by_count};
     use super::BLOCKS;
-    use super::avx2::{halves, prefetch, q3_scales_raw, reduce_all};
+    use super::avx2::{fma_halves, halves, prefetch, q3_scales_raw, reduce_all};
     use crate::quant::{
         IQ4_NL_VALUES, IQ4_XS_BLOCK_BYTES, IQ4_XS_QS, Q2_K_BLOCK_BYTES, Q2_K_D, Q2_K_QS,
         Q3_K_BLOCK_BYTES, Q3_K_D, Q3_K_QS, Q3_K_SCALES, QK_K,
@@ -1118,16 +1124,7 @@ pub mod avx512 {
                         let s = _mm256_cvtepi32_ps(s);
                         let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
                         let dx = _mm256_mul_ps(d, xd);
-                        *acc = _mm_fmadd_ps(
-                            _mm256_castps256_ps128(dx),
-                            _mm256_castps256_ps128(s),
-                            *acc,
-                        );
-                        *acc = _mm_fmadd_ps(
-                            _mm256_extractf128_ps::<1>(dx),
-                            _mm256_extractf128_ps::<1>(s),
-                            *acc,
-                        );
+                        *acc = fma_halves(*acc, dx, s);
                     }
                 }
                 reduce_all(acc)
@@ -1242,16 +1239,7 @@ pub mod avx512 {
                         let s = _mm256_cvtepi32_ps(_mm256_mullo_epi32(s, ls));
                         let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
                         let dx = _mm256_mul_ps(d, xd);
-                        *acc = _mm_fmadd_ps(
-                            _mm256_castps256_ps128(dx),
-                            _mm256_castps256_ps128(s),
-                            *acc,
-                        );
-                        *acc = _mm_fmadd_ps(
-                            _mm256_extractf128_ps::<1>(dx),
-                            _mm256_extractf128_ps::<1>(s),
-                            *acc,
-                        );
+                        *acc = fma_halves(*acc, dx, s);
                     }
                 }
                 reduce_all(acc)
