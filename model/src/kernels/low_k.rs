@@ -186,7 +186,8 @@ pub mod avx2 {
     //! # Safety
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
     //! run time), `w` whole super-blocks and every activation of `w`'s
-    //! length in elements (IQ4_XS's `split` quants included); the
+    //! length in elements (IQ4_XS's `split` quants and Q2_K's `bsums16`
+    //! included); the
     //! several-token kernels at most
     //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
     //! for each.
@@ -205,8 +206,9 @@ pub mod avx2 {
     //! second); two rounds of `hadd` over the 4 blocks leave the 8
     //! sub-block sums (first sub-blocks in the low 128 bits, second ones in
     //! the high), multiplied by their scales at once (`vpmulld`) and the
-    //! halves added: the 4 blocks' `A_b`. Q2_K's `B_b` the same way from
-    //! `maddubs` of ones (`Σ a` per pair) and its mins. Q3_K's signed codes
+    //! halves added: the 4 blocks' `A_b`. Q2_K's `B_b` is its 8 mins
+    //! (16-bit lanes) against the activation's sums of 16 quants
+    //! (`bsums16`): one `pmaddwd`. Q3_K's signed codes
     //! are taken as `u = q + 4` (0..=7): `maddubs(u, a) − maddubs(4, a)`.
     //!
     //! IQ4_XS takes two blocks per 32 bytes of nibbles: the low nibbles
@@ -360,19 +362,19 @@ pub mod avx2 {
             // SAFETY: super-blocks i < supers are read (84 bytes each: 16
             // of scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D),
             // with their 8 blocks of every activation's quants and scales
-            // (module docs).
+            // and 16 sums of 16 (module docs).
             unsafe {
                 let m3 = _mm256_set1_epi8(3);
                 let m4 = _mm_set1_epi8(0x0f);
-                let ones8 = _mm256_set1_epi8(1);
                 let ones16 = _mm256_set1_epi16(1);
                 let mut acc = [_mm_setzero_ps(); N];
                 for i in 0..supers {
                     let blk = wp.add(i * Q2_K_BLOCK_BYTES);
                     prefetch(blk, 2);
-                    let bytes = order(_mm_loadu_si128(blk as *const __m128i));
-                    let sc = _mm_and_si128(bytes, m4);
-                    let mn = _mm_and_si128(_mm_srli_epi16::<4>(bytes), m4);
+                    let raw = _mm_loadu_si128(blk as *const __m128i);
+                    let sc = _mm_and_si128(order(raw), m4);
+                    // The mins in sub-block order, as bytes.
+                    let mn = _mm_and_si128(_mm_srli_epi16::<4>(raw), m4);
                     let dd = halves(blk.add(Q2_K_D));
                     let d = _mm_broadcastss_ps(dd);
                     let dmin = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
@@ -382,19 +384,23 @@ pub mod avx2 {
                         for (s, c) in c.iter_mut().enumerate() {
                             *c = _mm256_and_si256(shift2(codes, s), m3);
                         }
-                        let (scs, mns) = (widen(sc, n, false), widen(mn, n, false));
+                        let scs = widen(sc, n, false);
+                        // Sub-blocks 8n .. 8n + 8's mins as 16-bit lanes.
+                        let mins =
+                            _mm_cvtepu8_epi16(if n == 0 { mn } else { _mm_srli_si128::<8>(mn) });
                         for (x, acc) in xs.iter().zip(acc.iter_mut()) {
                             let q = x.quants.as_ptr().add((i * BLOCKS + 4 * n) * QK);
                             let mut dots = [_mm256_setzero_si256(); 4];
-                            let mut sums = [_mm256_setzero_si256(); 4];
-                            for s in 0..4 {
+                            for (s, dot) in dots.iter_mut().enumerate() {
                                 let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
-                                dots[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], xq), ones16);
-                                sums[s] =
-                                    _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones16);
+                                *dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], xq), ones16);
                             }
                             let a = scaled(sub_sums(&dots), scs);
-                            let b = scaled(sub_sums(&sums), mns);
+                            // B_b from the activation's sums of 16 quants.
+                            let sums =
+                                _mm_loadu_si128(x.bsums16.as_ptr().add(2 * BLOCKS * i + 8 * n)
+                                    as *const __m128i);
+                            let b = _mm_madd_epi16(mins, sums);
                             let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
                             // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
                             let t = _mm_fmsub_ps(
@@ -699,7 +705,7 @@ pub mod avx512 {
     //! Every function needs AVX-512 F, BW, VL, VNNI and VBMI, AVX2, FMA and
     //! F16C, and the Q3_K kernels GFNI too (the caller checked them at run
     //! time); `w` whole super-blocks and every activation of `w`'s length
-    //! in elements (its `split` quants and `bsums8` included); the
+    //! in elements (its `split` quants, `bsums8` and `bsums16` included); the
     //! several-token kernels at most
     //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
     //! for each.
@@ -723,8 +729,9 @@ pub mod avx512 {
     //!
     //! - **Q2_K**: the table is `sc_j · code` at byte `4j + code` (≤ 45),
     //!   looked up by `vpermb` with the codes (`vpsrlvw` by `2k`, per lane)
-    //!   or'ed with `4j`: `A_b`. `B_b` from the mins spread over their
-    //!   lanes (`vpermb`) times the quants, a second accumulator.
+    //!   or'ed with `4j`: `A_b`. `B_b` is the mins (widened to 16 bits,
+    //!   sub-block order) against the activation's sums of 16 quants
+    //!   (`bsums16`): one `vpmaddwd` gives the 8 blocks' `B_b` in order.
     //! - **Q3_K**: `q` = code − 4 unless the hmask bit is set (then code),
     //!   `sc` signed. The byte is `128 − sc·q` (0..=252), at byte `u` of
     //!   qword `j` with `u = q + 4` (8 bytes a sub-block: lane `k` of the
@@ -750,8 +757,8 @@ pub mod avx512 {
     //!   one `vpmultishiftqb`): `A_b`.
     //!
     //! All integers are exact, so they equal the reference's. Two rounds of
-    //! unpack-and-add leave each block's sum (and Q2_K's `B_b`) in one
-    //! 32-bit lane, permuted to block order; the f32 steps are then the
+    //! unpack-and-add leave each block's sum in one 32-bit lane, permuted
+    //! to block order; the f32 steps are then the
     //! reference's, lane for lane, blocks 0–3 before 4–7, as the AVX2
     //! kernels do them.
 
@@ -800,14 +807,6 @@ pub mod avx512 {
         sub_lanes(3, 4),
     ];
 
-    /// Per lane `k` of `S_t`: `sub(t, k)` (Q2_K's min of the lane).
-    const SUBS: [[u8; 64]; 4] = [
-        sub_lanes(0, 1),
-        sub_lanes(1, 1),
-        sub_lanes(2, 1),
-        sub_lanes(3, 1),
-    ];
-
     /// Per lane `k`: `2k`, the shift of its codes (bytes; as 16-bit
     /// counts, the high byte 0).
     const SHIFTS: [u8; 64] = {
@@ -821,8 +820,8 @@ pub mod avx512 {
     };
 
     /// Where the two unpack rounds leave block `b`'s sum (lane `k` of the
-    /// result holds blocks `k`, `4 + k`, then Q2_K's `B_k`, `B_{4+k}`):
-    /// blocks 0–7, then their `B`.
+    /// result holds blocks `k`, `4 + k`, then the third and fourth
+    /// inputs' `k`, `4 + k`): blocks 0–7, then the others'.
     const BACK: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
 
     /// A constant's 64 bytes.
@@ -872,16 +871,9 @@ pub mod avx512 {
         }
     }
 
-    /// The high 256 bits of `v`.
-    #[inline(always)]
-    fn high(v: __m512) -> __m256 {
-        // SAFETY: register arithmetic under the module's guarantee.
-        unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))) }
-    }
-
     /// Q2_K for `N` activations: a super-block's 4 code vectors become
-    /// their scaled table bytes, and its mins their lanes, once; every
-    /// activation's quants then meet them.
+    /// their scaled table bytes, and its mins 16-bit lanes, once; every
+    /// activation's quants and sums of 16 then meet them.
     struct Q2K;
 
     impl Tokens for Q2K {
@@ -892,7 +884,8 @@ pub mod avx512 {
             // SAFETY: super-blocks i < supers are read (84 bytes each: 16
             // of scales, 64 of codes at Q2_K_QS, d and dmin at Q2_K_D),
             // with every activation's 256 split quants of them (2 groups
-            // of 4 blocks, 128 bytes each) and 8 scales (module docs).
+            // of 4 blocks, 128 bytes each), 8 scales and 16 sums of 16
+            // (module docs).
             unsafe {
                 let m4 = _mm_set1_epi8(0x0f);
                 let back = _mm512_loadu_si512(BACK.as_ptr() as *const __m512i);
@@ -902,37 +895,38 @@ pub mod avx512 {
                     prefetch(blk, 2);
                     let bytes = _mm_loadu_si128(blk as *const __m128i);
                     let scaled = table(_mm_and_si128(bytes, m4), 0x0302_0100);
-                    let mins =
-                        _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16::<4>(bytes), m4));
+                    // Sub-block j's min in 16-bit lane j.
+                    let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(bytes), m4));
                     let dd = halves(blk.add(Q2_K_D));
                     let d = _mm256_broadcastss_ps(dd);
                     let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
                     let mut u = [_mm512_setzero_si512(); 4];
-                    let mut m = [_mm512_setzero_si512(); 4];
-                    for t in 0..4 {
-                        let idx = indices(blk.add(Q2_K_QS + 16 * t), t);
-                        u[t] = _mm512_permutexvar_epi8(idx, scaled);
-                        m[t] = _mm512_permutexvar_epi8(load(&SUBS[t]), mins);
+                    for (t, u) in u.iter_mut().enumerate() {
+                        *u = _mm512_permutexvar_epi8(indices(blk.add(Q2_K_QS + 16 * t), t), scaled);
                     }
                     for (x, acc) in xs.iter().zip(acc.iter_mut()) {
                         let q = x.split.as_ptr().add(i * QK_K);
                         let mut a = [_mm512_setzero_si512(); 2];
-                        let mut b = [_mm512_setzero_si512(); 2];
-                        for t in 0..4 {
+                        for (t, &u) in u.iter().enumerate() {
                             let xq = _mm512_loadu_si512(q.add(64 * t) as *const __m512i);
-                            a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], u[t], xq);
-                            b[t / 2] = _mm512_dpbusd_epi32(b[t / 2], m[t], xq);
+                            a[t / 2] = _mm512_dpbusd_epi32(a[t / 2], u, xq);
                         }
-                        let ab = _mm512_permutexvar_ps(
+                        let zero = _mm512_setzero_si512();
+                        let a = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
                             back,
-                            _mm512_cvtepi32_ps(lane_sums(a[0], a[1], b[0], b[1])),
+                            lane_sums(a[0], a[1], zero, zero),
+                        ));
+                        // B_b = m₂ᵦ·Σ q + m₂ᵦ₊₁·Σ q over the block's halves.
+                        let sums = _mm256_loadu_si256(
+                            x.bsums16.as_ptr().add(2 * BLOCKS * i) as *const __m256i
                         );
+                        let b = _mm256_madd_epi16(mins, sums);
                         let xd = _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS));
                         // t = fma(d·xd, A, −((dmin·xd)·B)), one rounding each.
                         let t = _mm256_fmsub_ps(
                             _mm256_mul_ps(d, xd),
-                            _mm512_castps512_ps256(ab),
-                            _mm256_mul_ps(_mm256_mul_ps(dmin, xd), high(ab)),
+                            _mm256_cvtepi32_ps(a),
+                            _mm256_mul_ps(_mm256_mul_ps(dmin, xd), _mm256_cvtepi32_ps(b)),
                         );
                         *acc = _mm_add_ps(*acc, _mm256_castps256_ps128(t));
                         *acc = _mm_add_ps(*acc, _mm256_extractf128_ps::<1>(t));

@@ -31,6 +31,10 @@ pub struct Q8Activation {
     /// Per block, `8 · Σ q`: what Q4_0's zero point of 8 contributes,
     /// subtracted exactly by kernels that multiply unsigned weight codes.
     pub bsums8: Vec<i32>,
+    /// Per 16 quants (each block's halves), their sum (|Σ| ≤ 2032): what
+    /// Q2_K's per-sub-block mins meet, so its kernels take `Σ m·Σ q` from
+    /// one 16-bit multiply-add instead of a product with every quant.
+    pub bsums16: Vec<i16>,
     /// The quants again, in groups of 4 blocks laid out as Q4_0 packs its
     /// nibbles: 64 bytes of each block's first 16 quants (block after
     /// block), then 64 of their last 16; zeros past the last block.
@@ -85,6 +89,8 @@ impl Q8Activation {
         self.quants.reserve(len);
         self.bsums8.clear();
         self.bsums8.reserve(blocks);
+        self.bsums16.clear();
+        self.bsums16.reserve(2 * blocks);
         self.split.clear();
         self.split.reserve(blocks.div_ceil(4) * 2 * 64);
     }
@@ -102,6 +108,13 @@ impl Q8Activation {
     fn record_block(&mut self, d: f32, start: usize, sum: i32) {
         self.scales.push(d);
         self.bsums8.push(8 * sum);
+        let low: i32 = self.quants[start..start + 16]
+            .iter()
+            .map(|&q| q as i32)
+            .sum();
+        // Both within ±16·127: exact in i16.
+        self.bsums16.push(low as i16);
+        self.bsums16.push((sum - low) as i16);
         let b = self.scales.len() - 1;
         let (g, j) = (b / 4, b % 4);
         if j == 0 {
@@ -468,6 +481,19 @@ pub(crate) mod tests {
             a.bsums8[4],
             8 * a.quants[4 * QK..].iter().map(|&q| q as i32).sum::<i32>()
         );
+        assert_eq!(a.bsums16.len(), 10);
+        for (h, &s) in a.bsums16.iter().enumerate() {
+            let want: i32 = a.quants[16 * h..16 * h + 16]
+                .iter()
+                .map(|&q| q as i32)
+                .sum();
+            assert_eq!(s as i32, want, "half {h}");
+        }
+        // Extremes: 16 × ±127 fit.
+        let mut x = vec![1.0f32; 2 * QK];
+        x[QK..].fill(-1.0);
+        let e = Q8Activation::quantize(&x);
+        assert_eq!(e.bsums16, vec![2032, 2032, -2032, -2032]);
     }
 
     #[test]
@@ -625,6 +651,7 @@ pub(crate) mod tests {
             unsafe { avx2::quantize(&mut got, x) };
             assert_eq!(got.quants, want.quants);
             assert_eq!(got.bsums8, want.bsums8);
+            assert_eq!(got.bsums16, want.bsums16);
             assert_eq!(got.split, want.split);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got.scales), bits(&want.scales));
