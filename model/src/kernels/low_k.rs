@@ -186,8 +186,8 @@ pub mod avx2 {
     //! # Safety
     //! Every function needs AVX2, FMA and F16C (the caller checked them at
     //! run time), `w` whole super-blocks and every activation of `w`'s
-    //! length in elements (IQ4_XS's `split` quants and Q2_K's `bsums16`
-    //! included); the
+    //! length in elements (IQ4_XS's `split` quants and Q2_K's and Q3_K's
+    //! `bsums16` included); the
     //! several-token kernels at most
     //! [`MULTI`](crate::kernels::q8act::MULTI) activations and an output
     //! for each.
@@ -209,7 +209,9 @@ pub mod avx2 {
     //! halves added: the 4 blocks' `A_b`. Q2_K's `B_b` is its 8 mins
     //! (16-bit lanes) against the activation's sums of 16 quants
     //! (`bsums16`): one `pmaddwd`. Q3_K's signed codes
-    //! are taken as `u = q + 4` (0..=7): `maddubs(u, a) − maddubs(4, a)`.
+    //! are taken as `u = q + 4` (0..=7): `A_b` from `maddubs(u, a)` as
+    //! above, less `4 · Σ sc·Σ a`, one `pmaddwd` of the scales against
+    //! `bsums16`.
     //!
     //! IQ4_XS takes two blocks per 32 bytes of nibbles: the low nibbles
     //! (each block's first 16 elements) and the high ones are looked up by
@@ -513,16 +515,17 @@ pub mod avx2 {
             // SAFETY: super-blocks i < supers are read (110 bytes each: 32
             // of hmask, 64 of codes at Q3_K_QS, 12 of scales at
             // Q3_K_SCALES, d at Q3_K_D), with their 8 blocks of every
-            // activation's quants and scales (module docs).
+            // activation's quants and scales and 16 sums of 16 (module
+            // docs).
             unsafe {
                 let m3 = _mm256_set1_epi8(3);
-                let four = _mm256_set1_epi8(4);
                 let ones16 = _mm256_set1_epi16(1);
                 let mut acc = [_mm_setzero_ps(); N];
                 for i in 0..supers {
                     let blk = wp.add(i * Q3_K_BLOCK_BYTES);
                     prefetch(blk, 2);
-                    let sc = order(q3_scales(blk.add(Q3_K_SCALES)));
+                    let natural = q3_scales(blk.add(Q3_K_SCALES));
+                    let sc = order(natural);
                     // d is a super-block's last 2 bytes: read with the 2
                     // before it (scale bytes), it is lane 1.
                     let dd = halves(blk.add(Q3_K_D - 2));
@@ -538,18 +541,28 @@ pub mod avx2 {
                             );
                         }
                         let scs = widen(sc, n, true);
+                        // Sub-blocks 8n .. 8n + 8's scales as 16-bit lanes.
+                        let sc16 = _mm_cvtepi8_epi16(if n == 0 {
+                            natural
+                        } else {
+                            _mm_srli_si128::<8>(natural)
+                        });
                         for (x, acc) in xs.iter().zip(acc.iter_mut()) {
                             let q = x.quants.as_ptr().add((i * BLOCKS + 4 * n) * QK);
                             let mut dots = [_mm256_setzero_si256(); 4];
                             for (s, dot) in dots.iter_mut().enumerate() {
                                 let xq = _mm256_loadu_si256(q.add(QK * s) as *const __m256i);
-                                let p = _mm256_sub_epi16(
-                                    _mm256_maddubs_epi16(u[s], xq),
-                                    _mm256_maddubs_epi16(four, xq),
-                                );
-                                *dot = _mm256_madd_epi16(p, ones16);
+                                *dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u[s], xq), ones16);
                             }
-                            let a = scaled(sub_sums(&dots), scs);
+                            // Σ sc·Σ u·a, less the 4 in u: 4·Σ sc·Σ a over
+                            // the activation's sums of 16 quants.
+                            let sums =
+                                _mm_loadu_si128(x.bsums16.as_ptr().add(2 * BLOCKS * i + 8 * n)
+                                    as *const __m128i);
+                            let a = _mm_sub_epi32(
+                                scaled(sub_sums(&dots), scs),
+                                _mm_slli_epi32::<2>(_mm_madd_epi16(sc16, sums)),
+                            );
                             let xd = _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n));
                             *acc = _mm_fmadd_ps(_mm_mul_ps(d, xd), _mm_cvtepi32_ps(a), *acc);
                         }
