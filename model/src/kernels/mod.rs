@@ -494,13 +494,14 @@ mod avx2_wrappers {
         assert!(w.len().is_multiple_of(bytes), "whole blocks");
         w.len() / bytes * elements / crate::quant::QK
     }
-    /// Checks that `x` has `blocks` blocks of quants, scales, sums and
-    /// split quants.
+    /// Checks that `x` has `blocks` blocks of quants, scales, sums (of 32
+    /// and of 16) and split quants.
     fn activation_lengths(blocks: usize, x: &super::Q8Activation) {
         assert!(
             x.quants.len() >= blocks * crate::quant::QK
                 && x.scales.len() >= blocks
                 && x.bsums8.len() >= blocks
+                && x.bsums16.len() >= 2 * blocks
                 && x.split.len() >= blocks.div_ceil(4) * 128,
             "an activation of the row's length"
         );

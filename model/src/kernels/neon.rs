@@ -1124,6 +1124,7 @@ struct Acts<const N: usize> {
     quants: [*const i8; N],
     scales: [*const f32; N],
     bsums8: [*const i32; N],
+    bsums16: [*const i16; N],
 }
 
 impl<const N: usize> Acts<N> {
@@ -1134,6 +1135,7 @@ impl<const N: usize> Acts<N> {
             quants: std::array::from_fn(|t| xs[t].quants.as_ptr()),
             scales: std::array::from_fn(|t| xs[t].scales.as_ptr()),
             bsums8: std::array::from_fn(|t| xs[t].bsums8.as_ptr()),
+            bsums16: std::array::from_fn(|t| xs[t].bsums16.as_ptr()),
         }
     }
 }
@@ -1270,17 +1272,18 @@ fn scaled_pairs(p: &[int32x4_t; 8], sc: int16x8_t) -> int32x4_t {
 /// A Q2_K row (`supers` super-blocks of 84 bytes) · `N` activations,
 /// `low_k::dot_q2_k_q8`'s arithmetic for each: per half super-block (its
 /// blocks `4n..4n + 4`, codes `(qs[32n + l] >> 2k) & 3` for its block
-/// `k`, decoded once for every token), each sub-block's `Σ q · a` and
-/// `Σ a` (exact lane sums), scaled by its 4-bit scale and min and paired
-/// into `A_b`, `B_b` ([`scaled_pairs`]); lane `k` for block `b = 8i + 4n
+/// `k`, decoded once for every token), each sub-block's `Σ q · a` (exact
+/// lane sums) scaled by its 4-bit scale and paired into `A_b`
+/// ([`scaled_pairs`]), and its min times the activation's `Σ a` of the
+/// sub-block (`bsums16`) paired into `B_b`; lane `k` for block `b = 8i + 4n
 /// + k`: `t_b = fma(d · x.d_b, A_b, −((dmin · x.d_b) · B_b))`
 /// (`q4_k::term`) added into the token's lane `b mod 4`, blocks in order;
 /// reduced as [`tree4`] into `out[t]`.
 ///
 /// # Safety
 /// With `SDOT`, requires `dotprod`; `w` at least `supers` super-blocks,
-/// every activation's quants at least `supers · 256` and scales `supers
-/// · 8` long; `out.len() >= N`.
+/// every activation's quants at least `supers · 256`, scales `supers · 8`
+/// and `bsums16` `supers · 16` long; `out.len() >= N`.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // t indexes the accumulators and the activations
 unsafe fn q2_k_row<const SDOT: bool, const N: usize>(
@@ -1292,8 +1295,8 @@ unsafe fn q2_k_row<const SDOT: bool, const N: usize>(
     let wp = w.as_ptr();
     // SAFETY: super-block i < supers of w (scales at 0, codes at Q2_K_QS,
     // d and dmin at Q2_K_D), and every activation's quants [256i..256i +
-    // 256] and scales [8i..8i + 8], are in bounds (caller); SDOT only when
-    // the caller has it.
+    // 256], scales [8i..8i + 8] and bsums16 [16i..16i + 16], are in bounds
+    // (caller); SDOT only when the caller has it.
     unsafe {
         let zero = vdupq_n_s32(0);
         let (m3, m4) = (vdupq_n_u8(3), vdupq_n_u8(0x0f));
@@ -1325,17 +1328,18 @@ unsafe fn q2_k_row<const SDOT: bool, const N: usize>(
                 let (sc16, mn16) = (vreinterpretq_s16_u16(sc16), vreinterpretq_s16_u16(mn16));
                 for t in 0..N {
                     let q = a.quants[t].add((8 * i + 4 * n) * QK);
-                    // p[j], s[j]: sub-block j's Σ q · a and Σ a as 4 lane
-                    // sums.
+                    // p[j]: sub-block j's Σ q · a as 4 lane sums.
                     let mut p = [zero; 8];
-                    let mut s = [zero; 8];
                     for j in 0..8 {
-                        let x = vld1q_s8(q.add(16 * j));
-                        p[j] = dot4::<SDOT>(zero, codes[j], x);
-                        s[j] = vpaddlq_s16(vpaddlq_s8(x));
+                        p[j] = dot4::<SDOT>(zero, codes[j], vld1q_s8(q.add(16 * j)));
                     }
                     let av = vcvtq_f32_s32(scaled_pairs(&p, sc16));
-                    let bv = vcvtq_f32_s32(scaled_pairs(&s, mn16));
+                    // Sub-block j's min times its Σ a, paired: B_b.
+                    let sums = vld1q_s16(a.bsums16[t].add(16 * i + 8 * n));
+                    let bv = vcvtq_f32_s32(vpaddq_s32(
+                        vmull_s16(vget_low_s16(mn16), vget_low_s16(sums)),
+                        vmull_high_s16(mn16, sums),
+                    ));
                     let xd = vld1q_f32(a.scales[t].add(8 * i + 4 * n));
                     let min_term = vmulq_f32(vmulq_f32(dmin, xd), bv);
                     let term = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d, xd), av);
@@ -1564,9 +1568,9 @@ fn more_q8_block(format: WeightFormat) -> (usize, usize) {
 /// checked as the x86 sets check them (`avx2_wrappers::more_q8_lengths`
 /// and `more_q8_multi_lengths` in `super`): `w` whole blocks of `format`,
 /// every activation of `xs` at least the row's length — its quants,
-/// scales, bsums8 and `split` copy (not read here, but every kernel set
-/// accepts the same arguments). Panics otherwise. Returns the row's
-/// blocks (of 32 or of 256 elements).
+/// scales, bsums8, bsums16 and `split` copy (not all read here, but every
+/// kernel set accepts the same arguments). Panics otherwise. Returns the
+/// row's blocks (of 32 or of 256 elements).
 fn more_q8_lengths(format: WeightFormat, w: &[u8], xs: &[&Q8Activation]) -> usize {
     let (elements, bytes) = more_q8_block(format);
     assert!(w.len().is_multiple_of(bytes), "whole blocks");
@@ -1576,6 +1580,7 @@ fn more_q8_lengths(format: WeightFormat, w: &[u8], xs: &[&Q8Activation]) -> usiz
             x.quants.len() >= blocks * QK
                 && x.scales.len() >= blocks
                 && x.bsums8.len() >= blocks
+                && x.bsums16.len() >= 2 * blocks
                 && x.split.len() >= blocks.div_ceil(4) * 128,
             "an activation of the row's length"
         );
