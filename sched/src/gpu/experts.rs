@@ -130,7 +130,7 @@ impl ExpertShape {
     /// GGUF's stacked `*_exps` tensors). `None` where that layout would not
     /// do: FP8 scales (copied apart), a matrix off a 16-byte boundary
     /// (the kernels' widest loads), overlapping matrices, or gaps of more
-    /// than an eighth of the matrices' bytes or [`MIRROR_SLACK`], whichever
+    /// than an eighth of the matrices' bytes or `MIRROR_SLACK` (16 KiB), whichever
     /// is larger (VRAM spent on nothing).
     pub fn mirroring(mats: [MatShape; 3], at: [usize; 3]) -> Option<ExpertShape> {
         if mats.iter().any(|m| m.scales.is_some())
