@@ -48,11 +48,12 @@
 //! token (a block: 16 rows × 32 columns, 8 `vpdpbusd` per token with
 //! AVX-512).
 //!
-//! `-- --panel-tokens` times the Q4_K and Q5_K panel kernels
+//! `-- --panel-tokens` times the Q2_K to Q6_K panel kernels
 //! ([`colibri_model::kernels::k_panels`]) on one panel of 16 rows × 2048
 //! columns held in L1, one thread, 1 to 8 tokens per call (and the AVX2
 //! set's where the CPU's own set is another), against the row kernel
-//! called per row and token: ns per panel super-block (16 rows × 256
+//! called per row and token (and, for Q2_K and Q3_K, the several-token
+//! row kernel 4 tokens a call): ns per panel super-block (16 rows × 256
 //! columns) and token, best of 5.
 //!
 //! `-- --expert-tiles N` is the prefill's shape of the same kernel: 96
@@ -846,7 +847,13 @@ fn panel_tokens(rng: &mut impl Rng) {
     }
     let cols = 2048usize;
     let supers = cols / 256;
-    for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
+    for format in [
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ] {
         let w = matrix(format, 16, cols, rng);
         let rows = w.data().as_slice();
         let rb = rows.len() / 16;
@@ -862,10 +869,16 @@ fn panel_tokens(rng: &mut impl Rng) {
         let xs: Vec<&Q8Activation> = acts.iter().collect();
         let reps = 20_000usize;
         for k in &sets {
-            let (row_dot, panel_dot) = match format {
-                WeightFormat::Q4K => (k.dot_q4_k_q8, k.dot_k_panels),
-                WeightFormat::Q5K => (k.dot_q5_k_q8, k.dot_k_panels),
-                _ => (k.dot_q6_k_q8, k.dot_q6_k_panels),
+            let row_dot = |row: &[u8], x: &Q8Activation| match format {
+                WeightFormat::Q4K => (k.dot_q4_k_q8)(row, x),
+                WeightFormat::Q5K => (k.dot_q5_k_q8)(row, x),
+                WeightFormat::Q6K => (k.dot_q6_k_q8)(row, x),
+                other => (k.dot_more_q8)(other, row, x),
+            };
+            let panel_dot = match format {
+                WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
+                WeightFormat::Q6K => k.dot_q6_k_panels,
+                _ => k.dot_low_k_panels,
             };
             let mut line = format!(
                 "{format:?} {:<34} ns per panel super-block and token:",
@@ -906,7 +919,31 @@ fn panel_tokens(rng: &mut impl Rng) {
                 }
                 best = best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps / 8 * supers * 8) as f64);
             }
-            println!("{line}; row kernel {best:.1}");
+            line += &format!("; row kernel {best:.1}");
+            // What the engine ran before panels for Q2_K and Q3_K: the
+            // several-token row kernel, 4 tokens a call.
+            if let Some(multi) = k
+                .dot_more_q8_multi
+                .filter(|_| matches!(format, WeightFormat::Q2K | WeightFormat::Q3K))
+            {
+                let mut best = f64::INFINITY;
+                let mut res = [0.0f32; 4];
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    for _ in 0..reps / 8 {
+                        for group in xs.chunks(4) {
+                            for row in rows.chunks_exact(rb) {
+                                multi(format, row, group, &mut res);
+                                std::hint::black_box(&res);
+                            }
+                        }
+                    }
+                    best =
+                        best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps / 8 * supers * 8) as f64);
+                }
+                line += &format!(", 4 tokens a call {best:.1}");
+            }
+            println!("{line}");
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Q4_K and Q5_K rows packed 16 at a time ("panels") for products with
-//! several tokens: prefill and batched decode.
+//! k-quant rows (Q2_K to Q6_K) packed 16 at a time ("panels") for
+//! products with several tokens: prefill and batched decode.
 //!
 //! Row-major, a k-quant row's product with one activation reduces every
 //! 32-element block's partial sums across vector lanes before it can scale
@@ -14,7 +14,10 @@
 //! no horizontal reduction, and the nibbles are split once for all the
 //! tokens of a pass. The scale words interleave the same way, so a block's
 //! 16 scales and mins are one vector each. A super-block of a panel is 16
-//! super-blocks' bytes (2304 for Q4_K, 2816 for Q5_K).
+//! super-blocks' bytes (2304 for Q4_K, 2816 for Q5_K); the formats whose
+//! super-blocks are not whole 16-byte groups (Q2_K, Q3_K, Q6_K) are packed
+//! a super-block at a time, padded to whole words ([`pack_padded`]; their
+//! kernels: [`low_k`], [`avx512_q6_k`], [`avx2_q6_k`]).
 //!
 //! Panels are built on the fly, per task of a matrix product, in a scratch
 //! buffer ([`pack`]): a transpose of 4-byte words, paid once for all the
@@ -30,7 +33,9 @@
 
 use super::Q8Activation;
 use crate::format::WeightFormat;
-use crate::quant::{Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES};
+use crate::quant::{
+    Q2_K_BLOCK_BYTES, Q3_K_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES,
+};
 
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 16;
@@ -43,7 +48,7 @@ pub const PANEL_TOKENS: usize = 8;
 pub const PANEL_MIN_TOKENS: usize = 2;
 
 /// `(format, panel, supers, xs, out)`: the 16 rows of a panel of `supers`
-/// super-blocks of `format` (Q4_K or Q5_K) against up to
+/// super-blocks of `format` against up to
 /// [`PANEL_TOKENS`] activations; `out[t][r]` is exactly the row kernel's
 /// product of row `r` and `xs[t]`.
 pub type PanelDot = fn(WeightFormat, &[u8], usize, &[&Q8Activation], &mut [[f32; PANEL_ROWS]]);
@@ -55,6 +60,8 @@ pub const Q6_K_PANEL_WORDS: usize = Q6_K_BLOCK_BYTES.div_ceil(4);
 /// Bytes of one super-block of `format` in a row, where panels take it.
 pub fn super_bytes(format: WeightFormat) -> Option<usize> {
     match format {
+        WeightFormat::Q2K => Some(Q2_K_BLOCK_BYTES),
+        WeightFormat::Q3K => Some(Q3_K_BLOCK_BYTES),
         WeightFormat::Q4K => Some(Q4_K_BLOCK_BYTES),
         WeightFormat::Q5K => Some(Q5_K_BLOCK_BYTES),
         WeightFormat::Q6K => Some(Q6_K_BLOCK_BYTES),
@@ -63,42 +70,56 @@ pub fn super_bytes(format: WeightFormat) -> Option<usize> {
 }
 
 /// Bytes of one row's super-block in a panel of `format`: as in the row,
-/// but Q6_K's padded to whole words ([`Q6_K_PANEL_WORDS`]).
+/// padded to whole words (Q3_K's 110 to 112, Q6_K's 210 to 212:
+/// [`Q6_K_PANEL_WORDS`]).
 pub fn panel_super_bytes(format: WeightFormat) -> Option<usize> {
-    match format {
-        WeightFormat::Q6K => Some(4 * Q6_K_PANEL_WORDS),
-        other => super_bytes(other),
-    }
+    super_bytes(format).map(|b| b.next_multiple_of(4))
 }
 
 /// Packs 16 consecutive rows of `format` (`rb` bytes each, whole
 /// super-blocks) into `out`, which is `16 × panel_super_bytes` per
-/// super-block: [`pack`] for Q4_K and Q5_K, [`pack_q6_k`] for Q6_K.
+/// super-block: [`pack`] where a super-block is whole 16-byte groups
+/// (Q4_K, Q5_K), else [`pack_padded`] a super-block at a time.
 pub fn pack_format(format: WeightFormat, rows: &[u8], rb: usize, out: &mut [u8]) {
-    match format {
-        WeightFormat::Q6K => pack_q6_k(rows, rb, out),
-        _ => pack(rows, rb, out),
+    let size = super_bytes(format).expect("a panel format");
+    if size.is_multiple_of(16) {
+        pack(rows, rb, out)
+    } else {
+        pack_padded(rows, rb, size, out)
     }
 }
 
-/// Packs 16 consecutive Q6_K rows of `rb` bytes (whole super-blocks) one
-/// super-block at a time: word `w` (< 53) of row `r`'s super-block `s` to
-/// `64 (53 s + w) + 4r`, the last word's two bytes past the block zero.
+/// Packs 16 consecutive Q6_K rows of `rb` bytes (whole super-blocks):
+/// [`pack_padded`] with Q6_K's 210-byte super-blocks.
 pub fn pack_q6_k(rows: &[u8], rb: usize, out: &mut [u8]) {
-    assert!(rb.is_multiple_of(Q6_K_BLOCK_BYTES), "whole super-blocks");
-    let supers = rb / Q6_K_BLOCK_BYTES;
-    let chunk = PANEL_ROWS * 4 * Q6_K_PANEL_WORDS;
+    pack_padded(rows, rb, Q6_K_BLOCK_BYTES, out)
+}
+
+/// Packs 16 consecutive rows of `rb` bytes, whole super-blocks of `size`
+/// bytes (`W = ⌈size / 4⌉` words each), one super-block at a time: word `w`
+/// (< W) of row `r`'s super-block `s` to `64 (W s + w) + 4r`, the bytes of
+/// the last word past the super-block zero (Q6_K's `d`, Q3_K's `d` and
+/// Q2_K's `d`/`dmin` get a word of their own).
+pub fn pack_padded(rows: &[u8], rb: usize, size: usize, out: &mut [u8]) {
+    assert!(size > 0 && rb.is_multiple_of(size), "whole super-blocks");
+    let supers = rb / size;
+    let words = size.div_ceil(4);
+    let chunk = PANEL_ROWS * 4 * words;
     assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
     assert_eq!(out.len(), supers * chunk, "a panel of whole super-blocks");
-    // Words 0..52 (bytes 0..208) by transposes of four, word 52 (`d`) on
-    // its own.
-    let body = Q6_K_PANEL_WORDS - 1;
+    // The words of whole groups of four by transposes, the rest (at most
+    // three, the last one maybe partial) on their own.
+    let body = (size / 4) / 4 * 4;
     for (s, dst) in out.chunks_exact_mut(chunk).enumerate() {
-        let at = s * Q6_K_BLOCK_BYTES;
+        let at = s * size;
         transpose_words(rows, rb, at, body, dst);
         for r in 0..PANEL_ROWS {
-            let d = &rows[r * rb + at + 4 * body..][..2];
-            dst[64 * body + 4 * r..][..4].copy_from_slice(&[d[0], d[1], 0, 0]);
+            let tail = &rows[r * rb + at + 4 * body..r * rb + at + size];
+            for (w, bytes) in tail.chunks(4).enumerate() {
+                let mut word = [0u8; 4];
+                word[..bytes.len()].copy_from_slice(bytes);
+                dst[64 * (body + w) + 4 * r..][..4].copy_from_slice(&word);
+            }
         }
     }
 }
@@ -238,6 +259,8 @@ pub fn dot_panel_ref(
 ) {
     let size = super_bytes(format).expect("a panel format");
     let dot = match format {
+        WeightFormat::Q2K => super::low_k::dot_q2_k_q8,
+        WeightFormat::Q3K => super::low_k::dot_q3_k_q8,
         WeightFormat::Q4K => super::q4_k::dot_q4_k_q8,
         WeightFormat::Q5K => super::q4_k::dot_q5_k_q8,
         _ => super::q6_k::dot_q6_k_q8,
@@ -284,6 +307,9 @@ pub mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_q6_k;
+
+#[cfg(target_arch = "x86_64")]
+pub mod low_k;
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
@@ -694,6 +720,52 @@ pub(crate) mod tests {
     use crate::quant::QK_K;
     use rand::{Rng, SeedableRng};
 
+    /// Every format with panels.
+    const PANEL_FORMATS: [WeightFormat; 5] = [
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ];
+
+    #[test]
+    fn padded_packing_gives_each_word_its_place_and_row_of_format_undoes_it() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(63);
+        for format in PANEL_FORMATS {
+            let (size, padded) = (
+                super_bytes(format).unwrap(),
+                panel_super_bytes(format).unwrap(),
+            );
+            for supers in [1, 3] {
+                let rb = supers * size;
+                let rows: Vec<u8> = (0..PANEL_ROWS * rb).map(|_| rng.random()).collect();
+                let mut panel = vec![0xaau8; PANEL_ROWS * supers * padded];
+                pack_format(format, &rows, rb, &mut panel);
+                for r in 0..PANEL_ROWS {
+                    for s in 0..supers {
+                        for w in 0..padded / 4 {
+                            let at = s * size + 4 * w;
+                            let got = &panel[PANEL_ROWS * padded * s + 64 * w + 4 * r..][..4];
+                            for (i, &byte) in got.iter().enumerate() {
+                                // Bytes past the super-block are zero.
+                                let want = if 4 * w + i < size {
+                                    rows[r * rb + at + i]
+                                } else {
+                                    0
+                                };
+                                assert_eq!(byte, want, "{format:?} row {r} super {s} word {w}");
+                            }
+                        }
+                    }
+                    let mut back = vec![0u8; rb];
+                    row_of_format(format, &panel, supers, r, &mut back);
+                    assert_eq!(back, rows[r * rb..(r + 1) * rb], "{format:?} row {r}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn packing_is_a_transpose_of_words_and_row_of_undoes_it() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(60);
@@ -725,12 +797,39 @@ pub(crate) mod tests {
         let rows: Vec<u8> = (0..PANEL_ROWS)
             .flat_map(|_| match format {
                 WeightFormat::Q6K => crate::kernels::q6_k::tests::random_row(rng, supers),
+                WeightFormat::Q2K | WeightFormat::Q3K => low_k_row(rng, format, supers),
                 _ => random_row(rng, supers, size),
             })
             .collect();
         let mut panel = vec![0u8; PANEL_ROWS * supers * panel_super_bytes(format).unwrap()];
         pack_format(format, &rows, supers * size, &mut panel);
         (panel, rows)
+    }
+
+    /// A Q2_K or Q3_K row of `supers` super-blocks: every byte random, then
+    /// `d` (and Q2_K's `dmin`) random f16 of both signs: ordinary,
+    /// subnormal and large.
+    pub(crate) fn low_k_row(rng: &mut impl Rng, format: WeightFormat, supers: usize) -> Vec<u8> {
+        use crate::quant::{Q2_K_D, Q3_K_D};
+        let (size, f16s): (usize, &[usize]) = match format {
+            WeightFormat::Q2K => (Q2_K_BLOCK_BYTES, &[Q2_K_D, Q2_K_D + 2]),
+            WeightFormat::Q3K => (Q3_K_BLOCK_BYTES, &[Q3_K_D]),
+            other => panic!("{other:?} is not Q2_K or Q3_K"),
+        };
+        let mut row: Vec<u8> = (0..supers * size).map(|_| rng.random()).collect();
+        for blk in row.chunks_exact_mut(size) {
+            for &at in f16s {
+                let sign = if rng.random() { -1.0f32 } else { 1.0 };
+                let v = match rng.random_range(0..5) {
+                    0 => rng.random_range(1e-7f32..5e-5),
+                    1 => rng.random_range(100.0f32..60000.0),
+                    _ => rng.random_range(1e-4f32..0.05),
+                };
+                let bits = half::f16::from_f32(sign * v).to_bits();
+                blk[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        row
     }
 
     /// Activations of `supers` super-blocks with the extremes a block can
@@ -754,7 +853,7 @@ pub(crate) mod tests {
     #[test]
     fn the_reference_is_the_row_kernel_on_each_row() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(61);
-        for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
+        for format in PANEL_FORMATS {
             let (panel, rows) = random_panel(&mut rng, format, 3);
             let xs = activations(&mut rng, 3, 3);
             let refs: Vec<&Q8Activation> = xs.iter().collect();
@@ -765,6 +864,8 @@ pub(crate) mod tests {
                 for r in 0..PANEL_ROWS {
                     let row = &rows[r * rb..(r + 1) * rb];
                     let want = match format {
+                        WeightFormat::Q2K => crate::kernels::low_k::dot_q2_k_q8(row, x),
+                        WeightFormat::Q3K => crate::kernels::low_k::dot_q3_k_q8(row, x),
                         WeightFormat::Q4K => crate::kernels::q4_k::dot_q4_k_q8(row, x),
                         WeightFormat::Q5K => crate::kernels::q4_k::dot_q5_k_q8(row, x),
                         _ => crate::kernels::q6_k::dot_q6_k_q8(row, x),
@@ -785,9 +886,20 @@ pub(crate) mod tests {
                 let k4 = k.dot_k_panels.into_iter().flat_map(move |p| {
                     [WeightFormat::Q4K, WeightFormat::Q5K].map(|f| (k.name, f, p))
                 });
+                let low = k.dot_low_k_panels.into_iter().flat_map(move |p| {
+                    [WeightFormat::Q2K, WeightFormat::Q3K].map(|f| (k.name, f, p))
+                });
                 k4.chain(k.dot_q6_k_panels.map(|p| (k.name, WeightFormat::Q6K, p)))
+                    .chain(low)
             })
             .collect();
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") {
+            assert!(
+                sets.iter().any(|(_, f, _)| *f == WeightFormat::Q3K),
+                "this CPU runs the Q2_K/Q3_K panels"
+            );
+        }
         for (name, format, kernel) in sets {
             {
                 for supers in [1, 2, 3, 8] {
@@ -833,6 +945,43 @@ pub(crate) mod tests {
             dot_panel_ref(format, &panel, 1, &[&x], &mut want);
             for k in crate::kernels::tests::simd_sets() {
                 if let Some(kernel) = k.dot_k_panels {
+                    let mut got = [[0.0f32; PANEL_ROWS]; 1];
+                    kernel(format, &panel, 1, &[&x], &mut got);
+                    assert_eq!(got, want, "{} {format:?}", k.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_q2_k_and_q3_k_blocks_stay_exact_in_every_panel_kernel() {
+        // All codes 3 (Q3_K: with the high bit clear, −1; set, 3 more), all
+        // scales and mins at their largest or smallest, quants −127: the
+        // largest sums a block holds, of both signs.
+        use crate::quant::{Q2_K_D, Q3_K_D, Q3_K_SCALES};
+        let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+        let mut blocks = Vec::new();
+        let mut q2 = vec![0xffu8; Q2_K_BLOCK_BYTES];
+        q2[Q2_K_D..Q2_K_D + 2].copy_from_slice(&one);
+        q2[Q2_K_D + 2..].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+        blocks.push((WeightFormat::Q2K, q2));
+        for (hmask, scales) in [(0xffu8, 0xffu8), (0x00, 0x00), (0x00, 0xff)] {
+            let mut q3 = vec![0xffu8; Q3_K_BLOCK_BYTES];
+            q3[..32].fill(hmask);
+            q3[Q3_K_SCALES..Q3_K_D].fill(scales);
+            q3[Q3_K_D..].copy_from_slice(&one);
+            blocks.push((WeightFormat::Q3K, q3));
+        }
+        for (format, blk) in blocks {
+            let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
+            let mut panel = vec![0u8; PANEL_ROWS * panel_super_bytes(format).unwrap()];
+            pack_format(format, &rows, blk.len(), &mut panel);
+            let x = Q8Activation::quantize(&vec![-1.0f32; QK_K]);
+            let mut want = [[0.0f32; PANEL_ROWS]; 1];
+            dot_panel_ref(format, &panel, 1, &[&x], &mut want);
+            assert!(want[0][0] != 0.0);
+            for k in crate::kernels::tests::simd_sets() {
+                if let Some(kernel) = k.dot_low_k_panels {
                     let mut got = [[0.0f32; PANEL_ROWS]; 1];
                     kernel(format, &panel, 1, &[&x], &mut got);
                     assert_eq!(got, want, "{} {format:?}", k.name);

@@ -171,6 +171,9 @@ pub struct KernelSet {
     /// files have their down projections in Q6_K in a third of the
     /// layers, some all of them).
     pub dot_q6_k_panels: Option<k_panels::PanelDot>,
+    /// The same for panels of 16 Q2_K or Q3_K rows (the Q2_K and
+    /// Q3_K_S/M/L files' experts).
+    pub dot_low_k_panels: Option<k_panels::PanelDot>,
     /// Matrix products over block-quantized weights (every ggml format)
     /// quantize their input to 8-bit blocks and use the integer kernels
     /// (the default); false keeps the exact dequantize-then-multiply
@@ -226,7 +229,7 @@ fn check_panel_args(
     xs: &[&Q8Activation],
     out: &[[f32; 16]],
 ) {
-    let size = k_panels::panel_super_bytes(format).expect("a Q4_K, Q5_K or Q6_K panel");
+    let size = k_panels::panel_super_bytes(format).expect("a panel format");
     assert_eq!(
         panel.len(),
         k_panels::PANEL_ROWS * supers * size,
@@ -239,7 +242,10 @@ fn check_panel_args(
     let n = supers * quant::QK_K;
     for x in xs {
         assert!(
-            x.quants.len() >= n && x.scales.len() >= n / 32 && x.bsums8.len() >= n / 32,
+            x.quants.len() >= n
+                && x.scales.len() >= n / 32
+                && x.bsums8.len() >= n / 32
+                && x.bsums16.len() >= n / 16,
             "an activation of the rows' length"
         );
     }
@@ -346,6 +352,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0_tiles: None,
     dot_k_panels: None,
     dot_q6_k_panels: None,
+    dot_low_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -616,6 +623,18 @@ mod avx2_wrappers {
         assert_eq!(format, super::WeightFormat::Q6K, "a Q6_K panel");
         unsafe { super::k_panels::avx2_q6_k::dot_panel(format, panel, supers, xs, out) }
     }
+    /// Also checks the panel, every activation's length (`bsums16`
+    /// included) and the outputs.
+    pub fn dot_low_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        unsafe { super::k_panels::low_k::avx2::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -656,6 +675,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
+    dot_low_k_panels: Some(avx2_wrappers::dot_low_k_panels),
     int_activations: true,
     vector_quantize: true,
 };
@@ -788,6 +808,18 @@ mod avx512_wrappers {
         assert_eq!(format, super::WeightFormat::Q6K, "a Q6_K panel");
         unsafe { super::k_panels::avx512_q6_k::dot_panel(format, panel, supers, xs, out) }
     }
+    /// Also checks the panel, every activation's length (`bsums16`
+    /// included) and the outputs.
+    pub fn dot_low_k_panels(
+        format: super::WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+    ) {
+        super::check_panel_args(format, panel, supers, xs, out);
+        unsafe { super::k_panels::low_k::avx512::dot_panel(format, panel, supers, xs, out) }
+    }
 }
 
 /// AVX2 with the Q4_0 integer kernels on AVX-512 VNNI (Q8_0 already
@@ -806,6 +838,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
     dot_k_panels: Some(avx512_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx512_wrappers::dot_q6_k_panels),
+    dot_low_k_panels: Some(avx512_wrappers::dot_low_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     dot_more_q8: avx512_wrappers::dot_more_q8,
@@ -995,6 +1028,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_0_tiles: None,
     dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
+    dot_low_k_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -1105,6 +1139,7 @@ fn select() -> KernelSet {
         // compare; the bits are the same).
         dot_k_panels: simd.dot_k_panels.filter(|_| panels),
         dot_q6_k_panels: simd.dot_q6_k_panels.filter(|_| panels),
+        dot_low_k_panels: simd.dot_low_k_panels.filter(|_| panels),
         ..simd
     }
 }
@@ -1845,7 +1880,7 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Rows `r0..r0 + len` of a Q4_K, Q5_K or Q6_K matrix against every token of
+/// Rows `r0..r0 + len` of a k-quant matrix (Q2_K to Q6_K) against every token of
 /// `xs` into `out` (token-major, `len` per token): each full group of 16
 /// rows packed into a panel once ([`k_panels::pack`]) and multiplied by up
 /// to [`k_panels::PANEL_TOKENS`] tokens per pass, the rows past the last
@@ -1904,7 +1939,8 @@ fn panel_rows(
             out[t * len + i] = match w.format {
                 WeightFormat::Q4K => (k.dot_q4_k_q8)(row, x),
                 WeightFormat::Q5K => (k.dot_q5_k_q8)(row, x),
-                _ => (k.dot_q6_k_q8)(row, x),
+                WeightFormat::Q6K => (k.dot_q6_k_q8)(row, x),
+                other => (k.dot_more_q8)(other, row, x),
             };
         }
     }
@@ -1997,6 +2033,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
             } else if let Some(panels) = match w.format {
                 WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
                 WeightFormat::Q6K => k.dot_q6_k_panels,
+                WeightFormat::Q2K | WeightFormat::Q3K => k.dot_low_k_panels,
                 _ => None,
             }
             .filter(|_| q8.len() == n && n >= k_panels::PANEL_MIN_TOKENS)

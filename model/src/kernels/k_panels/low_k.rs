@@ -1,0 +1,563 @@
+//! Q2_K and Q3_K panels: 16 rows side by side, word by word, as the Q4_K
+//! panels ([`super::pack_padded`]). Their 84- and 110-byte super-blocks
+//! take 21 and 28 words:
+//!
+//! - **Q2_K**: words 0–3 the 16 sub-block bytes (scale in the low nibble,
+//!   min in the high one; sub-block `j` is byte `j mod 4` of word `j / 4`),
+//!   words 4–19 the codes, word 20 `d` (low half) and `dmin` (high half).
+//! - **Q3_K**: words 0–7 `hmask`, words 8–23 the codes, words 24–26 the
+//!   12 bytes of 6-bit scales, word 27 `d` and two bytes of zeros.
+//!
+//! Codes word `g` (< 8) of half `n` (word `8n + g` of the codes) holds
+//! elements `4g..4g + 4` of blocks `4n..4n + 4`, block `4n + i` in bits
+//! `2i, 2i + 1` of each byte; Q3_K's `hmask` word `g` holds their high
+//! bits, block `k`'s in bit `k`. So a block's 32 elements are 8 words:
+//! words 0–3 its first sub-block of 16, words 4–7 its second.
+//!
+//! Per token and sub-block the kernels sum `u · a` over 4 words with the
+//! codes unsigned (`u` = 0..3 for Q2_K, the code + 4 = 0..7 for Q3_K), the
+//! same for all 16 rows. Q3_K's sum starts at `−4 · Σ a` (the activation's
+//! `bsums16`), so it ends as the row kernel's exact `Σ (u − 4) · a`. The
+//! block's term then follows with the row kernel's f32 operations: Q2_K
+//! `fmsub(d·xd, A, (dmin·xd)·B)` added into lane `b mod 4`, Q3_K
+//! `fma(d·xd, A, lane)`, with `A = Σ sc·Σ u·a` and `B = Σ m·Σ a` exact
+//! integers (below 2²⁴, so exact as f32 products and sums too); the lanes
+//! reduce as `(a0 + a2) + (a1 + a3)`. Every result is the row kernel's,
+//! bit for bit.
+
+pub mod avx512 {
+    //! The Q2_K and Q3_K panel kernels on AVX-512 VNNI: the 16 rows in the
+    //! 16 lanes of a register, one `vpdpbusd` per word and token. A
+    //! block's 8 code words are built once for every token of the pass
+    //! (Q3_K's high bits added under a byte mask).
+    //!
+    //! # Safety
+    //! Requires AVX-512 F, BW, VL and VNNI, FMA and F16C (checked by the
+    //! caller with `is_x86_feature_detected!`), a panel of `supers` whole
+    //! super-blocks of `format` (Q2_K or Q3_K), at most
+    //! [`PANEL_TOKENS`](super::super::PANEL_TOKENS) activations of
+    //! `supers × 256` quants (with their `bsums16`) and an output for
+    //! each.
+
+    use std::arch::x86_64::*;
+
+    use super::super::{PANEL_ROWS, Q8Activation};
+    use crate::format::WeightFormat;
+    use crate::kernels::q4_0::LANES;
+
+    /// Panel words of a super-block: Q2_K's, Q3_K's.
+    const Q2_WORDS: usize = 21;
+    const Q3_WORDS: usize = 28;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_panel(
+        format: WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        match format {
+            // SAFETY: forwarded contract, with `xs.len() == T`.
+            WeightFormat::Q2K => {
+                for_tokens!(xs.len(), T => unsafe { q2_k::<T>(panel, supers, xs, out) })
+            }
+            // SAFETY: as above.
+            WeightFormat::Q3K => {
+                for_tokens!(xs.len(), T => unsafe { q3_k::<T>(panel, supers, xs, out) })
+            }
+            other => panic!("no low-bit panels of {other:?}"),
+        }
+    }
+
+    /// `v >> n` in each 32-bit lane.
+    #[inline(always)]
+    fn shr(v: __m512i, n: usize) -> __m512i {
+        // SAFETY: register arithmetic; AVX-512 F per the module contract
+        // (the callers are `target_feature` functions, and this is
+        // inlined).
+        unsafe { _mm512_srl_epi32(v, _mm_cvtsi64_si128(n as i64)) }
+    }
+
+    /// Block `k`'s codes of one word (`w`, codes word `g` of its half):
+    /// bits `2 (k mod 4)`, `2 (k mod 4) + 1` of every byte as 0..3.
+    #[inline(always)]
+    fn two_bits(w: __m512i, k: usize) -> __m512i {
+        // SAFETY: as `shr`. A 16-bit shift by at most 6 moves a byte's
+        // bits within it before the mask keeps bits 0 and 1.
+        unsafe {
+            let v = _mm512_srl_epi16(w, _mm_cvtsi64_si128(2 * (k % 4) as i64));
+            _mm512_and_si512(v, _mm512_set1_epi8(3))
+        }
+    }
+
+    /// Each lane's accumulators reduced as `(a0 + a2) + (a1 + a3)` into
+    /// `out[t]`.
+    ///
+    /// # Safety
+    /// AVX-512 F (caller); `out` has an entry for each token of `acc`.
+    #[inline(always)]
+    unsafe fn store<const T: usize>(acc: &[[__m512; LANES]; T], out: &mut [[f32; PANEL_ROWS]]) {
+        assert!(out.len() >= T);
+        for (a, o) in acc.iter().zip(out.iter_mut()) {
+            // SAFETY: register arithmetic and an unaligned store of 16
+            // floats into `o`, 16 long.
+            unsafe {
+                let v = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                _mm512_storeu_ps(o.as_mut_ptr(), v);
+            }
+        }
+    }
+
+    /// `T` Q2_K tokens through the panel.
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes xs, the sums and acc
+    unsafe fn q2_k<const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        debug_assert_eq!(panel.len(), supers * Q2_WORDS * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: super-block `s < supers` reads words `21 s..21 s + 21` of
+        // the panel (64 bytes each) and, for each token, quants
+        // `256 s..+256`, scales `8 s..+8` and `bsums16` `16 s..+16`, all
+        // in bounds by the module contract; the rest is register
+        // arithmetic and local arrays indexed below their lengths.
+        unsafe {
+            let m4 = _mm512_set1_epi32(0x0f);
+            let mut acc = [[_mm512_setzero_ps(); LANES]; T];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * Q2_WORDS * 64);
+                let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+                let dd = word(20);
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+                let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+                for k in 0..8 {
+                    let b = 8 * s + k;
+                    // Sub-blocks 2k and 2k + 1: bytes 2 (k mod 2) and
+                    // 2 (k mod 2) + 1 of word k / 2; scale and min as f32
+                    // (exact small integers).
+                    let sw = word(k / 2);
+                    let at = 16 * (k % 2);
+                    let nibble = |n: usize| _mm512_cvtepi32_ps(_mm512_and_si512(shr(sw, n), m4));
+                    let sc = [nibble(at), nibble(at + 8)];
+                    // The two mins as a 16-bit pair (m0, m1), for
+                    // `vpmaddwd` against the pair of the token's sums.
+                    let mins = _mm512_or_si512(
+                        _mm512_and_si512(shr(sw, at + 4), m4),
+                        _mm512_slli_epi32::<16>(_mm512_and_si512(shr(sw, at + 12), m4)),
+                    );
+                    let codes_at = 4 + 8 * (k / 4);
+                    // Sub-block h's Σ u·a (words 4h..4h + 4) for every
+                    // token.
+                    let sub = |h: usize| {
+                        let mut dots = [_mm512_setzero_si512(); T];
+                        for g in 4 * h..4 * h + 4 {
+                            let u = two_bits(word(codes_at + g), k);
+                            for t in 0..T {
+                                let a = _mm512_set1_epi32(q[t].add(8 * b + g).read_unaligned());
+                                dots[t] = _mm512_dpbusd_epi32(dots[t], u, a);
+                            }
+                        }
+                        dots
+                    };
+                    let dots = [sub(0), sub(1)];
+                    for t in 0..T {
+                        let x = xs.get_unchecked(t);
+                        let cvt = _mm512_cvtepi32_ps;
+                        let a = _mm512_fmadd_ps(
+                            sc[1],
+                            cvt(dots[1][t]),
+                            _mm512_mul_ps(sc[0], cvt(dots[0][t])),
+                        );
+                        // B = m0 · Σ a + m1 · Σ a over the sub-blocks' sums
+                        // (adjacent i16s): exact.
+                        let sums = x.bsums16.as_ptr().add(2 * b) as *const i32;
+                        let bm = _mm512_cvtepi32_ps(_mm512_madd_epi16(
+                            mins,
+                            _mm512_set1_epi32(sums.read_unaligned()),
+                        ));
+                        let xd = _mm512_set1_ps(*x.scales.get_unchecked(b));
+                        let term = _mm512_fmsub_ps(
+                            _mm512_mul_ps(d, xd),
+                            a,
+                            _mm512_mul_ps(_mm512_mul_ps(dmin, xd), bm),
+                        );
+                        let lane = &mut acc[t][b % LANES];
+                        *lane = _mm512_add_ps(*lane, term);
+                    }
+                }
+            }
+            store(&acc, out);
+        }
+    }
+
+    /// `T` Q3_K tokens through the panel.
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes xs, the sums and acc
+    unsafe fn q3_k<const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        debug_assert_eq!(panel.len(), supers * Q3_WORDS * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: as in `q2_k`, with 28 words per super-block.
+        unsafe {
+            let (m4, m2) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(0x03));
+            let off = _mm512_set1_epi32(32);
+            let four = _mm512_set1_epi8(4);
+            let mut acc = [[_mm512_setzero_ps(); LANES]; T];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * Q3_WORDS * 64);
+                let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word(27)));
+                let (w0, w1, w2) = (word(24), word(25), word(26));
+                // Sub-block j's scale (−32..=31) as f32: its low 4 bits
+                // from nibble j / 8 of byte j mod 8 (words 24, 25), its
+                // high 2 from bits 2 (j / 4) of byte 8 + j mod 4 (word 26).
+                let scale = |j: usize| {
+                    let low = shr(if j % 8 < 4 { w0 } else { w1 }, 8 * (j % 4) + 4 * (j / 8));
+                    let high = shr(w2, 8 * (j % 4) + 2 * (j / 4));
+                    let v = _mm512_or_si512(
+                        _mm512_and_si512(low, m4),
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(high, m2)),
+                    );
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(v, off))
+                };
+                for k in 0..8 {
+                    let b = 8 * s + k;
+                    let sc = [scale(2 * k), scale(2 * k + 1)];
+                    let bit = _mm512_set1_epi8(1 << k);
+                    let codes_at = 8 + 8 * (k / 4);
+                    // Sub-block h's Σ (u − 4)·a (words 4h..4h + 4) for
+                    // every token: each sum starts at −4 · Σ a, the 4 that
+                    // the unsigned codes carry.
+                    // The block's 8 code words, built once (from L1 where
+                    // they do not stay in registers: `vpdpbusd` takes them
+                    // as a memory operand).
+                    let u: [__m512i; 8] = std::array::from_fn(|g| {
+                        let c = two_bits(word(codes_at + g), k);
+                        let high = _mm512_test_epi8_mask(word(g), bit);
+                        _mm512_mask_add_epi8(c, high, c, four)
+                    });
+                    let sub = |h: usize| {
+                        let mut dots: [__m512i; T] = std::array::from_fn(|t| {
+                            let sums = xs.get_unchecked(t).bsums16.as_ptr().add(2 * b + h);
+                            _mm512_set1_epi32(-4 * i32::from(*sums))
+                        });
+                        for g in 4 * h..4 * h + 4 {
+                            for t in 0..T {
+                                let a = _mm512_set1_epi32(q[t].add(8 * b + g).read_unaligned());
+                                dots[t] = _mm512_dpbusd_epi32(dots[t], u[g], a);
+                            }
+                        }
+                        dots
+                    };
+                    let dots = [sub(0), sub(1)];
+                    for t in 0..T {
+                        let x = xs.get_unchecked(t);
+                        let cvt = _mm512_cvtepi32_ps;
+                        let a = _mm512_fmadd_ps(
+                            sc[1],
+                            cvt(dots[1][t]),
+                            _mm512_mul_ps(sc[0], cvt(dots[0][t])),
+                        );
+                        let xd = _mm512_set1_ps(*x.scales.get_unchecked(b));
+                        let lane = &mut acc[t][b % LANES];
+                        *lane = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), a, *lane);
+                    }
+                }
+            }
+            store(&acc, out);
+        }
+    }
+}
+
+pub mod avx2 {
+    //! The Q2_K and Q3_K panel kernels on AVX2: rows 0..8 of a panel in
+    //! the 8 lanes of one register, rows 8..16 in another (bytes `0..32`
+    //! and `32..64` of each 64-byte word), as [`super::super::avx2`]'s. A
+    //! block's 8 code words are built once per pass into a local array (L1)
+    //! and met by every token, 4 at a time: `vpmaddubsw` of the codes and
+    //! the word's 4 broadcast quants gives 16-bit pair sums, at most
+    //! 2 · 7 · 127 = 1778 in magnitude, so a sub-block's 4 words add up
+    //! exactly in 16 bits (Q3_K's sum starts at `−4 · Σ a` in the low half
+    //! of each lane, within ±15,240 in all). `vpmaddwd` by the sub-block's
+    //! scale as a 16-bit pair `(sc, sc)` widens and scales at once.
+    //!
+    //! # Safety
+    //! Requires AVX2, FMA and F16C (checked by the caller with
+    //! `is_x86_feature_detected!`), a panel of `supers` whole super-blocks
+    //! of `format` (Q2_K or Q3_K), at most
+    //! [`PANEL_TOKENS`](super::super::PANEL_TOKENS) activations of
+    //! `supers × 256` quants (with their `bsums16`) and an output for
+    //! each.
+
+    use std::arch::x86_64::*;
+
+    use super::super::{PANEL_ROWS, Q8Activation};
+    use crate::format::WeightFormat;
+    use crate::kernels::q4_0::LANES;
+
+    /// Panel words of a super-block: Q2_K's, Q3_K's.
+    const Q2_WORDS: usize = 21;
+    const Q3_WORDS: usize = 28;
+
+    /// Tokens multiplied at once.
+    const GROUP: usize = 4;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_panel(
+        format: WeightFormat,
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        let q3 = match format {
+            WeightFormat::Q2K => false,
+            WeightFormat::Q3K => true,
+            other => panic!("no low-bit panels of {other:?}"),
+        };
+        for_tokens!(xs.len(), T => if q3 {
+            // SAFETY: forwarded contract, with `xs.len() == T`.
+            unsafe { panel_n::<true, T>(panel, supers, xs, out) }
+        } else {
+            // SAFETY: as above.
+            unsafe { panel_n::<false, T>(panel, supers, xs, out) }
+        });
+    }
+
+    /// `v >> n` (`left`: `<<`) in each 16-bit lane.
+    #[inline(always)]
+    fn shift16(v: __m256i, n: usize, left: bool) -> __m256i {
+        // SAFETY: register arithmetic; AVX2 per the module contract (the
+        // callers are `target_feature` functions, and this is inlined).
+        unsafe {
+            let n = _mm_cvtsi64_si128(n as i64);
+            if left {
+                _mm256_sll_epi16(v, n)
+            } else {
+                _mm256_srl_epi16(v, n)
+            }
+        }
+    }
+
+    /// `T` tokens through the panel (`Q3`: Q3_K, else Q2_K).
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(never)]
+    #[allow(clippy::needless_range_loop)] // h, i, t index several arrays at once
+    unsafe fn panel_n<const Q3: bool, const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        let words = if Q3 { Q3_WORDS } else { Q2_WORDS };
+        debug_assert_eq!(panel.len(), supers * words * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: super-block `s < supers` reads words `words × s..+words`
+        // of the panel (64 bytes each, as two 32-byte halves) and, for
+        // each token, quants `256 s..+256`, scales `8 s..+8` and `bsums16`
+        // `16 s..+16`, all in bounds by the module contract, which also
+        // gives the `T` outputs written at the end; the rest is register
+        // arithmetic and local arrays indexed below their lengths.
+        unsafe {
+            let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+            let (m4, m2) = (_mm256_set1_epi32(0x0f), _mm256_set1_epi32(0x03));
+            let low16 = _mm256_set1_epi32(0xffff);
+            let off = _mm256_set1_epi16(32);
+            // Bytes 0, 1, 4, 5, … (each row's low f16) to the low 8 of each
+            // 128-bit lane, bytes 2, 3, 6, 7, … (the high one) to the high 8.
+            let halves = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+            );
+            let shr = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi64_si128(n as i64));
+            // (v, v) from v in the low 16 bits of each lane (non-negative).
+            let pair = |v: __m256i| _mm256_or_si256(v, _mm256_slli_epi32::<16>(v));
+            // acc[t][lane][h]: token t's rows 8h..8h + 8, lane b mod 4.
+            let mut acc = [[[_mm256_setzero_ps(); 2]; LANES]; T];
+            // A block's codes: u[g][h], word g, rows 8h..8h + 8.
+            let mut u = [[_mm256_setzero_si256(); 2]; 8];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * words * 64);
+                let half = |k: usize, h: usize| {
+                    _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
+                };
+                // d (and Q2_K's dmin) of rows 8h..8h + 8.
+                let mut d = [_mm256_setzero_ps(); 2];
+                let mut dmin = [_mm256_setzero_ps(); 2];
+                for h in 0..2 {
+                    let dd = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(
+                        half(words - 1, h),
+                        halves,
+                    ));
+                    d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
+                    dmin[h] = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(dd));
+                }
+                for k in 0..8 {
+                    let b = 8 * s + k;
+                    // Sub-block j = 2k + i's scale as a 16-bit pair, and
+                    // (Q2_K) its min as f32, rows 8h..8h + 8.
+                    let mut sc = [[_mm256_setzero_si256(); 2]; 2];
+                    // (Q2_K) The two mins as a 16-bit pair (m0, m1), for
+                    // `vpmaddwd` against the pair of the token's sums.
+                    let mut mins = [_mm256_setzero_si256(); 2];
+                    for i in 0..2 {
+                        let j = 2 * k + i;
+                        for h in 0..2 {
+                            if Q3 {
+                                // Low 4 bits: nibble j / 8 of byte j mod 8
+                                // (words 24, 25); high 2: bits 2 (j / 4)
+                                // of byte 8 + j mod 4 (word 26).
+                                let lw = half(24 + (j % 8) / 4, h);
+                                let lo = _mm256_and_si256(shr(lw, 8 * (j % 4) + 4 * (j / 8)), m4);
+                                let hi = _mm256_and_si256(
+                                    shr(half(26, h), 8 * (j % 4) + 2 * (j / 4)),
+                                    m2,
+                                );
+                                let raw = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
+                                sc[i][h] = _mm256_sub_epi16(pair(raw), off);
+                            } else {
+                                // Byte j mod 4 of word j / 4: scale in the
+                                // low nibble, min in the high one.
+                                let w = half(j / 4, h);
+                                sc[i][h] = pair(_mm256_and_si256(shr(w, 8 * (j % 4)), m4));
+                                let m = _mm256_and_si256(shr(w, 8 * (j % 4) + 4), m4);
+                                mins[h] = _mm256_or_si256(
+                                    mins[h],
+                                    if i == 0 {
+                                        m
+                                    } else {
+                                        _mm256_slli_epi32::<16>(m)
+                                    },
+                                );
+                            }
+                        }
+                    }
+                    let codes_at = if Q3 { 8 } else { 4 } + 8 * (k / 4);
+                    for g in 0..8 {
+                        for h in 0..2 {
+                            let c = _mm256_and_si256(
+                                shift16(half(codes_at + g, h), 2 * (k % 4), false),
+                                m3,
+                            );
+                            u[g][h] = if Q3 {
+                                // Bit k of the hmask byte, moved to bit 2
+                                // (16-bit shifts by at most 5 keep every
+                                // byte's bit k in the byte the mask looks
+                                // at).
+                                let hm = half(g, h);
+                                let at2 = if k >= 2 {
+                                    shift16(hm, k - 2, false)
+                                } else {
+                                    shift16(hm, 2 - k, true)
+                                };
+                                _mm256_or_si256(c, _mm256_and_si256(at2, four))
+                            } else {
+                                c
+                            };
+                        }
+                    }
+                    // Tokens t..t + $p of block b into their lanes.
+                    macro_rules! tokens {
+                        ($p:literal, $t:expr) => {{
+                            let t: usize = $t;
+                            for h in 0..2 {
+                                // Sub-block i's sums; a[i]: Σ sc·Σ u·a.
+                                let mut a = [_mm256_setzero_si256(); $p];
+                                for i in 0..2 {
+                                    let mut s16: [__m256i; $p] = std::array::from_fn(|n| {
+                                        if Q3 {
+                                            let sums = xs.get_unchecked(t + n).bsums16.as_ptr();
+                                            let v = -4 * i32::from(*sums.add(2 * b + i));
+                                            _mm256_and_si256(_mm256_set1_epi32(v), low16)
+                                        } else {
+                                            _mm256_setzero_si256()
+                                        }
+                                    });
+                                    for g in 4 * i..4 * i + 4 {
+                                        for n in 0..$p {
+                                            let x = _mm256_set1_epi32(
+                                                q[t + n].add(8 * b + g).read_unaligned(),
+                                            );
+                                            s16[n] = _mm256_add_epi16(
+                                                s16[n],
+                                                _mm256_maddubs_epi16(u[g][h], x),
+                                            );
+                                        }
+                                    }
+                                    for n in 0..$p {
+                                        a[n] = _mm256_add_epi32(
+                                            a[n],
+                                            _mm256_madd_epi16(s16[n], sc[i][h]),
+                                        );
+                                    }
+                                }
+                                for n in 0..$p {
+                                    let x = xs.get_unchecked(t + n);
+                                    let xd = _mm256_set1_ps(*x.scales.get_unchecked(b));
+                                    let lane = &mut acc[t + n][b % LANES][h];
+                                    if Q3 {
+                                        *lane = _mm256_fmadd_ps(
+                                            _mm256_mul_ps(d[h], xd),
+                                            _mm256_cvtepi32_ps(a[n]),
+                                            *lane,
+                                        );
+                                    } else {
+                                        // B = m0 · Σ a + m1 · Σ a over the
+                                        // sub-blocks' sums (adjacent i16s).
+                                        let sums = x.bsums16.as_ptr().add(2 * b) as *const i32;
+                                        let bm = _mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                            mins[h],
+                                            _mm256_set1_epi32(sums.read_unaligned()),
+                                        ));
+                                        let term = _mm256_fmsub_ps(
+                                            _mm256_mul_ps(d[h], xd),
+                                            _mm256_cvtepi32_ps(a[n]),
+                                            _mm256_mul_ps(_mm256_mul_ps(dmin[h], xd), bm),
+                                        );
+                                        *lane = _mm256_add_ps(*lane, term);
+                                    }
+                                }
+                            }
+                        }};
+                    }
+                    let mut t = 0;
+                    while t + GROUP <= T {
+                        tokens!(4, t);
+                        t += GROUP;
+                    }
+                    match T - t {
+                        3 => tokens!(3, t),
+                        2 => tokens!(2, t),
+                        1 => tokens!(1, t),
+                        _ => {}
+                    }
+                }
+            }
+            super::super::avx2::store(&acc, out);
+        }
+    }
+}
