@@ -52,7 +52,7 @@
 //! ([`colibri_model::kernels::k_panels`]) on one panel of 16 rows × 2048
 //! columns held in L1, one thread, 1 to 8 tokens per call (and the AVX2
 //! set's where the CPU's own set is another), against the row kernel
-//! called per row and token (and, for Q2_K and Q3_K, the several-token
+//! called per row and token (and, for Q2_K, Q3_K and IQ4_XS, the several-token
 //! row kernel 4 tokens a call): ns per panel super-block (16 rows × 256
 //! columns) and token, best of 5.
 //!
@@ -850,6 +850,7 @@ fn panel_tokens(rng: &mut impl Rng) {
     for format in [
         WeightFormat::Q2K,
         WeightFormat::Q3K,
+        WeightFormat::Iq4Xs,
         WeightFormat::Q4K,
         WeightFormat::Q5K,
         WeightFormat::Q6K,
@@ -878,6 +879,7 @@ fn panel_tokens(rng: &mut impl Rng) {
             let panel_dot = match format {
                 WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
                 WeightFormat::Q6K => k.dot_q6_k_panels,
+                WeightFormat::Iq4Xs => k.dot_iq4_xs_panels,
                 _ => k.dot_low_k_panels,
             };
             let mut line = format!(
@@ -920,12 +922,14 @@ fn panel_tokens(rng: &mut impl Rng) {
                 best = best.min(t0.elapsed().as_secs_f64() * 1e9 / (reps / 8 * supers * 8) as f64);
             }
             line += &format!("; row kernel {best:.1}");
-            // What the engine ran before panels for Q2_K and Q3_K: the
+            // What the engine ran before panels for Q2_K, Q3_K and IQ4_XS: the
             // several-token row kernel, 4 tokens a call.
-            if let Some(multi) = k
-                .dot_more_q8_multi
-                .filter(|_| matches!(format, WeightFormat::Q2K | WeightFormat::Q3K))
-            {
+            if let Some(multi) = k.dot_more_q8_multi.filter(|_| {
+                matches!(
+                    format,
+                    WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs
+                )
+            }) {
                 let mut best = f64::INFINITY;
                 let mut res = [0.0f32; 4];
                 for _ in 0..5 {

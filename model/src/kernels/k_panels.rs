@@ -34,7 +34,8 @@
 use super::Q8Activation;
 use crate::format::WeightFormat;
 use crate::quant::{
-    Q2_K_BLOCK_BYTES, Q3_K_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES,
+    IQ4_XS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, Q3_K_BLOCK_BYTES, Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES,
+    Q6_K_BLOCK_BYTES,
 };
 
 /// Rows per panel.
@@ -65,6 +66,7 @@ pub fn super_bytes(format: WeightFormat) -> Option<usize> {
         WeightFormat::Q4K => Some(Q4_K_BLOCK_BYTES),
         WeightFormat::Q5K => Some(Q5_K_BLOCK_BYTES),
         WeightFormat::Q6K => Some(Q6_K_BLOCK_BYTES),
+        WeightFormat::Iq4Xs => Some(IQ4_XS_BLOCK_BYTES),
         _ => None,
     }
 }
@@ -261,6 +263,7 @@ pub fn dot_panel_ref(
     let dot = match format {
         WeightFormat::Q2K => super::low_k::dot_q2_k_q8,
         WeightFormat::Q3K => super::low_k::dot_q3_k_q8,
+        WeightFormat::Iq4Xs => super::low_k::dot_iq4_xs_q8,
         WeightFormat::Q4K => super::q4_k::dot_q4_k_q8,
         WeightFormat::Q5K => super::q4_k::dot_q5_k_q8,
         _ => super::q6_k::dot_q6_k_q8,
@@ -721,7 +724,8 @@ pub(crate) mod tests {
     use rand::{Rng, SeedableRng};
 
     /// Every format with panels.
-    const PANEL_FORMATS: [WeightFormat; 5] = [
+    const PANEL_FORMATS: [WeightFormat; 6] = [
+        WeightFormat::Iq4Xs,
         WeightFormat::Q2K,
         WeightFormat::Q3K,
         WeightFormat::Q4K,
@@ -797,7 +801,9 @@ pub(crate) mod tests {
         let rows: Vec<u8> = (0..PANEL_ROWS)
             .flat_map(|_| match format {
                 WeightFormat::Q6K => crate::kernels::q6_k::tests::random_row(rng, supers),
-                WeightFormat::Q2K | WeightFormat::Q3K => low_k_row(rng, format, supers),
+                WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs => {
+                    low_k_row(rng, format, supers)
+                }
                 _ => random_row(rng, supers, size),
             })
             .collect();
@@ -806,15 +812,16 @@ pub(crate) mod tests {
         (panel, rows)
     }
 
-    /// A Q2_K or Q3_K row of `supers` super-blocks: every byte random, then
-    /// `d` (and Q2_K's `dmin`) random f16 of both signs: ordinary,
-    /// subnormal and large.
+    /// A Q2_K, Q3_K or IQ4_XS row of `supers` super-blocks: every byte
+    /// random, then `d` (and Q2_K's `dmin`) random f16 of both signs:
+    /// ordinary, subnormal and large.
     pub(crate) fn low_k_row(rng: &mut impl Rng, format: WeightFormat, supers: usize) -> Vec<u8> {
         use crate::quant::{Q2_K_D, Q3_K_D};
         let (size, f16s): (usize, &[usize]) = match format {
             WeightFormat::Q2K => (Q2_K_BLOCK_BYTES, &[Q2_K_D, Q2_K_D + 2]),
             WeightFormat::Q3K => (Q3_K_BLOCK_BYTES, &[Q3_K_D]),
-            other => panic!("{other:?} is not Q2_K or Q3_K"),
+            WeightFormat::Iq4Xs => (IQ4_XS_BLOCK_BYTES, &[0]),
+            other => panic!("{other:?} is not Q2_K, Q3_K or IQ4_XS"),
         };
         let mut row: Vec<u8> = (0..supers * size).map(|_| rng.random()).collect();
         for blk in row.chunks_exact_mut(size) {
@@ -866,6 +873,7 @@ pub(crate) mod tests {
                     let want = match format {
                         WeightFormat::Q2K => crate::kernels::low_k::dot_q2_k_q8(row, x),
                         WeightFormat::Q3K => crate::kernels::low_k::dot_q3_k_q8(row, x),
+                        WeightFormat::Iq4Xs => crate::kernels::low_k::dot_iq4_xs_q8(row, x),
                         WeightFormat::Q4K => crate::kernels::q4_k::dot_q4_k_q8(row, x),
                         WeightFormat::Q5K => crate::kernels::q4_k::dot_q5_k_q8(row, x),
                         _ => crate::kernels::q6_k::dot_q6_k_q8(row, x),
@@ -891,14 +899,20 @@ pub(crate) mod tests {
                 });
                 k4.chain(k.dot_q6_k_panels.map(|p| (k.name, WeightFormat::Q6K, p)))
                     .chain(low)
+                    .chain(
+                        k.dot_iq4_xs_panels
+                            .map(|p| (k.name, WeightFormat::Iq4Xs, p)),
+                    )
             })
             .collect();
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") {
-            assert!(
-                sets.iter().any(|(_, f, _)| *f == WeightFormat::Q3K),
-                "this CPU runs the Q2_K/Q3_K panels"
-            );
+            for format in [WeightFormat::Q3K, WeightFormat::Iq4Xs] {
+                assert!(
+                    sets.iter().any(|(_, f, _)| *f == format),
+                    "this CPU runs the {format:?} panels"
+                );
+            }
         }
         for (name, format, kernel) in sets {
             {
@@ -954,7 +968,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn extreme_q2_k_and_q3_k_blocks_stay_exact_in_every_panel_kernel() {
+    fn extreme_q2_k_q3_k_and_iq4_xs_blocks_stay_exact_in_every_panel_kernel() {
         // All codes 3 (Q3_K: with the high bit clear, −1; set, 3 more), all
         // scales and mins at their largest or smallest, quants −127: the
         // largest sums a block holds, of both signs.
@@ -972,6 +986,14 @@ pub(crate) mod tests {
             q3[Q3_K_D..].copy_from_slice(&one);
             blocks.push((WeightFormat::Q3K, q3));
         }
+        // IQ4_XS: every nibble 0 (−127), the scales at 31 or −32.
+        for (scales_h, scales_l) in [(0xffu8, 0xffu8), (0x00, 0x00)] {
+            let mut iq = vec![0u8; IQ4_XS_BLOCK_BYTES];
+            iq[..2].copy_from_slice(&one);
+            iq[2..4].fill(scales_h);
+            iq[4..8].fill(scales_l);
+            blocks.push((WeightFormat::Iq4Xs, iq));
+        }
         for (format, blk) in blocks {
             let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
             let mut panel = vec![0u8; PANEL_ROWS * panel_super_bytes(format).unwrap()];
@@ -981,7 +1003,11 @@ pub(crate) mod tests {
             dot_panel_ref(format, &panel, 1, &[&x], &mut want);
             assert!(want[0][0] != 0.0);
             for k in crate::kernels::tests::simd_sets() {
-                if let Some(kernel) = k.dot_low_k_panels {
+                let kernel = match format {
+                    WeightFormat::Iq4Xs => k.dot_iq4_xs_panels,
+                    _ => k.dot_low_k_panels,
+                };
+                if let Some(kernel) = kernel {
                     let mut got = [[0.0f32; PANEL_ROWS]; 1];
                     kernel(format, &panel, 1, &[&x], &mut got);
                     assert_eq!(got, want, "{} {format:?}", k.name);

@@ -174,6 +174,8 @@ pub struct KernelSet {
     /// The same for panels of 16 Q2_K or Q3_K rows (the Q2_K and
     /// Q3_K_S/M/L files' experts).
     pub dot_low_k_panels: Option<k_panels::PanelDot>,
+    /// The same for panels of 16 IQ4_XS rows.
+    pub dot_iq4_xs_panels: Option<k_panels::PanelDot>,
     /// Matrix products over block-quantized weights (every ggml format)
     /// quantize their input to 8-bit blocks and use the integer kernels
     /// (the default); false keeps the exact dequantize-then-multiply
@@ -353,6 +355,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_k_panels: None,
     dot_q6_k_panels: None,
     dot_low_k_panels: None,
+    dot_iq4_xs_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -676,6 +679,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx2_wrappers::dot_low_k_panels),
+    dot_iq4_xs_panels: None,
     int_activations: true,
     vector_quantize: true,
 };
@@ -839,6 +843,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_k_panels: Some(avx512_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx512_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx512_wrappers::dot_low_k_panels),
+    dot_iq4_xs_panels: Some(avx512_wrappers::dot_low_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     dot_more_q8: avx512_wrappers::dot_more_q8,
@@ -1029,6 +1034,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
     dot_low_k_panels: None,
+    dot_iq4_xs_panels: None,
     int_activations: true,
     vector_quantize: false,
 };
@@ -1140,6 +1146,7 @@ fn select() -> KernelSet {
         dot_k_panels: simd.dot_k_panels.filter(|_| panels),
         dot_q6_k_panels: simd.dot_q6_k_panels.filter(|_| panels),
         dot_low_k_panels: simd.dot_low_k_panels.filter(|_| panels),
+        dot_iq4_xs_panels: simd.dot_iq4_xs_panels.filter(|_| panels),
         ..simd
     }
 }
@@ -2034,6 +2041,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
                 WeightFormat::Q6K => k.dot_q6_k_panels,
                 WeightFormat::Q2K | WeightFormat::Q3K => k.dot_low_k_panels,
+                WeightFormat::Iq4Xs => k.dot_iq4_xs_panels,
                 _ => None,
             }
             .filter(|_| q8.len() == n && n >= k_panels::PANEL_MIN_TOKENS)

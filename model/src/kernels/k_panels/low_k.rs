@@ -45,12 +45,13 @@ pub mod avx512 {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
-    /// Panel words of a super-block: Q2_K's, Q3_K's.
+    /// Panel words of a super-block: Q2_K's, Q3_K's, IQ4_XS's.
     const Q2_WORDS: usize = 21;
     const Q3_WORDS: usize = 28;
+    const IQ4_XS_WORDS: usize = 34;
 
     /// # Safety
-    /// See the module docs.
+    /// See the module docs (IQ4_XS as Q2_K and Q3_K).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     pub unsafe fn dot_panel(
         format: WeightFormat,
@@ -67,6 +68,10 @@ pub mod avx512 {
             // SAFETY: as above.
             WeightFormat::Q3K => {
                 for_tokens!(xs.len(), T => unsafe { q3_k::<T>(panel, supers, xs, out) })
+            }
+            // SAFETY: as above.
+            WeightFormat::Iq4Xs => {
+                for_tokens!(xs.len(), T => unsafe { iq4_xs::<T>(panel, supers, xs, out) })
             }
             other => panic!("no low-bit panels of {other:?}"),
         }
@@ -276,6 +281,98 @@ pub mod avx512 {
                             cvt(dots[1][t]),
                             _mm512_mul_ps(sc[0], cvt(dots[0][t])),
                         );
+                        let xd = _mm512_set1_ps(*x.scales.get_unchecked(b));
+                        let lane = &mut acc[t][b % LANES];
+                        *lane = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), a, *lane);
+                    }
+                }
+            }
+            store(&acc, out);
+        }
+    }
+
+    /// [`IQ4_NL_VALUES`](crate::quant::IQ4_NL_VALUES) + 128, as the
+    /// unsigned bytes `vpdpbusd` takes (1..=241).
+    const VALUES_U8: [u8; 16] = {
+        let mut t = [0u8; 16];
+        let mut i = 0;
+        while i < 16 {
+            t[i] = (crate::quant::IQ4_NL_VALUES[i] as i16 + 128) as u8;
+            i += 1;
+        }
+        t
+    };
+
+    /// `T` IQ4_XS tokens through the panel. A super-block's words: word 0
+    /// `d` (low half) and `scales_h` (high half), word 1 `scales_l`, words
+    /// `2 + 4k..2 + 4k + 4` block `k`'s 16 nibble bytes (word `i`'s low
+    /// nibbles its elements `4i..4i + 4`, its high ones `16 + 4i..`). The
+    /// values are looked up + 128 (unsigned), and each block's sum starts
+    /// at −128 · Σ a (the activation's `bsums8`), so it ends as the row
+    /// kernel's exact `Σ value · a`.
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes xs, the sums and acc
+    unsafe fn iq4_xs<const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        debug_assert_eq!(panel.len(), supers * IQ4_XS_WORDS * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: super-block `s < supers` reads words `34 s..34 s + 34` of
+        // the panel (64 bytes each) and, for each token, quants
+        // `256 s..+256`, scales and `bsums8` `8 s..+8`, all in bounds by
+        // the module contract; `VALUES_U8` is 16 bytes; the rest is
+        // register arithmetic and local arrays indexed below their
+        // lengths.
+        unsafe {
+            let table =
+                _mm512_broadcast_i32x4(_mm_loadu_si128(VALUES_U8.as_ptr() as *const __m128i));
+            let nibble = _mm512_set1_epi8(0x0f);
+            let (m4, m2) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(0x03));
+            let off = _mm512_set1_epi32(32);
+            let mut acc = [[_mm512_setzero_ps(); LANES]; T];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * IQ4_XS_WORDS * 64);
+                let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
+                let (w0, w1) = (word(0), word(1));
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
+                for k in 0..8 {
+                    let b = 8 * s + k;
+                    // Block k's scale (−32..=31): its low 4 bits nibble k
+                    // of scales_l, its high 2 bits 2k of scales_h.
+                    let raw = _mm512_or_si512(
+                        _mm512_and_si512(shr(w1, 4 * k), m4),
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(shr(w0, 16 + 2 * k), m2)),
+                    );
+                    let sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(raw, off));
+                    // The block's values: v[i] for i < 4 word i's low
+                    // nibbles, v[4 + i] its high ones; either way the
+                    // quants of word i of the block.
+                    let v: [__m512i; 8] = std::array::from_fn(|i| {
+                        let w = word(2 + 4 * k + i % 4);
+                        let n = if i < 4 { w } else { _mm512_srli_epi16::<4>(w) };
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(n, nibble))
+                    });
+                    let mut dots: [__m512i; T] = std::array::from_fn(|t| {
+                        // bsums8 is 8 Σ a.
+                        _mm512_set1_epi32(-16 * *xs.get_unchecked(t).bsums8.get_unchecked(b))
+                    });
+                    for i in 0..8 {
+                        for t in 0..T {
+                            let a = _mm512_set1_epi32(q[t].add(8 * b + i).read_unaligned());
+                            dots[t] = _mm512_dpbusd_epi32(dots[t], v[i], a);
+                        }
+                    }
+                    for t in 0..T {
+                        let x = xs.get_unchecked(t);
+                        // A = scale · Σ value·a: below 2²⁴, exact.
+                        let a = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(dots[t]));
                         let xd = _mm512_set1_ps(*x.scales.get_unchecked(b));
                         let lane = &mut acc[t][b % LANES];
                         *lane = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), a, *lane);
