@@ -109,20 +109,28 @@ pub fn pack_padded(rows: &[u8], rb: usize, size: usize, out: &mut [u8]) {
     let chunk = PANEL_ROWS * 4 * words;
     assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
     assert_eq!(out.len(), supers * chunk, "a panel of whole super-blocks");
-    // The words of whole groups of four by transposes, the rest (at most
-    // three, the last one maybe partial) on their own.
+    // The words of whole groups of four by transposes; the rest (at most
+    // four words, the last one maybe partial) copied zero-padded into a
+    // group of its own per row, transposed the same way, and the words
+    // that exist kept.
     let body = (size / 4) / 4 * 4;
+    let tail_bytes = size - 4 * body;
+    debug_assert!(tail_bytes <= 16 && words - body <= 4);
+    let mut tails = [0u8; PANEL_ROWS * 16];
+    let mut group = [0u8; 64 * 4];
     for (s, dst) in out.chunks_exact_mut(chunk).enumerate() {
         let at = s * size;
         transpose_words(rows, rb, at, body, dst);
-        for r in 0..PANEL_ROWS {
-            let tail = &rows[r * rb + at + 4 * body..r * rb + at + size];
-            for (w, bytes) in tail.chunks(4).enumerate() {
-                let mut word = [0u8; 4];
-                word[..bytes.len()].copy_from_slice(bytes);
-                dst[64 * (body + w) + 4 * r..][..4].copy_from_slice(&word);
-            }
+        if tail_bytes == 0 {
+            continue;
         }
+        for (r, tail) in tails.chunks_exact_mut(16).enumerate() {
+            let from = r * rb + at + 4 * body;
+            tail[..tail_bytes].copy_from_slice(&rows[from..from + tail_bytes]);
+        }
+        transpose_words(&tails, 16, 0, 4, &mut group);
+        let kept = 64 * (words - body);
+        dst[64 * body..64 * body + kept].copy_from_slice(&group[..kept]);
     }
 }
 
