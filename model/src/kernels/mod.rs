@@ -679,7 +679,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx2_wrappers::dot_low_k_panels),
-    dot_iq4_xs_panels: None,
+    dot_iq4_xs_panels: Some(avx2_wrappers::dot_low_k_panels),
     int_activations: true,
     vector_quantize: true,
 };

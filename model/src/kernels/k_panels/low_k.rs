@@ -430,6 +430,11 @@ pub mod avx2 {
         let q3 = match format {
             WeightFormat::Q2K => false,
             WeightFormat::Q3K => true,
+            WeightFormat::Iq4Xs => {
+                // SAFETY: forwarded contract, with `xs.len() == T`.
+                for_tokens!(xs.len(), T => unsafe { iq4_xs::<T>(panel, supers, xs, out) });
+                return;
+            }
             other => panic!("no low-bit panels of {other:?}"),
         };
         for_tokens!(xs.len(), T => if q3 {
@@ -637,6 +642,138 @@ pub mod avx2 {
                                         );
                                         *lane = _mm256_add_ps(*lane, term);
                                     }
+                                }
+                            }
+                        }};
+                    }
+                    let mut t = 0;
+                    while t + GROUP <= T {
+                        tokens!(4, t);
+                        t += GROUP;
+                    }
+                    match T - t {
+                        3 => tokens!(3, t),
+                        2 => tokens!(2, t),
+                        1 => tokens!(1, t),
+                        _ => {}
+                    }
+                }
+            }
+            super::super::avx2::store(&acc, out);
+        }
+    }
+
+    /// `T` IQ4_XS tokens through the panel (the words as the AVX-512
+    /// kernel's). `vpmaddubsw` takes unsigned bytes on one side, so the
+    /// values go in as their magnitudes and each token's quants take their
+    /// signs (`vpsignb`): a pair sum is then at most 2 · 127 · 127 = 32,258,
+    /// exact in 16 bits, and `vpmaddwd` by the block's scale as a pair
+    /// `(sc, sc)` widens each at once (the block's `sc · Σ value·a` below
+    /// 2²⁴, exact in i32 and in f32).
+    ///
+    /// # Safety
+    /// As [`dot_panel`], with `xs.len() == T`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(never)]
+    #[allow(clippy::needless_range_loop)] // h, i, t index several arrays at once
+    unsafe fn iq4_xs<const T: usize>(
+        panel: &[u8],
+        supers: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; PANEL_ROWS]],
+    ) {
+        const WORDS: usize = 34;
+        debug_assert_eq!(panel.len(), supers * WORDS * 64);
+        debug_assert!(xs.len() == T && out.len() >= T);
+        let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
+        // SAFETY: super-block `s < supers` reads words `34 s..34 s + 34` of
+        // the panel (64 bytes each, as two 32-byte halves) and, for each
+        // token, quants `256 s..+256` and scales `8 s..+8`, all in bounds
+        // by the module contract, which also gives the `T` outputs written
+        // at the end; `IQ4_NL_VALUES` is 16 bytes; the rest is register
+        // arithmetic and local arrays indexed below their lengths.
+        unsafe {
+            let values = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                crate::quant::IQ4_NL_VALUES.as_ptr() as *const __m128i,
+            ));
+            let nibble = _mm256_set1_epi8(0x0f);
+            let (m4, m2) = (_mm256_set1_epi32(0x0f), _mm256_set1_epi32(0x03));
+            let off = _mm256_set1_epi16(32);
+            let shr = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi64_si128(n as i64));
+            let halves = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+            );
+            let mut acc = [[[_mm256_setzero_ps(); 2]; LANES]; T];
+            // A block's values: v[i][h] (signed) and their magnitudes
+            // m[i][h]; i < 4 word i's low nibbles, 4 + i its high ones.
+            let mut v = [[_mm256_setzero_si256(); 2]; 8];
+            let mut m = [[_mm256_setzero_si256(); 2]; 8];
+            for s in 0..supers {
+                let base = panel.as_ptr().add(s * WORDS * 64);
+                let half = |k: usize, h: usize| {
+                    _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
+                };
+                let mut d = [_mm256_setzero_ps(); 2];
+                for h in 0..2 {
+                    let dd = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(
+                        half(0, h),
+                        halves,
+                    ));
+                    d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
+                }
+                for k in 0..8 {
+                    let b = 8 * s + k;
+                    // Block k's scale (−32..=31) as a 16-bit pair, rows
+                    // 8h..8h + 8: its low 4 bits nibble k of scales_l
+                    // (word 1), its high 2 bits 2k of scales_h (the high
+                    // half of word 0).
+                    let sc: [__m256i; 2] = std::array::from_fn(|h| {
+                        let raw = _mm256_or_si256(
+                            _mm256_and_si256(shr(half(1, h), 4 * k), m4),
+                            _mm256_slli_epi32::<4>(_mm256_and_si256(
+                                shr(half(0, h), 16 + 2 * k),
+                                m2,
+                            )),
+                        );
+                        _mm256_sub_epi16(_mm256_or_si256(raw, _mm256_slli_epi32::<16>(raw)), off)
+                    });
+                    for i in 0..8 {
+                        for h in 0..2 {
+                            let w = half(2 + 4 * k + i % 4, h);
+                            let n = if i < 4 { w } else { _mm256_srli_epi16::<4>(w) };
+                            v[i][h] = _mm256_shuffle_epi8(values, _mm256_and_si256(n, nibble));
+                            m[i][h] = _mm256_abs_epi8(v[i][h]);
+                        }
+                    }
+                    // Tokens t..t + $p of block b into their lanes.
+                    macro_rules! tokens {
+                        ($p:literal, $t:expr) => {{
+                            let t: usize = $t;
+                            for h in 0..2 {
+                                let mut a = [_mm256_setzero_si256(); $p];
+                                for i in 0..8 {
+                                    for n in 0..$p {
+                                        let x = _mm256_set1_epi32(
+                                            q[t + n].add(8 * b + i).read_unaligned(),
+                                        );
+                                        let pairs = _mm256_maddubs_epi16(
+                                            m[i][h],
+                                            _mm256_sign_epi8(x, v[i][h]),
+                                        );
+                                        a[n] =
+                                            _mm256_add_epi32(a[n], _mm256_madd_epi16(pairs, sc[h]));
+                                    }
+                                }
+                                for n in 0..$p {
+                                    let x = xs.get_unchecked(t + n);
+                                    let xd = _mm256_set1_ps(*x.scales.get_unchecked(b));
+                                    let lane = &mut acc[t + n][b % LANES][h];
+                                    *lane = _mm256_fmadd_ps(
+                                        _mm256_mul_ps(d[h], xd),
+                                        _mm256_cvtepi32_ps(a[n]),
+                                        *lane,
+                                    );
                                 }
                             }
                         }};
