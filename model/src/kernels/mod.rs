@@ -1033,7 +1033,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_0_tiles: None,
     dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
-    dot_low_k_panels: None,
+    dot_low_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_iq4_xs_panels: None,
     int_activations: true,
     vector_quantize: false,
@@ -1113,6 +1113,7 @@ pub const NEON_DOTPROD: KernelSet = KernelSet {
     dot_q8_0_q8_multi: dotprod_wrappers::dot_q8_0_q8_multi,
     dot_q4_0_q8_multi: Some(dotprod_wrappers::dot_q4_0_q8_multi),
     dot_k_panels: Some(dotprod_wrappers::dot_k_panels),
+    dot_low_k_panels: Some(dotprod_wrappers::dot_k_panels),
     ..NEON
 };
 

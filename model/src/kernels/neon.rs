@@ -990,6 +990,160 @@ unsafe fn k4_panels<const SDOT: bool, const Q5: bool>(
     }
 }
 
+/// `T` activations against a Q2_K or (`Q3`) Q3_K panel of `supers`
+/// super-blocks ([`super::k_panels::low_k`]: 21 or 28 words a
+/// super-block), `out[t][r]` equal to `dot_q2_k_q8` (`dot_q3_k_q8`) of row
+/// `r` and `xs[t]` bit for bit. Each 64-byte word of codes is 4 registers
+/// of 4 rows' 4 bytes; a block's codes (signed: Q3_K's less 4 unless their
+/// hmask bit is set) are built once per word for the pass's tokens, and
+/// [`dot4`] against the word's 4 activation bytes advances all 16 rows'
+/// sub-block sums. The term is the row kernel's: `A = Σ sc·Σ code·a` and
+/// (Q2_K) `B = Σ m·Σ a` exact, then `fma(d·xd, A, −(dmin·xd)·B)` added
+/// into lane `b mod 4` (Q2_K) or `fma(d·xd, A, lane)` (Q3_K).
+///
+/// # Safety
+/// With `SDOT`, requires `dotprod`; `panel` at least `supers × words × 64`
+/// bytes, each activation's quants `supers · 256` long, its scales
+/// `supers · 8` and its bsums16 `supers · 16`, `out.len() ≥ T`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // t and q index several arrays at once
+unsafe fn low_k_panel<const SDOT: bool, const Q3: bool, const T: usize>(
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &mut [[f32; 16]],
+) {
+    let words = if Q3 { 28 } else { 21 };
+    // SAFETY: super-block `s < supers` reads words `s · words..+words` of
+    // the panel (64 bytes each) and, per token, quants `256 s..+256`,
+    // scales `8 s..+8` and bsums16 `16 s..+16` (caller); SDOT only when the
+    // caller has it; the rest is register arithmetic on local arrays.
+    unsafe {
+        let zero = vdupq_n_s32(0);
+        let (m3, four) = (vdupq_n_u8(3), vdupq_n_u8(4));
+        let shr = |v: uint32x4_t, n: usize| vshlq_u32(v, vdupq_n_s32(-(n as i32)));
+        let (m4, m2) = (vdupq_n_u32(0x0f), vdupq_n_u32(0x03));
+        let mut acc = [[[vdupq_n_f32(0.0); 4]; 4]; T];
+        for s in 0..supers {
+            let base = panel.as_ptr().add(s * words * 64);
+            // Word `k`, rows 4q..4q + 4.
+            let word = |k: usize, q: usize| vld1q_u32(base.add(64 * k + 16 * q) as *const u32);
+            let mut d = [vdupq_n_f32(0.0); 4];
+            let mut dmin = [vdupq_n_f32(0.0); 4];
+            for q in 0..4 {
+                let dd = word(words - 1, q);
+                d[q] = f16x4_to_f32(vmovn_u32(dd));
+                dmin[q] = f16x4_to_f32(vshrn_n_u32::<16>(dd));
+            }
+            for k in 0..8 {
+                let b = 8 * s + k;
+                // Sub-block 2k + i's scale (and Q2_K's min) as f32, exact
+                // small integers.
+                let mut sc = [[vdupq_n_f32(0.0); 4]; 2];
+                let mut mn = [[vdupq_n_f32(0.0); 4]; 2];
+                for i in 0..2 {
+                    let j = 2 * k + i;
+                    for q in 0..4 {
+                        if Q3 {
+                            let lo = vandq_u32(
+                                shr(word(24 + (j % 8) / 4, q), 8 * (j % 4) + 4 * (j / 8)),
+                                m4,
+                            );
+                            let hi = vandq_u32(shr(word(26, q), 8 * (j % 4) + 2 * (j / 4)), m2);
+                            let raw = vreinterpretq_s32_u32(vorrq_u32(lo, vshlq_n_u32::<4>(hi)));
+                            sc[i][q] = vcvtq_f32_s32(vsubq_s32(raw, vdupq_n_s32(32)));
+                        } else {
+                            let w = word(j / 4, q);
+                            sc[i][q] = vcvtq_f32_u32(vandq_u32(shr(w, 8 * (j % 4)), m4));
+                            mn[i][q] = vcvtq_f32_u32(vandq_u32(shr(w, 8 * (j % 4) + 4), m4));
+                        }
+                    }
+                }
+                let codes_at = if Q3 { 8 } else { 4 } + 8 * (k / 4);
+                let shift = vdupq_n_s8(-(2 * (k % 4) as i8));
+                let bit = vdupq_n_u8(1 << k);
+                let mut dots = [[[zero; 4]; 2]; T];
+                for g in 0..8 {
+                    for q in 0..4 {
+                        let w = vreinterpretq_u8_u32(word(codes_at + g, q));
+                        let c = vandq_u8(vshlq_u8(w, shift), m3);
+                        let c = if Q3 {
+                            // code − 4 unless bit k of the hmask byte is set.
+                            let high =
+                                vandq_u8(vtstq_u8(vreinterpretq_u8_u32(word(g, q)), bit), four);
+                            vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(c, high)), vdupq_n_s8(4))
+                        } else {
+                            vreinterpretq_s8_u8(c)
+                        };
+                        for t in 0..T {
+                            let a =
+                                (xs.get_unchecked(t).quants.as_ptr() as *const i32).add(8 * b + g);
+                            let a = vreinterpretq_s8_s32(vdupq_n_s32(a.read_unaligned()));
+                            dots[t][g / 4][q] = dot4::<SDOT>(dots[t][g / 4][q], c, a);
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let x = xs.get_unchecked(t);
+                    let xd = vdupq_n_f32(*x.scales.get_unchecked(b));
+                    let sums = x.bsums16.as_ptr().add(2 * b);
+                    let (s0, s1) = (
+                        vdupq_n_f32(f32::from(*sums)),
+                        vdupq_n_f32(f32::from(*sums.add(1))),
+                    );
+                    for q in 0..4 {
+                        let dots = dots[t];
+                        let a = vfmaq_f32(
+                            vmulq_f32(sc[0][q], vcvtq_f32_s32(dots[0][q])),
+                            sc[1][q],
+                            vcvtq_f32_s32(dots[1][q]),
+                        );
+                        let lane = &mut acc[t][b % 4][q];
+                        if Q3 {
+                            *lane = vfmaq_f32(*lane, vmulq_f32(d[q], xd), a);
+                        } else {
+                            let bm = vfmaq_f32(vmulq_f32(mn[0][q], s0), mn[1][q], s1);
+                            let min_term = vmulq_f32(vmulq_f32(dmin[q], xd), bm);
+                            let term = vfmaq_f32(vnegq_f32(min_term), vmulq_f32(d[q], xd), a);
+                            *lane = vaddq_f32(*lane, term);
+                        }
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            let a = &acc[t];
+            for q in 0..4 {
+                // (a0 + a2) + (a1 + a3), as `tree4`.
+                let v = vaddq_f32(vaddq_f32(a[0][q], a[2][q]), vaddq_f32(a[1][q], a[3][q]));
+                vst1q_f32(out.get_unchecked_mut(t).as_mut_ptr().add(4 * q), v);
+            }
+        }
+    }
+}
+
+/// [`low_k_panel`] over any number of tokens, [`PANEL_GROUP`] at a time.
+///
+/// # Safety
+/// As [`low_k_panel`], for every token of `xs`.
+#[inline(always)]
+unsafe fn low_k_panels<const SDOT: bool, const Q3: bool>(
+    panel: &[u8],
+    supers: usize,
+    xs: &[&Q8Activation],
+    out: &mut [[f32; 16]],
+) {
+    for (x, o) in xs.chunks(PANEL_GROUP).zip(out.chunks_mut(PANEL_GROUP)) {
+        // SAFETY: forwarded contract, with `x.len()` tokens.
+        unsafe {
+            match x.len() {
+                1 => low_k_panel::<SDOT, Q3, 1>(panel, supers, x, o),
+                _ => low_k_panel::<SDOT, Q3, PANEL_GROUP>(panel, supers, x, o),
+            }
+        }
+    }
+}
+
 /// `(a0 + a2) + (a1 + a3)`: the accumulator lanes reduced as `q4_0::tree4`.
 #[inline(always)]
 fn tree4(acc: float32x4_t) -> f32 {
@@ -1762,7 +1916,7 @@ macro_rules! integer_kernels {
                 // SAFETY: as in dot_q4_k_q8.
                 unsafe { k4_row::<$sdot, true>(w, x, supers) }
             }
-            /// Q4_K or Q5_K panel ([`super::super::k_panels`]) · up to
+            /// Q2_K, Q3_K, Q4_K or Q5_K panel ([`super::super::k_panels`]) · up to
             /// [`super::super::k_panels::PANEL_TOKENS`] activations;
             /// `out[t][r]` equals the row kernel's product of row `r` and
             /// `xs[t]` bit for bit. Panics on a panel or activations of
@@ -1782,6 +1936,8 @@ macro_rules! integer_kernels {
             ) {
                 use crate::format::WeightFormat;
                 let words = match format {
+                    WeightFormat::Q2K => 21,
+                    WeightFormat::Q3K => 28,
                     WeightFormat::Q4K => 36,
                     WeightFormat::Q5K => 44,
                     other => panic!("no NEON panels of {other:?}"),
@@ -1792,14 +1948,19 @@ macro_rules! integer_kernels {
                     "tokens"
                 );
                 check_acts(xs, supers * (QK_K / QK));
+                assert!(
+                    xs.iter().all(|x| x.bsums16.len() >= supers * QK_K / 16),
+                    "activation sums of the row's length"
+                );
                 // SAFETY: the panel, the activations and the outputs are
                 // as long as the kernel reads (checked); this function has
                 // the features the kernel's build needs.
                 unsafe {
-                    if format == WeightFormat::Q4K {
-                        k4_panels::<$sdot, false>(panel, supers, xs, out)
-                    } else {
-                        k4_panels::<$sdot, true>(panel, supers, xs, out)
+                    match format {
+                        WeightFormat::Q2K => low_k_panels::<$sdot, false>(panel, supers, xs, out),
+                        WeightFormat::Q3K => low_k_panels::<$sdot, true>(panel, supers, xs, out),
+                        WeightFormat::Q4K => k4_panels::<$sdot, false>(panel, supers, xs, out),
+                        _ => k4_panels::<$sdot, true>(panel, supers, xs, out),
                     }
                 }
             }
