@@ -821,30 +821,10 @@ pub(crate) mod tests {
     }
 
     /// A Q2_K, Q3_K or IQ4_XS row of `supers` super-blocks: every byte
-    /// random, then `d` (and Q2_K's `dmin`) random f16 of both signs:
-    /// ordinary, subnormal and large.
+    /// random, then random f16 scales of both signs: ordinary, subnormal
+    /// and large.
     pub(crate) fn low_k_row(rng: &mut impl Rng, format: WeightFormat, supers: usize) -> Vec<u8> {
-        use crate::quant::{Q2_K_D, Q3_K_D};
-        let (size, f16s): (usize, &[usize]) = match format {
-            WeightFormat::Q2K => (Q2_K_BLOCK_BYTES, &[Q2_K_D, Q2_K_D + 2]),
-            WeightFormat::Q3K => (Q3_K_BLOCK_BYTES, &[Q3_K_D]),
-            WeightFormat::Iq4Xs => (IQ4_XS_BLOCK_BYTES, &[0]),
-            other => panic!("{other:?} is not Q2_K, Q3_K or IQ4_XS"),
-        };
-        let mut row: Vec<u8> = (0..supers * size).map(|_| rng.random()).collect();
-        for blk in row.chunks_exact_mut(size) {
-            for &at in f16s {
-                let sign = if rng.random() { -1.0f32 } else { 1.0 };
-                let v = match rng.random_range(0..5) {
-                    0 => rng.random_range(1e-7f32..5e-5),
-                    1 => rng.random_range(100.0f32..60000.0),
-                    _ => rng.random_range(1e-4f32..0.05),
-                };
-                let bits = half::f16::from_f32(sign * v).to_bits();
-                blk[at..at + 2].copy_from_slice(&bits.to_le_bytes());
-            }
-        }
-        row
+        crate::kernels::tests::more_q8_bytes(rng, format, supers * QK_K)
     }
 
     /// Activations of `supers` super-blocks with the extremes a block can

@@ -2873,16 +2873,26 @@ mod tests {
         }
     }
 
-    /// A `rows × cols` matrix of a [`more_q8`] format: every byte random,
-    /// then random f16 scales (and mins) over their fields: ordinary,
-    /// negative, subnormal and large ones.
+    /// A `rows × cols` matrix of a [`more_q8`] format ([`more_q8_bytes`]).
     fn more_q8_matrix(
         rng: &mut impl Rng,
         format: WeightFormat,
         rows: usize,
         cols: usize,
     ) -> QMatrix {
-        let (elements, f16s): (usize, &[usize]) = match format {
+        let data = crate::tensor::Bytes::from_vec(more_q8_bytes(rng, format, rows * cols));
+        QMatrix::new("m", rows, cols, format, data, None).unwrap()
+    }
+
+    /// `elements` weights of a [`more_q8`] format, whole blocks: every
+    /// byte random, then random f16 scales (and mins) over their fields:
+    /// ordinary, negative, subnormal and large ones.
+    pub(crate) fn more_q8_bytes(
+        rng: &mut impl Rng,
+        format: WeightFormat,
+        elements: usize,
+    ) -> Vec<u8> {
+        let (per_block, f16s): (usize, &[usize]) = match format {
             WeightFormat::Q5_0 | WeightFormat::Iq4Nl => (QK, &[0]),
             WeightFormat::Q4_1 | WeightFormat::Q5_1 => (QK, &[0, 2]),
             WeightFormat::Q2K => (quant::QK_K, &[quant::Q2_K_D, quant::Q2_K_D + 2]),
@@ -2890,8 +2900,8 @@ mod tests {
             WeightFormat::Iq4Xs => (quant::QK_K, &[0]),
             other => panic!("{other:?} is not a more_q8 format"),
         };
-        let block = format.row_bytes(elements).unwrap();
-        let mut bytes: Vec<u8> = (0..rows * cols / elements * block)
+        let block = format.row_bytes(per_block).unwrap();
+        let mut bytes: Vec<u8> = (0..elements / per_block * block)
             .map(|_| rng.random())
             .collect();
         for b in bytes.chunks_exact_mut(block) {
@@ -2906,8 +2916,7 @@ mod tests {
                 b[at..at + 2].copy_from_slice(&bits.to_le_bytes());
             }
         }
-        let data = crate::tensor::Bytes::from_vec(bytes);
-        QMatrix::new("m", rows, cols, format, data, None).unwrap()
+        bytes
     }
 
     /// Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS products over 1 to

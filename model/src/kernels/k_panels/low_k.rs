@@ -1,12 +1,15 @@
-//! Q2_K and Q3_K panels: 16 rows side by side, word by word, as the Q4_K
-//! panels ([`super::pack_padded`]). Their 84- and 110-byte super-blocks
-//! take 21 and 28 words:
+//! Q2_K, Q3_K and IQ4_XS panels: 16 rows side by side, word by word, as
+//! the Q4_K panels ([`super::pack_padded`]). Their 84-, 110- and 136-byte
+//! super-blocks take 21, 28 and 34 words:
 //!
 //! - **Q2_K**: words 0–3 the 16 sub-block bytes (scale in the low nibble,
 //!   min in the high one; sub-block `j` is byte `j mod 4` of word `j / 4`),
 //!   words 4–19 the codes, word 20 `d` (low half) and `dmin` (high half).
 //! - **Q3_K**: words 0–7 `hmask`, words 8–23 the codes, words 24–26 the
 //!   12 bytes of 6-bit scales, word 27 `d` and two bytes of zeros.
+//! - **IQ4_XS**: word 0 `d` (low half) and `scales_h` (high half), word 1
+//!   `scales_l`, words `2 + 4k..2 + 4k + 4` block `k`'s nibbles (see
+//!   [`avx512`]'s `iq4_xs`).
 //!
 //! Codes word `g` (< 8) of half `n` (word `8n + g` of the codes) holds
 //! elements `4g..4g + 4` of blocks `4n..4n + 4`, block `4n + i` in bits
@@ -22,11 +25,20 @@
 //! `fmsub(d·xd, A, (dmin·xd)·B)` added into lane `b mod 4`, Q3_K
 //! `fma(d·xd, A, lane)`, with `A = Σ sc·Σ u·a` and `B = Σ m·Σ a` exact
 //! integers (below 2²⁴, so exact as f32 products and sums too); the lanes
-//! reduce as `(a0 + a2) + (a1 + a3)`. Every result is the row kernel's,
-//! bit for bit.
+//! reduce as `(a0 + a2) + (a1 + a3)`. IQ4_XS takes its values from a
+//! table (one scale a block, `fma(d·xd, A, lane)` as Q3_K). Every result
+//! is the row kernel's, bit for bit.
+
+use crate::quant::{IQ4_XS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, Q3_K_BLOCK_BYTES};
+
+/// Panel words of a super-block: Q2_K's (21), Q3_K's (28, the last half
+/// zeros), IQ4_XS's (34).
+const Q2_WORDS: usize = Q2_K_BLOCK_BYTES.div_ceil(4);
+const Q3_WORDS: usize = Q3_K_BLOCK_BYTES.div_ceil(4);
+const IQ4_XS_WORDS: usize = IQ4_XS_BLOCK_BYTES.div_ceil(4);
 
 pub mod avx512 {
-    //! The Q2_K and Q3_K panel kernels on AVX-512 VNNI: the 16 rows in the
+    //! The Q2_K, Q3_K and IQ4_XS panel kernels on AVX-512 VNNI: the 16 rows in the
     //! 16 lanes of a register, one `vpdpbusd` per word and token. A
     //! block's 8 code words are built once for every token of the pass
     //! (Q3_K's high bits added under a byte mask).
@@ -45,10 +57,7 @@ pub mod avx512 {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
-    /// Panel words of a super-block: Q2_K's, Q3_K's, IQ4_XS's.
-    const Q2_WORDS: usize = 21;
-    const Q3_WORDS: usize = 28;
-    const IQ4_XS_WORDS: usize = 34;
+    use super::{IQ4_XS_WORDS, Q2_WORDS, Q3_WORDS};
 
     /// # Safety
     /// See the module docs (IQ4_XS as Q2_K and Q3_K).
@@ -385,7 +394,8 @@ pub mod avx512 {
 }
 
 pub mod avx2 {
-    //! The Q2_K and Q3_K panel kernels on AVX2: rows 0..8 of a panel in
+    //! The Q2_K, Q3_K and IQ4_XS panel kernels on AVX2 (IQ4_XS: see
+    //! [`iq4_xs`]): rows 0..8 of a panel in
     //! the 8 lanes of one register, rows 8..16 in another (bytes `0..32`
     //! and `32..64` of each 64-byte word), as [`super::super::avx2`]'s. A
     //! block's 8 code words are built once per pass into a local array (L1)
@@ -410,9 +420,7 @@ pub mod avx2 {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
-    /// Panel words of a super-block: Q2_K's, Q3_K's.
-    const Q2_WORDS: usize = 21;
-    const Q3_WORDS: usize = 28;
+    use super::{IQ4_XS_WORDS, Q2_WORDS, Q3_WORDS};
 
     /// Tokens multiplied at once.
     const GROUP: usize = 4;
@@ -682,7 +690,7 @@ pub mod avx2 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        const WORDS: usize = 34;
+        const WORDS: usize = IQ4_XS_WORDS;
         debug_assert_eq!(panel.len(), supers * WORDS * 64);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
