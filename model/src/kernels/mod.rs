@@ -415,7 +415,8 @@ mod avx2_wrappers {
         let supers = w.len() / crate::quant::Q6_K_BLOCK_BYTES;
         assert!(
             x.quants.len() >= supers * crate::quant::QK_K
-                && x.scales.len() >= supers * crate::quant::QK_K / crate::quant::QK,
+                && x.scales.len() >= supers * crate::quant::QK_K / crate::quant::QK
+                && x.bsums16.len() >= supers * crate::quant::QK_K / 16,
             "an activation of the row's length"
         );
         unsafe { super::q6_k::avx2::dot_q6_k_q8(w, x) }

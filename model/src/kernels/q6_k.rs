@@ -50,12 +50,15 @@ pub mod avx2 {
     //! elements.
     //!
     //! A super-block is taken a half (4 blocks, 8 sub-blocks of 16) at a
-    //! time: each block's 16 pair sums `Σ (code − 32) · q` (`maddubs` of
-    //! the codes less `maddubs` of 32, exact: |·| ≤ 2 · 63 · 127), widened
-    //! to 8 i32 lanes (lanes 0–3 its first sub-block, 4–7 its second); two
-    //! rounds of `hadd` over the 4 blocks leave the 8 sub-block sums, which
-    //! are multiplied by their scales at once and added in pairs into the 4
-    //! block sums `s_b` (exact integers), then converted and fused-added.
+    //! time: each block's 16 pair sums `Σ code · q` (`maddubs` of the
+    //! unsigned codes, exact: |·| ≤ 2 · 63 · 127), widened to 8 i32 lanes
+    //! (lanes 0–3 its first sub-block, 4–7 its second); two rounds of
+    //! `hadd` over the 4 blocks leave the 8 sub-block sums, which are
+    //! multiplied by their scales at once and added in pairs into the 4
+    //! block sums; less the codes' offset `32 · Σ sc·Σ q` (one `pmaddwd` of
+    //! the scales against the activation's `bsums16`) they are the exact
+    //! integers `s_b = Σ sc·Σ (code − 32)·q`, then converted and
+    //! fused-added.
 
     use std::arch::x86_64::*;
 
@@ -67,19 +70,16 @@ pub mod avx2 {
     /// L2.
     const PREFETCH: usize = 4096;
 
-    /// One block's 8 lane sums of `(code − 32) · q` (lanes 0–3: its first
-    /// 16 elements, 4–7 its last 16) from its 32 unsigned codes (0..=63).
+    /// One block's 8 lane sums of `code · q` (lanes 0–3: its first 16
+    /// elements, 4–7 its last 16) from its 32 unsigned codes (0..=63; pair
+    /// sums at most 2 · 63 · 127, exact in 16 bits).
     #[inline(always)]
     unsafe fn block_lanes(codes: __m256i, q: *const i8) -> __m256i {
         // SAFETY: 32 quants at `q` (caller); register arithmetic under the
         // module's guarantee.
         unsafe {
             let xq = _mm256_loadu_si256(q as *const __m256i);
-            let p = _mm256_sub_epi16(
-                _mm256_maddubs_epi16(codes, xq),
-                _mm256_maddubs_epi16(_mm256_set1_epi8(32), xq),
-            );
-            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+            _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1))
         }
     }
 
@@ -158,9 +158,21 @@ pub mod avx2 {
                         _mm_unpackhi_epi64(scales, scales)
                     });
                     let scaled = _mm256_mullo_epi32(subs, sc);
-                    let sums = _mm_cvtepi32_ps(_mm_add_epi32(
-                        _mm256_castsi256_si128(scaled),
-                        _mm256_extracti128_si256::<1>(scaled),
+                    // The codes' offset: 32 · Σ sc·Σ q over each block's
+                    // two sub-blocks, one `pmaddwd` of the half's 8 scales
+                    // (in sub-block order) against the activation's sums of
+                    // 16 quants.
+                    let natural = _mm_loadl_epi64(blk.add(Q6_K_SCALES + 8 * n) as *const __m128i);
+                    let sums16 = _mm_loadu_si128(
+                        x.bsums16.as_ptr().add(2 * (i * BLOCKS + 4 * n)) as *const __m128i
+                    );
+                    let offset = _mm_madd_epi16(_mm_cvtepi8_epi16(natural), sums16);
+                    let sums = _mm_cvtepi32_ps(_mm_sub_epi32(
+                        _mm_add_epi32(
+                            _mm256_castsi256_si128(scaled),
+                            _mm256_extracti128_si256::<1>(scaled),
+                        ),
+                        _mm_slli_epi32::<5>(offset),
                     ));
                     let d = _mm_mul_ps(dw, _mm_loadu_ps(x.scales.as_ptr().add(i * BLOCKS + 4 * n)));
                     // Blocks 8i + 4n .. + 4 into lanes 0..4: block order
