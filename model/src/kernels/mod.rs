@@ -1889,7 +1889,7 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Rows `r0..r0 + len` of a k-quant matrix (Q2_K to Q6_K) against every token of
+/// Rows `r0..r0 + len` of a panel format's matrix (Q2_K to Q6_K, IQ4_XS) against every token of
 /// `xs` into `out` (token-major, `len` per token): each full group of 16
 /// rows packed into a panel once ([`k_panels::pack`]) and multiplied by up
 /// to [`k_panels::PANEL_TOKENS`] tokens per pass, the rows past the last
