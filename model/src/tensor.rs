@@ -278,6 +278,10 @@ pub enum Layout {
     Q4_0Tiles,
     /// 16-bit rows interleaved by fours ([`crate::kernels::quads16`]).
     Quads16,
+    /// Q2_K, Q4_K, Q5_K or IQ4_XS rows in panels of 16, in place
+    /// ([`crate::kernels::k_panels::panels_in_place`]; the rows past the
+    /// last panel as stored).
+    KPanels,
 }
 
 impl QMatrix {
@@ -368,6 +372,25 @@ impl QMatrix {
         })
     }
 
+    /// This matrix with its bytes read as panels in place (Q2_K, Q4_K,
+    /// Q5_K or IQ4_XS): for bytes that
+    /// [`crate::kernels::k_panels::panels_in_place`] has rearranged (the
+    /// RAM tier packs experts in place once they are read and verified).
+    pub fn k_panels(self) -> Result<QMatrix> {
+        let k = crate::kernels::k_panels::in_place(self.format);
+        if !k || self.layout != Layout::RowMajor {
+            return Err(ModelError::Invalid(format!(
+                "only a row-major Q2_K, Q4_K, Q5_K or IQ4_XS matrix can be read as panels, not {} as {:?}",
+                self.format.name(),
+                self.layout
+            )));
+        }
+        Ok(QMatrix {
+            layout: Layout::KPanels,
+            ..self
+        })
+    }
+
     /// This matrix with its bytes read as quads of 16-bit rows: for bytes
     /// that [`crate::kernels::quads16::to_quads`] has rearranged.
     pub fn quads16(self) -> Result<QMatrix> {
@@ -400,6 +423,12 @@ impl QMatrix {
     /// checksum) needs row-major bytes and must check.
     pub fn is_tiled(&self) -> bool {
         self.layout == Layout::Q4_0Tiles
+    }
+
+    /// Whether the bytes are panels in place
+    /// ([`crate::kernels::k_panels::panels_in_place`]).
+    pub fn is_k_panels(&self) -> bool {
+        self.layout == Layout::KPanels
     }
 
     /// Whether the bytes are quads of 16-bit rows

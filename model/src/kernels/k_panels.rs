@@ -209,6 +209,88 @@ fn transpose_words_sse2(rows: &[u8], rb: usize, at: usize, words: usize, out: &m
     }
 }
 
+/// Whether `format`'s panels are exactly as long as their rows (super-blocks
+/// of whole words: Q2_K, Q4_K, Q5_K, IQ4_XS), so a matrix can be laid out
+/// in panels in place ([`panels_in_place`]). Their panels are then the
+/// whole rows' words transposed, as [`pack`] lays them, whichever way
+/// they were packed.
+pub fn in_place(format: WeightFormat) -> bool {
+    super_bytes(format).is_some_and(|b| b.is_multiple_of(4))
+}
+
+/// Rearranges a row-major matrix of an [`in_place`] format (`rows` rows of
+/// `rb` bytes) into panels in place: every full group of 16 rows becomes
+/// a panel ([`pack_format`]), the remaining rows stay as they are;
+/// `scratch` holds one group while it is rewritten. [`rows_in_place`]
+/// undoes it.
+pub fn panels_in_place(
+    format: WeightFormat,
+    bytes: &mut [u8],
+    rows: usize,
+    rb: usize,
+    scratch: &mut Vec<u8>,
+) {
+    assert!(
+        in_place(format),
+        "{format:?} panels are not as long as their rows"
+    );
+    assert_eq!(bytes.len(), rows * rb, "whole rows");
+    scratch.resize(PANEL_ROWS * rb, 0);
+    for group in bytes.chunks_exact_mut(PANEL_ROWS * rb) {
+        scratch.copy_from_slice(group);
+        pack_format(format, scratch, rb, group);
+    }
+}
+
+/// Undoes [`panels_in_place`].
+pub fn rows_in_place(bytes: &mut [u8], rows: usize, rb: usize, scratch: &mut Vec<u8>) {
+    assert_eq!(bytes.len(), rows * rb, "whole rows");
+    scratch.resize(PANEL_ROWS * rb, 0);
+    for group in bytes.chunks_exact_mut(PANEL_ROWS * rb) {
+        scratch.copy_from_slice(group);
+        for (r, row) in group.chunks_exact_mut(rb).enumerate() {
+            row_of(scratch, rb, r, row);
+        }
+    }
+}
+
+/// Row `r` of a matrix of `rows_total` rows of `rb` bytes laid out by
+/// [`panels_in_place`], row-major into `out`.
+pub fn row_of_in_place(bytes: &[u8], rows_total: usize, rb: usize, r: usize, out: &mut [u8]) {
+    let full = rows_total / PANEL_ROWS * PANEL_ROWS;
+    if r >= full {
+        out.copy_from_slice(&bytes[r * rb..(r + 1) * rb]);
+    } else {
+        let p = r / PANEL_ROWS * PANEL_ROWS;
+        row_of(&bytes[p * rb..(p + PANEL_ROWS) * rb], rb, r - p, out);
+    }
+}
+
+/// For a one-token pass over a panel in place (a decode's product over the
+/// RAM tier's Q2_K experts, whose panels lie back to back): asks L1 for
+/// the `words` 64-byte words of the super-block at `base` in the *next*
+/// panel, `ahead` bytes on (the panel's length). The panel kernel runs a
+/// token at about twice the row kernel's rate, so DRAM must deliver ahead
+/// of it: without this the decode's panel products stalled on the first
+/// load of each super-block and ran no faster than the row kernel
+/// (docs/benchmarks.md). A hint only: a prefetch never faults, whatever
+/// the address (past the matrix's end it fetches a neighbour's bytes or
+/// nothing), and changes no result.
+#[inline(always)]
+pub(crate) fn ask_next_panel(base: *const u8, ahead: usize, words: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        for w in 0..words {
+            // SAFETY: a prefetch is a hint that never faults; `wrapping_add`
+            // keeps the pointer arithmetic defined.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(ahead + 64 * w) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (base, ahead, words);
+}
+
 /// Asks L2 for `bytes` (the rows the next panel will be packed from,
 /// while this one is multiplied: packing reads 16 rows side by side, which
 /// the hardware prefetchers do not follow). A hint only: it never faults

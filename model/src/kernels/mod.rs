@@ -1225,6 +1225,47 @@ fn with_quads_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u16]) -> T) -> T {
     })
 }
 
+/// Whether matrices of `format` take panels in place here
+/// ([`k_panels::panels_in_place`], the RAM tier's experts): Q2_K, whose
+/// one-token row kernel is the slowest per byte (~10 GB/s a Zen 4 core,
+/// where the panel kernel with the next panel asked of L1 decodes 12–20%
+/// faster on one thread), where its panel kernel and 8-bit activations
+/// run (`COLIBRI_NO_PANELS` unset). Q4_K, Q5_K and IQ4_XS could lie in
+/// panels as well ([`k_panels::in_place`]), but their decodes measured
+/// slower so (docs/benchmarks.md). Either layout gives the same bits.
+pub fn panels_run_here(format: WeightFormat) -> bool {
+    let k = kernels();
+    format == WeightFormat::Q2K
+        && k_panels::in_place(format)
+        && panel_fn(k, format).is_some()
+        && k.int_activations
+}
+
+/// `k`'s panel kernel for `format`, if any.
+fn panel_fn(k: &KernelSet, format: WeightFormat) -> Option<k_panels::PanelDot> {
+    match format {
+        WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
+        WeightFormat::Q6K => k.dot_q6_k_panels,
+        WeightFormat::Q2K | WeightFormat::Q3K => k.dot_low_k_panels,
+        WeightFormat::Iq4Xs => k.dot_iq4_xs_panels,
+        _ => None,
+    }
+}
+
+/// `f(row)` with row `r` of a matrix in panels in place, in row-major
+/// form (copied into a per-thread buffer): the slow path of one-row reads.
+fn with_panel_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let rb = w.data().as_slice().len() / w.rows;
+    ROW.with_borrow_mut(|row| {
+        row.resize(rb, 0);
+        k_panels::row_of_in_place(w.data().as_slice(), w.rows, rb, r, row);
+        f(row)
+    })
+}
+
 /// `f(row)` with row `r` of a tiled Q4_0 matrix in row-major form (copied
 /// into a per-thread buffer): the slow path of one-row reads.
 fn with_tiled_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
@@ -1394,9 +1435,12 @@ pub fn row_to_f32(w: &QMatrix, r: usize, out: &mut [f32]) {
         | WeightFormat::Q3K
         | WeightFormat::Iq4Nl
         | WeightFormat::Iq4Xs => {
+            let dequantize = dequant::row_fn(w.format).expect("a format dequantized by rows");
+            if w.is_k_panels() {
+                return with_panel_row(w, r, |row| dequantize(row, out));
+            }
             let rb = w.format.row_bytes(c).unwrap_or(0);
             let row = &bytes[r * rb..(r + 1) * rb];
-            let dequantize = dequant::row_fn(w.format).expect("a format dequantized by rows");
             dequantize(row, out);
         }
     }
@@ -1589,6 +1633,11 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
     match x {
         Input::F32(x) => dot_row(k, w, r, x),
         Input::Q8(a) if w.is_tiled() => with_tiled_row(w, r, |row| (k.dot_q4_0_q8)(row, a)),
+        Input::Q8(a) if w.is_k_panels() => with_panel_row(w, r, |row| match w.format {
+            WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
+            WeightFormat::Q5K => (k.dot_q5_k_q8)(row, a),
+            other => (k.dot_more_q8)(other, row, a),
+        }),
         Input::Q8(a) => {
             let bytes = w.data().as_slice();
             let blocks = w.cols / QK;
@@ -1683,6 +1732,11 @@ fn tiled_rows(
 fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32]) {
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
         return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
+    }
+    let in_panels = w.is_k_panels() && r0.is_multiple_of(k_panels::PANEL_ROWS);
+    if let (Some(panels), Input::Q8(a)) = (panel_fn(k, w.format).filter(|_| in_panels), x) {
+        let len = ys.len();
+        return panel_rows(k, panels, w, &[a], r0, len, ys);
     }
     let rows16 = match (w.format, w.is_quads()) {
         (WeightFormat::Bf16, false) => k.dot_bf16_rows,
@@ -1910,11 +1964,24 @@ fn panel_rows(
     let supers = w.cols / quant::QK_K;
     let full = len / PANEL_ROWS * PANEL_ROWS;
     let padded = k_panels::panel_super_bytes(w.format).expect("a panel format");
-    let mut panel = vec![0u8; PANEL_ROWS * supers * padded];
+    let mut panel = if w.is_k_panels() {
+        Vec::new()
+    } else {
+        vec![0u8; PANEL_ROWS * supers * padded]
+    };
     let mut res = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
+    // Panels in place (the RAM tier's experts) are read where they are;
+    // `r0` is then a multiple of 16 (`task_rows`).
+    let in_place = w.is_k_panels();
+    debug_assert!(!in_place || r0.is_multiple_of(PANEL_ROWS));
     for p in (0..full).step_by(PANEL_ROWS) {
         let at = (r0 + p) * rb;
-        k_panels::pack_format(w.format, &bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
+        let panel: &[u8] = if in_place {
+            &bytes[at..at + PANEL_ROWS * rb]
+        } else {
+            k_panels::pack_format(w.format, &bytes[at..at + PANEL_ROWS * rb], rb, &mut panel);
+            &panel
+        };
         // The next panel's rows, asked of L2 a share before each pass
         // (packing them then reads L2, not DRAM: 512-token prefill of a
         // Q4_K file 4% faster, docs/benchmarks.md).
@@ -1935,7 +2002,7 @@ fn panel_rows(
             if let Some(part) = next.get(i * share..next.len().min((i + 1) * share)) {
                 k_panels::ask_l2(part);
             }
-            panels(w.format, &panel, supers, &xs[t0..t0 + size], &mut res);
+            panels(w.format, panel, supers, &xs[t0..t0 + size], &mut res);
             for (j, row) in res[..size].iter().enumerate() {
                 out[(t0 + j) * len + p..][..PANEL_ROWS].copy_from_slice(row);
             }
@@ -2039,14 +2106,8 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         out[t * len + i] = *v;
                     }
                 }
-            } else if let Some(panels) = match w.format {
-                WeightFormat::Q4K | WeightFormat::Q5K => k.dot_k_panels,
-                WeightFormat::Q6K => k.dot_q6_k_panels,
-                WeightFormat::Q2K | WeightFormat::Q3K => k.dot_low_k_panels,
-                WeightFormat::Iq4Xs => k.dot_iq4_xs_panels,
-                _ => None,
-            }
-            .filter(|_| q8.len() == n && n >= k_panels::PANEL_MIN_TOKENS)
+            } else if let Some(panels) = panel_fn(k, w.format)
+                .filter(|_| q8.len() == n && (n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels()))
             {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
             } else if let Some(multi) =
@@ -3059,6 +3120,54 @@ mod tests {
         QMatrix::new("t", m.rows, m.cols, m.format, data, None)
             .and_then(QMatrix::tiled_q4_0)
             .unwrap()
+    }
+
+    /// Q2_K, Q4_K, Q5_K and IQ4_XS matrices in panels in place (the RAM
+    /// tier's experts) give exactly the row-major matrix's bits in every
+    /// product, whatever the thread count; row counts with and without a
+    /// remainder past the last panel, rows of whole 16-byte groups and
+    /// not; [`k_panels::rows_in_place`] restores the stored bytes. Q3_K
+    /// and Q6_K panels are longer than their rows: never in place.
+    #[test]
+    fn k_quant_panels_in_place_give_row_major_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+        assert!(!k_panels::in_place(WeightFormat::Q3K) && !k_panels::in_place(WeightFormat::Q6K));
+        for format in [
+            WeightFormat::Q2K,
+            WeightFormat::Q4K,
+            WeightFormat::Q5K,
+            WeightFormat::Iq4Xs,
+        ] {
+            assert!(k_panels::in_place(format));
+            let size = k_panels::super_bytes(format).unwrap();
+            for (rows, cols) in [(16usize, 256usize), (37, 512), (130, 768), (5, 256)] {
+                let bytes: Vec<u8> = (0..rows)
+                    .flat_map(|_| match format {
+                        WeightFormat::Q4K | WeightFormat::Q5K => {
+                            q4_k::tests::random_row(&mut rng, cols / 256, size)
+                        }
+                        _ => k_panels::tests::low_k_row(&mut rng, format, cols / 256),
+                    })
+                    .collect();
+                let mut packed = bytes.clone();
+                let rb = bytes.len() / rows;
+                k_panels::panels_in_place(format, &mut packed, rows, rb, &mut Vec::new());
+                if rows >= 16 {
+                    assert_ne!(packed, bytes);
+                }
+                let mut back = packed.clone();
+                k_panels::rows_in_place(&mut back, rows, rb, &mut Vec::new());
+                assert_eq!(back, bytes);
+                use crate::tensor::Bytes;
+                let m =
+                    QMatrix::new("k", rows, cols, format, Bytes::from_vec(bytes), None).unwrap();
+                let t = QMatrix::new("p", rows, cols, format, Bytes::from_vec(packed), None)
+                    .and_then(QMatrix::k_panels)
+                    .unwrap();
+                assert!(t.is_k_panels());
+                assert_same_products(&m, &t, &[1, 2, 3, 8, 9, 17], &mut rng);
+            }
+        }
     }
 
     /// A tiled matrix gives exactly the row-major matrix's bits in every

@@ -280,8 +280,20 @@ pub(crate) struct Shared {
     tile_q4_0: std::sync::atomic::AtomicBool,
 }
 
-/// Rearranges the Q4_0 matrices of one expert in `bytes` (its slot;
-/// `ranges[i]` where matrix `i` is) into the CPU's tiles, or back to rows.
+/// Whether the RAM tier rearranges matrices of `format` into a CPU
+/// layout when it tiles experts: Q4_0 into tiles (where the tiling is on
+/// at all), Q2_K into panels where a panel kernel
+/// for them runs ([`colibri_model::kernels::panels_run_here`]).
+fn cpu_layout(format: colibri_model::format::WeightFormat) -> bool {
+    match format {
+        colibri_model::format::WeightFormat::Q4_0 => true,
+        f => colibri_model::kernels::panels_run_here(f),
+    }
+}
+
+/// Rearranges the matrices of one expert in `bytes` (its slot;
+/// `ranges[i]` where matrix `i` is) that take a CPU layout
+/// ([`cpu_layout`]: Q4_0 tiles, Q2_K panels), or back to rows.
 /// Whether it had any.
 fn retile_q4_0(
     location: &ExpertLocation,
@@ -290,27 +302,37 @@ fn retile_q4_0(
     to_tiles: bool,
 ) -> Result<bool, String> {
     use colibri_model::format::WeightFormat;
-    use colibri_model::kernels::q4_0_tiles;
+    use colibri_model::kernels::{k_panels, q4_0_tiles};
     let mut scratch = Vec::new();
     let mut any = false;
     for (m, range) in location.matrices().into_iter().zip(ranges) {
-        if m.format != WeightFormat::Q4_0 {
+        if !cpu_layout(m.format) {
             continue;
         }
-        let blocks = m.cols / colibri_model::quant::QK;
-        let want = m.rows * blocks * colibri_model::quant::Q4_0_BLOCK_BYTES;
-        let Some(part) = bytes.get_mut(range.clone()).filter(|p| p.len() == want) else {
+        let rb = m.format.row_bytes(m.cols).unwrap_or(0);
+        let want = m.rows * rb;
+        let Some(part) = bytes
+            .get_mut(range.clone())
+            .filter(|p| rb > 0 && p.len() == want)
+        else {
             return Err(format!(
-                "a {}×{} Q4_0 matrix in {range:?} of a {}-byte slot",
+                "a {}×{} {} matrix in {range:?} of a {}-byte slot",
                 m.rows,
                 m.cols,
+                m.format.name(),
                 bytes.len()
             ));
         };
-        if to_tiles {
-            q4_0_tiles::tile_in_place(part, m.rows, blocks, &mut scratch);
-        } else {
-            q4_0_tiles::untile_in_place(part, m.rows, blocks, &mut scratch);
+        let blocks = m.cols / colibri_model::quant::QK;
+        match (m.format, to_tiles) {
+            (WeightFormat::Q4_0, true) => {
+                q4_0_tiles::tile_in_place(part, m.rows, blocks, &mut scratch)
+            }
+            (WeightFormat::Q4_0, false) => {
+                q4_0_tiles::untile_in_place(part, m.rows, blocks, &mut scratch)
+            }
+            (f, true) => k_panels::panels_in_place(f, part, m.rows, rb, &mut scratch),
+            (_, false) => k_panels::rows_in_place(part, m.rows, rb, &mut scratch),
         }
         any = true;
     }
@@ -633,10 +655,7 @@ impl Shared {
         slot: &mut Slot,
         ranges: &[std::ops::Range<usize>; 3],
     ) -> Result<Prepared, String> {
-        let has_q4_0 = location
-            .matrices()
-            .iter()
-            .any(|m| m.format == colibri_model::format::WeightFormat::Q4_0);
+        let has_q4_0 = location.matrices().iter().any(|m| cpu_layout(m.format));
         if !has_q4_0 {
             return Ok(Prepared::default());
         }
@@ -1051,12 +1070,10 @@ impl TierCache {
         if !storage.tiled {
             return Ok(w);
         }
-        let tiles = |m: QMatrix| {
-            if m.format == colibri_model::format::WeightFormat::Q4_0 {
-                m.tiled_q4_0()
-            } else {
-                Ok(m)
-            }
+        let tiles = |m: QMatrix| match m.format {
+            colibri_model::format::WeightFormat::Q4_0 => m.tiled_q4_0(),
+            f if cpu_layout(f) => m.k_panels(),
+            _ => Ok(m),
         };
         Ok(ExpertWeights {
             gate: tiles(w.gate)?,
@@ -1074,7 +1091,8 @@ impl TierCache {
 
     /// Whether experts read from now on have their Q4_0 matrices tiled for
     /// the CPU's tile kernel (only where one runs:
-    /// [`colibri_model::kernels::q4_0_tiles_run_here`]). Products give the
+    /// [`colibri_model::kernels::q4_0_tiles_run_here`]) and their Q4_K and
+    /// Q5_K matrices in panels (where a panel kernel runs too). Products give the
     /// same bits either way; tiles are the CPU's faster layout and wrong
     /// for anything that copies the bytes as stored (the GPU tier). Turning
     /// it off also returns every resident tiled expert to its stored

@@ -250,7 +250,7 @@ fn grouped_and_one_by_one_experts_decode_the_same_bits() {
     }
 }
 
-/// llama.cpp's k-quant layout (experts in Q4_K or Q5_K, the head in Q6_K,
+/// llama.cpp's k-quant layouts (experts in Q2_K to Q5_K or IQ4_XS, the head in Q6_K,
 /// a synthetic Qwen3-MoE GGUF): streamed through the tier at every budget,
 /// with either reader and thread count, the logits are the memory-mapped
 /// oracle's bit for bit.
@@ -281,10 +281,15 @@ fn k_quant_experts_stream_with_identical_logits() {
     let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1024).collect();
     // Q4_K_M: layer 1's down projections in Q6_K, so the layers' experts
     // differ in size and an expert mixes formats.
+    // Q2_K experts go into panels in place (`panels_run_here`); the
+    // others stay row-major (Q3_K's panels are longer than its rows).
     for (name, format) in [
         ("q4_k", Some(WeightFormat::Q4K)),
         ("q5_k", Some(WeightFormat::Q5K)),
         ("q4_k_m", None),
+        ("q2_k", Some(WeightFormat::Q2K)),
+        ("q3_k", Some(WeightFormat::Q3K)),
+        ("iq4_xs", Some(WeightFormat::Iq4Xs)),
     ] {
         let src = SynthSource::new(config.clone(), 9).unwrap();
         let src = match format {

@@ -150,6 +150,9 @@ pub mod avx512 {
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
                 let base = panel.as_ptr().add(s * Q2_WORDS * 64);
+                if T == 1 {
+                    super::super::ask_next_panel(base, panel.len(), Q2_WORDS);
+                }
                 let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
                 let dd = word(20);
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
@@ -512,6 +515,9 @@ pub mod avx2 {
             let mut u = [[_mm256_setzero_si256(); 2]; 8];
             for s in 0..supers {
                 let base = panel.as_ptr().add(s * words * 64);
+                if T == 1 {
+                    super::super::ask_next_panel(base, panel.len(), words);
+                }
                 let half = |k: usize, h: usize| {
                     _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
                 };
