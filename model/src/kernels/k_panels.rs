@@ -276,19 +276,15 @@ pub fn row_of_in_place(bytes: &[u8], rows_total: usize, rb: usize, r: usize, out
 /// (docs/benchmarks.md). A hint only: a prefetch never faults, whatever
 /// the address (past the matrix's end it fetches a neighbour's bytes or
 /// nothing), and changes no result.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn ask_next_panel(base: *const u8, ahead: usize, words: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        for w in 0..words {
-            // SAFETY: a prefetch is a hint that never faults; `wrapping_add`
-            // keeps the pointer arithmetic defined.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(ahead + 64 * w) as *const i8) };
-        }
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    for w in 0..words {
+        // SAFETY: a prefetch is a hint that never faults; `wrapping_add`
+        // keeps the pointer arithmetic defined.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(ahead + 64 * w) as *const i8) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (base, ahead, words);
 }
 
 /// Asks L2 for `bytes` (the rows the next panel will be packed from,

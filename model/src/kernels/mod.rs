@@ -1232,10 +1232,13 @@ fn with_quads_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u16]) -> T) -> T {
 /// faster on one thread), where its panel kernel and 8-bit activations
 /// run (`COLIBRI_NO_PANELS` unset). Q4_K, Q5_K and IQ4_XS could lie in
 /// panels as well ([`k_panels::in_place`]), but their decodes measured
-/// slower so (docs/benchmarks.md). Either layout gives the same bits.
+/// slower so (docs/benchmarks.md). x86 only: the NEON panel kernel asks
+/// nothing ahead and its speed is unmeasured. Either layout gives the
+/// same bits.
 pub fn panels_run_here(format: WeightFormat) -> bool {
     let k = kernels();
-    format == WeightFormat::Q2K
+    cfg!(target_arch = "x86_64")
+        && format == WeightFormat::Q2K
         && k_panels::in_place(format)
         && panel_fn(k, format).is_some()
         && k.int_activations
@@ -2110,8 +2113,8 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 .filter(|_| q8.len() == n && (n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels()))
             {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
-            } else if let Some(multi) =
-                Multi::of(k, w.format).filter(|_| q8.len() == n && !w.is_tiled())
+            } else if let Some(multi) = Multi::of(k, w.format)
+                .filter(|_| q8.len() == n && !w.is_tiled() && !w.is_k_panels())
             {
                 // One pass over each row serves up to MULTI tokens (same
                 // results as one token at a time).
