@@ -267,23 +267,24 @@ pub fn row_of_in_place(bytes: &[u8], rows_total: usize, rb: usize, r: usize, out
 }
 
 /// For a one-token pass over a panel in place (a decode's product over the
-/// RAM tier's Q2_K experts, whose panels lie back to back): asks L1 for
-/// the `words` 64-byte words of the super-block at `base` in the *next*
+/// RAM tier's experts, whose panels lie back to back): asks L2 for the
+/// `words` 64-byte words of the super-block at `base` in the *next*
 /// panel, `ahead` bytes on (the panel's length). The panel kernel runs a
 /// token at about twice the row kernel's rate, so DRAM must deliver ahead
-/// of it: without this the decode's panel products stalled on the first
-/// load of each super-block and ran no faster than the row kernel
+/// of it: without this the decode's panel products stalled on their first
+/// loads of each super-block and ran no faster than the row kernel; asked
+/// of L1 instead, Q4_K's 18 KiB panels ran slower than rows
 /// (docs/benchmarks.md). A hint only: a prefetch never faults, whatever
 /// the address (past the matrix's end it fetches a neighbour's bytes or
 /// nothing), and changes no result.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn ask_next_panel(base: *const u8, ahead: usize, words: usize) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     for w in 0..words {
         // SAFETY: a prefetch is a hint that never faults; `wrapping_add`
         // keeps the pointer arithmetic defined.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(ahead + 64 * w) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(ahead + 64 * w) as *const i8) };
     }
 }
 
@@ -421,7 +422,7 @@ pub mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::{PANEL_ROWS, Q8Activation, super_words};
+    use super::{PANEL_ROWS, Q8Activation, ask_next_panel, super_words};
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
@@ -484,6 +485,9 @@ pub mod avx512 {
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
                 let base = panel.as_ptr().add(s * words * 64);
+                if T == 1 {
+                    ask_next_panel(base, panel.len(), words);
+                }
                 let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
                 let dd = word(0);
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));

@@ -1226,19 +1226,23 @@ fn with_quads_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u16]) -> T) -> T {
 }
 
 /// Whether matrices of `format` take panels in place here
-/// ([`k_panels::panels_in_place`], the RAM tier's experts): Q2_K, whose
-/// one-token row kernel is the slowest per byte (~10 GB/s a Zen 4 core,
-/// where the panel kernel with the next panel asked of L1 decodes 12–20%
-/// faster on one thread), where its panel kernel and 8-bit activations
-/// run (`COLIBRI_NO_PANELS` unset). Q4_K, Q5_K and IQ4_XS could lie in
-/// panels as well ([`k_panels::in_place`]), but their decodes measured
-/// slower so (docs/benchmarks.md). x86 only: the NEON panel kernel asks
-/// nothing ahead and its speed is unmeasured. Either layout gives the
-/// same bits.
+/// ([`k_panels::panels_in_place`], the RAM tier's experts): Q2_K, Q4_K and
+/// Q5_K, whose one-token row kernels are slower per byte than a core's
+/// share of DRAM on a small machine (~10 and ~15 GB/s a Zen 4 core), where
+/// the panel kernel with the next panel asked of L2 decodes 12–30% faster
+/// on one thread; where their panel kernel and 8-bit activations run
+/// (`COLIBRI_NO_PANELS` unset). IQ4_XS could lie in panels as well
+/// ([`k_panels::in_place`]), but its row kernel already keeps up with
+/// DRAM and its decode measured slower so (docs/benchmarks.md). x86 only:
+/// the NEON panel kernels ask nothing ahead and are unmeasured. Either
+/// layout gives the same bits.
 pub fn panels_run_here(format: WeightFormat) -> bool {
     let k = kernels();
     cfg!(target_arch = "x86_64")
-        && format == WeightFormat::Q2K
+        && matches!(
+            format,
+            WeightFormat::Q2K | WeightFormat::Q4K | WeightFormat::Q5K
+        )
         && k_panels::in_place(format)
         && panel_fn(k, format).is_some()
         && k.int_activations

@@ -282,7 +282,7 @@ pub(crate) struct Shared {
 
 /// Whether the RAM tier rearranges matrices of `format` into a CPU
 /// layout when it tiles experts: Q4_0 into tiles (where the tiling is on
-/// at all), Q2_K into panels where a panel kernel
+/// at all), Q2_K, Q4_K and Q5_K into panels where a panel kernel
 /// for them runs ([`colibri_model::kernels::panels_run_here`]).
 fn cpu_layout(format: colibri_model::format::WeightFormat) -> bool {
     match format {
@@ -293,7 +293,7 @@ fn cpu_layout(format: colibri_model::format::WeightFormat) -> bool {
 
 /// Rearranges the matrices of one expert in `bytes` (its slot;
 /// `ranges[i]` where matrix `i` is) that take a CPU layout
-/// ([`cpu_layout`]: Q4_0 tiles, Q2_K panels), or back to rows.
+/// ([`cpu_layout`]: Q4_0 tiles, k-quant panels), or back to rows.
 /// Whether it had any.
 fn retile_q4_0(
     location: &ExpertLocation,

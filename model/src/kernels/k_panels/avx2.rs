@@ -123,6 +123,9 @@ unsafe fn panel_n<const FIVE: bool, const T: usize>(
         let four = std::hint::black_box(4usize);
         for s in 0..supers {
             let base = panel.as_ptr().add(s * words * 64);
+            if T == 1 {
+                super::ask_next_panel(base, panel.len(), words);
+            }
             let half = |k: usize, h: usize| {
                 _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
             };
