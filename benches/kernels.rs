@@ -858,8 +858,7 @@ fn panel_tokens(rng: &mut impl Rng) {
         let w = matrix(format, 16, cols, rng);
         let rows = w.data().as_slice();
         let rb = rows.len() / 16;
-        let padded = k_panels::panel_super_bytes(format).expect("a panel format");
-        let mut panel = vec![0u8; 16 * supers * padded];
+        let mut panel = vec![0u8; rows.len()];
         k_panels::pack_format(format, rows, rb, &mut panel);
         let acts: Vec<Q8Activation> = (0..8)
             .map(|_| {

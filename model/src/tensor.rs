@@ -278,7 +278,7 @@ pub enum Layout {
     Q4_0Tiles,
     /// 16-bit rows interleaved by fours ([`crate::kernels::quads16`]).
     Quads16,
-    /// Q2_K, Q4_K, Q5_K or IQ4_XS rows in panels of 16, in place
+    /// k-quant (Q2_K to Q6_K) or IQ4_XS rows in panels of 16, in place
     /// ([`crate::kernels::k_panels::panels_in_place`]; the rows past the
     /// last panel as stored).
     KPanels,
@@ -372,15 +372,15 @@ impl QMatrix {
         })
     }
 
-    /// This matrix with its bytes read as panels in place (Q2_K, Q4_K,
-    /// Q5_K or IQ4_XS): for bytes that
+    /// This matrix with its bytes read as panels in place (Q2_K to Q6_K
+    /// or IQ4_XS): for bytes that
     /// [`crate::kernels::k_panels::panels_in_place`] has rearranged (the
     /// RAM tier packs experts in place once they are read and verified).
     pub fn k_panels(self) -> Result<QMatrix> {
         let k = crate::kernels::k_panels::in_place(self.format);
         if !k || self.layout != Layout::RowMajor {
             return Err(ModelError::Invalid(format!(
-                "only a row-major Q2_K, Q4_K, Q5_K or IQ4_XS matrix can be read as panels, not {} as {:?}",
+                "only a row-major Q2_K to Q6_K or IQ4_XS matrix can be read as panels, not {} as {:?}",
                 self.format.name(),
                 self.layout
             )));

@@ -16,8 +16,11 @@
 //! 16 scales and mins are one vector each. A super-block of a panel is 16
 //! super-blocks' bytes (2304 for Q4_K, 2816 for Q5_K); the formats whose
 //! super-blocks are not whole 16-byte groups (Q2_K, Q3_K, Q6_K) are packed
-//! a super-block at a time, padded to whole words ([`pack_padded`]; their
-//! kernels: [`low_k`], [`avx512_q6_k`], [`avx2_q6_k`]).
+//! a super-block at a time ([`pack_supers`]; their kernels: [`low_k`],
+//! [`avx512_q6_k`], [`avx2_q6_k`]), Q3_K's and Q6_K's last half word (`d`)
+//! of the 16 rows side by side after their whole words. So a panel is
+//! always exactly as long as its rows, and the RAM tier can lay a matrix
+//! out in panels where it lies ([`panels_in_place`]).
 //!
 //! Panels are built on the fly, per task of a matrix product, in a scratch
 //! buffer ([`pack`]): a transpose of 4-byte words, paid once for all the
@@ -54,11 +57,9 @@ pub const PANEL_MIN_TOKENS: usize = 2;
 /// product of row `r` and `xs[t]`.
 pub type PanelDot = fn(WeightFormat, &[u8], usize, &[&Q8Activation], &mut [[f32; PANEL_ROWS]]);
 
-/// Words of one row's Q6_K super-block in a panel: its 210 bytes and two
-/// of zeros, so that `d` (bytes 208..210) has a word of its own.
-pub const Q6_K_PANEL_WORDS: usize = Q6_K_BLOCK_BYTES.div_ceil(4);
-
 /// Bytes of one super-block of `format` in a row, where panels take it.
+/// A panel of 16 rows is exactly as long as the rows: 16 × this per
+/// super-block.
 pub fn super_bytes(format: WeightFormat) -> Option<usize> {
     match format {
         WeightFormat::Q2K => Some(Q2_K_BLOCK_BYTES),
@@ -71,66 +72,59 @@ pub fn super_bytes(format: WeightFormat) -> Option<usize> {
     }
 }
 
-/// Bytes of one row's super-block in a panel of `format`: as in the row,
-/// padded to whole words (Q3_K's 110 to 112, Q6_K's 210 to 212:
-/// [`Q6_K_PANEL_WORDS`]).
-pub fn panel_super_bytes(format: WeightFormat) -> Option<usize> {
-    super_bytes(format).map(|b| b.next_multiple_of(4))
-}
-
 /// Packs 16 consecutive rows of `format` (`rb` bytes each, whole
-/// super-blocks) into `out`, which is `16 × panel_super_bytes` per
-/// super-block: [`pack`] where a super-block is whole 16-byte groups
-/// (Q4_K, Q5_K), else [`pack_padded`] a super-block at a time.
+/// super-blocks) into `out`, as long as the rows: [`pack`] where a
+/// super-block is whole 16-byte groups (Q4_K, Q5_K), else
+/// [`pack_supers`] a super-block at a time.
 pub fn pack_format(format: WeightFormat, rows: &[u8], rb: usize, out: &mut [u8]) {
     let size = super_bytes(format).expect("a panel format");
     if size.is_multiple_of(16) {
         pack(rows, rb, out)
     } else {
-        pack_padded(rows, rb, size, out)
+        pack_supers(rows, rb, size, out)
     }
 }
 
-/// Packs 16 consecutive Q6_K rows of `rb` bytes (whole super-blocks):
-/// [`pack_padded`] with Q6_K's 210-byte super-blocks.
-pub fn pack_q6_k(rows: &[u8], rb: usize, out: &mut [u8]) {
-    pack_padded(rows, rb, Q6_K_BLOCK_BYTES, out)
-}
-
 /// Packs 16 consecutive rows of `rb` bytes, whole super-blocks of `size`
-/// bytes (`W = ⌈size / 4⌉` words each), one super-block at a time: word `w`
-/// (< W) of row `r`'s super-block `s` to `64 (W s + w) + 4r`, the bytes of
-/// the last word past the super-block zero (Q6_K's `d`, Q3_K's `d` and
-/// Q2_K's `d`/`dmin` get a word of their own).
-pub fn pack_padded(rows: &[u8], rb: usize, size: usize, out: &mut [u8]) {
+/// bytes (`W = ⌊size / 4⌋` whole words, and a half word more where `size`
+/// is `4W + 2`: Q3_K's and Q6_K's `d`), one super-block at a time into
+/// `16 size` bytes: word `w` (< W) of row `r`'s super-block `s` to
+/// `16 size s + 64w + 4r`, and its half word to `16 size s + 64W + 2r`
+/// (the 16 rows' `d` side by side, one f16 vector).
+pub fn pack_supers(rows: &[u8], rb: usize, size: usize, out: &mut [u8]) {
     assert!(size > 0 && rb.is_multiple_of(size), "whole super-blocks");
-    let supers = rb / size;
-    let words = size.div_ceil(4);
-    let chunk = PANEL_ROWS * 4 * words;
+    assert!(
+        matches!(size % 4, 0 | 2),
+        "super-blocks of whole words, or a half word more"
+    );
+    let words = size / 4;
+    let chunk = PANEL_ROWS * size;
     assert_eq!(rows.len(), PANEL_ROWS * rb, "16 rows");
-    assert_eq!(out.len(), supers * chunk, "a panel of whole super-blocks");
+    assert_eq!(out.len(), rows.len(), "a panel is as long as its rows");
     // The words of whole groups of four by transposes; the rest (at most
-    // four words, the last one maybe partial) copied zero-padded into a
-    // group of its own per row, transposed the same way, and the words
-    // that exist kept.
-    let body = (size / 4) / 4 * 4;
-    let tail_bytes = size - 4 * body;
-    debug_assert!(tail_bytes <= 16 && words - body <= 4);
+    // three words) copied into a group of its own per row, transposed the
+    // same way, and the words that exist kept.
+    let body = words / 4 * 4;
+    let rest = words - body;
     let mut tails = [0u8; PANEL_ROWS * 16];
     let mut group = [0u8; 64 * 4];
     for (s, dst) in out.chunks_exact_mut(chunk).enumerate() {
         let at = s * size;
         transpose_words(rows, rb, at, body, dst);
-        if tail_bytes == 0 {
-            continue;
+        if rest > 0 {
+            for (r, tail) in tails.chunks_exact_mut(16).enumerate() {
+                let from = r * rb + at + 4 * body;
+                tail[..4 * rest].copy_from_slice(&rows[from..from + 4 * rest]);
+            }
+            transpose_words(&tails, 16, 0, 4, &mut group);
+            dst[64 * body..64 * words].copy_from_slice(&group[..64 * rest]);
         }
-        for (r, tail) in tails.chunks_exact_mut(16).enumerate() {
-            let from = r * rb + at + 4 * body;
-            tail[..tail_bytes].copy_from_slice(&rows[from..from + tail_bytes]);
+        if size % 4 == 2 {
+            for (r, half) in dst[64 * words..].chunks_exact_mut(2).enumerate() {
+                let from = r * rb + at + 4 * words;
+                half.copy_from_slice(&rows[from..from + 2]);
+            }
         }
-        transpose_words(&tails, 16, 0, 4, &mut group);
-        let kept = 64 * (words - body);
-        dst[64 * body..64 * body + kept].copy_from_slice(&group[..kept]);
     }
 }
 
@@ -209,18 +203,16 @@ fn transpose_words_sse2(rows: &[u8], rb: usize, at: usize, words: usize, out: &m
     }
 }
 
-/// Whether `format`'s panels are exactly as long as their rows (super-blocks
-/// of whole words: Q2_K, Q4_K, Q5_K, IQ4_XS), so a matrix can be laid out
-/// in panels in place ([`panels_in_place`]). Their panels are then the
-/// whole rows' words transposed, as [`pack`] lays them, whichever way
-/// they were packed.
+/// Whether matrices of `format` can be laid out in panels in place
+/// ([`panels_in_place`]): every panel format, as a panel is exactly as
+/// long as its rows.
 pub fn in_place(format: WeightFormat) -> bool {
-    super_bytes(format).is_some_and(|b| b.is_multiple_of(4))
+    super_bytes(format).is_some()
 }
 
-/// Rearranges a row-major matrix of an [`in_place`] format (`rows` rows of
-/// `rb` bytes) into panels in place: every full group of 16 rows becomes
-/// a panel ([`pack_format`]), the remaining rows stay as they are;
+/// Rearranges a row-major matrix of a panel format (`rows` rows of `rb`
+/// bytes) into panels in place: every full group of 16 rows becomes a
+/// panel ([`pack_format`]), the remaining rows stay as they are;
 /// `scratch` holds one group while it is rewritten. [`rows_in_place`]
 /// undoes it.
 pub fn panels_in_place(
@@ -230,10 +222,7 @@ pub fn panels_in_place(
     rb: usize,
     scratch: &mut Vec<u8>,
 ) {
-    assert!(
-        in_place(format),
-        "{format:?} panels are not as long as their rows"
-    );
+    assert!(in_place(format), "{format:?} has no panels");
     assert_eq!(bytes.len(), rows * rb, "whole rows");
     scratch.resize(PANEL_ROWS * rb, 0);
     for group in bytes.chunks_exact_mut(PANEL_ROWS * rb) {
@@ -243,26 +232,39 @@ pub fn panels_in_place(
 }
 
 /// Undoes [`panels_in_place`].
-pub fn rows_in_place(bytes: &mut [u8], rows: usize, rb: usize, scratch: &mut Vec<u8>) {
+pub fn rows_in_place(
+    format: WeightFormat,
+    bytes: &mut [u8],
+    rows: usize,
+    rb: usize,
+    scratch: &mut Vec<u8>,
+) {
     assert_eq!(bytes.len(), rows * rb, "whole rows");
     scratch.resize(PANEL_ROWS * rb, 0);
     for group in bytes.chunks_exact_mut(PANEL_ROWS * rb) {
         scratch.copy_from_slice(group);
         for (r, row) in group.chunks_exact_mut(rb).enumerate() {
-            row_of(scratch, rb, r, row);
+            row_of_format(format, scratch, r, row);
         }
     }
 }
 
-/// Row `r` of a matrix of `rows_total` rows of `rb` bytes laid out by
-/// [`panels_in_place`], row-major into `out`.
-pub fn row_of_in_place(bytes: &[u8], rows_total: usize, rb: usize, r: usize, out: &mut [u8]) {
+/// Row `r` of a matrix of `format` of `rows_total` rows of `rb` bytes laid
+/// out by [`panels_in_place`], row-major into `out`.
+pub fn row_of_in_place(
+    format: WeightFormat,
+    bytes: &[u8],
+    rows_total: usize,
+    rb: usize,
+    r: usize,
+    out: &mut [u8],
+) {
     let full = rows_total / PANEL_ROWS * PANEL_ROWS;
     if r >= full {
         out.copy_from_slice(&bytes[r * rb..(r + 1) * rb]);
     } else {
         let p = r / PANEL_ROWS * PANEL_ROWS;
-        row_of(&bytes[p * rb..(p + PANEL_ROWS) * rb], rb, r - p, out);
+        row_of_format(format, &bytes[p * rb..(p + PANEL_ROWS) * rb], r - p, out);
     }
 }
 
@@ -309,7 +311,9 @@ pub fn ask_l2(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Row `r` of a panel of rows of `rb` bytes, back in its row-major form.
+/// Row `r` of a panel of 16 rows of `rb` bytes, back in its row-major
+/// form: word `w` from `64w + 4r`, the inverse of [`pack`] (and of
+/// [`pack_supers`] for super-blocks of whole words).
 pub fn row_of(panel: &[u8], rb: usize, r: usize, out: &mut [u8]) {
     assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * rb && out.len() == rb);
     for (w, word) in out.chunks_exact_mut(4).enumerate() {
@@ -317,23 +321,26 @@ pub fn row_of(panel: &[u8], rb: usize, r: usize, out: &mut [u8]) {
     }
 }
 
-/// Row `r` of a panel of `supers` super-blocks of `format`, back in its
-/// row-major form (`supers × super_bytes` bytes).
-pub fn row_of_format(format: WeightFormat, panel: &[u8], supers: usize, r: usize, out: &mut [u8]) {
-    let (size, padded) = (
-        super_bytes(format).expect("a panel format"),
-        panel_super_bytes(format).expect("a panel format"),
-    );
-    if size == padded {
-        return row_of(panel, supers * size, r, out);
+/// Row `r` of a panel of `format` (16 rows of `out.len()` bytes, whole
+/// super-blocks), back in its row-major form: the inverse of
+/// [`pack_format`].
+pub fn row_of_format(format: WeightFormat, panel: &[u8], r: usize, out: &mut [u8]) {
+    let size = super_bytes(format).expect("a panel format");
+    if size.is_multiple_of(4) {
+        return row_of(panel, out.len(), r, out);
     }
-    assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * supers * padded);
-    assert_eq!(out.len(), supers * size);
-    for (s, blk) in out.chunks_exact_mut(size).enumerate() {
-        let chunk = &panel[s * PANEL_ROWS * padded..];
-        for (w, bytes) in blk.chunks_mut(4).enumerate() {
-            bytes.copy_from_slice(&chunk[64 * w + 4 * r..][..bytes.len()]);
+    assert!(r < PANEL_ROWS && panel.len() == PANEL_ROWS * out.len());
+    assert!(out.len().is_multiple_of(size), "whole super-blocks");
+    let words = size / 4;
+    for (blk, chunk) in out
+        .chunks_exact_mut(size)
+        .zip(panel.chunks_exact(PANEL_ROWS * size))
+    {
+        let (whole, half) = blk.split_at_mut(4 * words);
+        for (w, bytes) in whole.chunks_exact_mut(4).enumerate() {
+            bytes.copy_from_slice(&chunk[64 * w + 4 * r..][..4]);
         }
+        half.copy_from_slice(&chunk[64 * words + 2 * r..][..half.len()]);
     }
 }
 
@@ -357,7 +364,7 @@ pub fn dot_panel_ref(
     };
     let mut row = vec![0u8; supers * size];
     for r in 0..PANEL_ROWS {
-        row_of_format(format, panel, supers, r, &mut row);
+        row_of_format(format, panel, r, &mut row);
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             o[r] = dot(&row, x);
         }
@@ -615,9 +622,10 @@ pub mod avx512 {
 pub mod avx512_q6_k {
     use std::arch::x86_64::*;
 
-    use super::{PANEL_ROWS, Q6_K_PANEL_WORDS, Q8Activation};
+    use super::{PANEL_ROWS, Q8Activation};
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
+    use crate::quant::Q6_K_BLOCK_BYTES;
 
     /// # Safety
     /// See the module docs.
@@ -725,21 +733,22 @@ pub mod avx512_q6_k {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        const W: usize = Q6_K_PANEL_WORDS;
-        debug_assert_eq!(panel.len(), supers * W * 64);
+        // Bytes of a panel super-block: 52 words, then the 16 rows' `d`.
+        const B: usize = 16 * Q6_K_BLOCK_BYTES;
+        debug_assert_eq!(panel.len(), supers * B);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i8; T] = std::array::from_fn(|t| xs[t].quants.as_ptr());
-        // SAFETY: super-block `s < supers` reads words `s W..(s + 1) W` of
-        // the panel (64 bytes each) and, for each token, quants
-        // `256 s..+256` and scales `8 s..+8`, all in bounds by the module
-        // contract; the rest is register arithmetic and local arrays.
+        // SAFETY: super-block `s < supers` reads bytes `s B..(s + 1) B` of
+        // the panel (52 words of 64 bytes, then 32 of `d`) and, for each
+        // token, quants `256 s..+256` and scales `8 s..+8`, all in bounds
+        // by the module contract; the rest is register arithmetic and
+        // local arrays.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * W * 64);
+                let base = panel.as_ptr().add(s * B);
                 let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
-                // `d`: each lane's low 16 bits of word 52.
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word(W - 1)));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(64 * 52) as *const __m256i));
                 let off: [[i32; 16]; T] = std::array::from_fn(|t| offsets(q[t], s));
                 for n in 0..2 {
                     for c in 0..2 {
@@ -824,36 +833,40 @@ pub(crate) mod tests {
     ];
 
     #[test]
-    fn padded_packing_gives_each_word_its_place_and_row_of_format_undoes_it() {
+    fn packing_gives_each_word_and_half_word_its_place_and_row_of_format_undoes_it() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(63);
         for format in PANEL_FORMATS {
-            let (size, padded) = (
-                super_bytes(format).unwrap(),
-                panel_super_bytes(format).unwrap(),
-            );
+            let size = super_bytes(format).unwrap();
+            let words = size / 4;
             for supers in [1, 3] {
                 let rb = supers * size;
                 let rows: Vec<u8> = (0..PANEL_ROWS * rb).map(|_| rng.random()).collect();
-                let mut panel = vec![0xaau8; PANEL_ROWS * supers * padded];
+                let mut panel = vec![0xaau8; PANEL_ROWS * rb];
                 pack_format(format, &rows, rb, &mut panel);
                 for r in 0..PANEL_ROWS {
                     for s in 0..supers {
-                        for w in 0..padded / 4 {
-                            let at = s * size + 4 * w;
-                            let got = &panel[PANEL_ROWS * padded * s + 64 * w + 4 * r..][..4];
-                            for (i, &byte) in got.iter().enumerate() {
-                                // Bytes past the super-block are zero.
-                                let want = if 4 * w + i < size {
-                                    rows[r * rb + at + i]
-                                } else {
-                                    0
-                                };
-                                assert_eq!(byte, want, "{format:?} row {r} super {s} word {w}");
-                            }
+                        let chunk = &panel[PANEL_ROWS * size * s..][..PANEL_ROWS * size];
+                        let row = &rows[r * rb + s * size..][..size];
+                        for w in 0..words {
+                            let got = &chunk[64 * w + 4 * r..][..4];
+                            assert_eq!(
+                                got,
+                                &row[4 * w..4 * w + 4],
+                                "{format:?} row {r} super {s} word {w}"
+                            );
+                        }
+                        // Q3_K's and Q6_K's `d`: the 16 rows' side by side
+                        // after the words.
+                        if size % 4 == 2 {
+                            assert_eq!(
+                                chunk[64 * words + 2 * r..][..2],
+                                row[4 * words..],
+                                "{format:?} row {r} d"
+                            );
                         }
                     }
                     let mut back = vec![0u8; rb];
-                    row_of_format(format, &panel, supers, r, &mut back);
+                    row_of_format(format, &panel, r, &mut back);
                     assert_eq!(back, rows[r * rb..(r + 1) * rb], "{format:?} row {r}");
                 }
             }
@@ -897,7 +910,7 @@ pub(crate) mod tests {
                 _ => random_row(rng, supers, size),
             })
             .collect();
-        let mut panel = vec![0u8; PANEL_ROWS * supers * panel_super_bytes(format).unwrap()];
+        let mut panel = vec![0u8; PANEL_ROWS * supers * size];
         pack_format(format, &rows, supers * size, &mut panel);
         (panel, rows)
     }
@@ -1066,7 +1079,7 @@ pub(crate) mod tests {
         }
         for (format, blk) in blocks {
             let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
-            let mut panel = vec![0u8; PANEL_ROWS * panel_super_bytes(format).unwrap()];
+            let mut panel = vec![0u8; PANEL_ROWS * blk.len()];
             pack_format(format, &rows, blk.len(), &mut panel);
             let x = Q8Activation::quantize(&vec![-1.0f32; QK_K]);
             let mut want = [[0.0f32; PANEL_ROWS]; 1];
@@ -1096,8 +1109,8 @@ pub(crate) mod tests {
             blk[Q6_K_SCALES..Q6_K_D].fill(scale);
             blk[Q6_K_D..].copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
             let rows: Vec<u8> = (0..PANEL_ROWS).flat_map(|_| blk.clone()).collect();
-            let mut panel = vec![0u8; PANEL_ROWS * 4 * Q6_K_PANEL_WORDS];
-            pack_q6_k(&rows, Q6_K_BLOCK_BYTES, &mut panel);
+            let mut panel = vec![0u8; PANEL_ROWS * Q6_K_BLOCK_BYTES];
+            pack_format(WeightFormat::Q6K, &rows, Q6_K_BLOCK_BYTES, &mut panel);
             let x = Q8Activation::quantize(&vec![-1.0f32; QK_K]);
             let mut want = [[0.0f32; PANEL_ROWS]; 1];
             dot_panel_ref(WeightFormat::Q6K, &panel, 1, &[&x], &mut want);

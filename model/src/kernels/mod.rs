@@ -231,7 +231,7 @@ fn check_panel_args(
     xs: &[&Q8Activation],
     out: &[[f32; 16]],
 ) {
-    let size = k_panels::panel_super_bytes(format).expect("a panel format");
+    let size = k_panels::super_bytes(format).expect("a panel format");
     assert_eq!(
         panel.len(),
         k_panels::PANEL_ROWS * supers * size,
@@ -1226,22 +1226,22 @@ fn with_quads_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u16]) -> T) -> T {
 }
 
 /// Whether matrices of `format` take panels in place here
-/// ([`k_panels::panels_in_place`], the RAM tier's experts): Q2_K, Q4_K and
-/// Q5_K, whose one-token row kernels are slower per byte than a core's
-/// share of DRAM on a small machine (~10 and ~15 GB/s a Zen 4 core), where
-/// the panel kernel with the next panel asked of L2 decodes 12–30% faster
-/// on one thread; where their panel kernel and 8-bit activations run
-/// (`COLIBRI_NO_PANELS` unset). IQ4_XS could lie in panels as well
-/// ([`k_panels::in_place`]), but its row kernel already keeps up with
-/// DRAM and its decode measured slower so (docs/benchmarks.md). x86 only:
-/// the NEON panel kernels ask nothing ahead and are unmeasured. Either
-/// layout gives the same bits.
+/// ([`k_panels::panels_in_place`], the RAM tier's experts): Q2_K, Q3_K,
+/// Q4_K and Q5_K, whose one-token row kernels are slower per byte than a
+/// core's share of DRAM on a small machine (~10–15 GB/s a Zen 4 core),
+/// where the panel kernel with the next panel asked of L2 decodes 12–30%
+/// faster on one thread; where their panel kernel and 8-bit activations
+/// run (`COLIBRI_NO_PANELS` unset). IQ4_XS and Q6_K could lie in panels
+/// as well ([`k_panels::in_place`]), but their row kernels already keep
+/// up with DRAM and their decodes measured slower so (docs/benchmarks.md).
+/// x86 only: the NEON panel kernels ask nothing ahead and are unmeasured.
+/// Either layout gives the same bits.
 pub fn panels_run_here(format: WeightFormat) -> bool {
     let k = kernels();
     cfg!(target_arch = "x86_64")
         && matches!(
             format,
-            WeightFormat::Q2K | WeightFormat::Q4K | WeightFormat::Q5K
+            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Q4K | WeightFormat::Q5K
         )
         && k_panels::in_place(format)
         && panel_fn(k, format).is_some()
@@ -1268,7 +1268,7 @@ fn with_panel_row<T>(w: &QMatrix, r: usize, f: impl FnOnce(&[u8]) -> T) -> T {
     let rb = w.data().as_slice().len() / w.rows;
     ROW.with_borrow_mut(|row| {
         row.resize(rb, 0);
-        k_panels::row_of_in_place(w.data().as_slice(), w.rows, rb, r, row);
+        k_panels::row_of_in_place(w.format, w.data().as_slice(), w.rows, rb, r, row);
         f(row)
     })
 }
@@ -1643,6 +1643,7 @@ fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
         Input::Q8(a) if w.is_k_panels() => with_panel_row(w, r, |row| match w.format {
             WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
             WeightFormat::Q5K => (k.dot_q5_k_q8)(row, a),
+            WeightFormat::Q6K => (k.dot_q6_k_q8)(row, a),
             other => (k.dot_more_q8)(other, row, a),
         }),
         Input::Q8(a) => {
@@ -1970,11 +1971,10 @@ fn panel_rows(
     let rb = bytes.len() / w.rows;
     let supers = w.cols / quant::QK_K;
     let full = len / PANEL_ROWS * PANEL_ROWS;
-    let padded = k_panels::panel_super_bytes(w.format).expect("a panel format");
     let mut panel = if w.is_k_panels() {
         Vec::new()
     } else {
-        vec![0u8; PANEL_ROWS * supers * padded]
+        vec![0u8; PANEL_ROWS * rb]
     };
     let mut res = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
     // Panels in place (the RAM tier's experts) are read where they are;
@@ -3129,20 +3129,21 @@ mod tests {
             .unwrap()
     }
 
-    /// Q2_K, Q4_K, Q5_K and IQ4_XS matrices in panels in place (the RAM
-    /// tier's experts) give exactly the row-major matrix's bits in every
+    /// Matrices of every panel format in panels in place (the RAM tier's
+    /// experts) give exactly the row-major matrix's bits in every
     /// product, whatever the thread count; row counts with and without a
-    /// remainder past the last panel, rows of whole 16-byte groups and
-    /// not; [`k_panels::rows_in_place`] restores the stored bytes. Q3_K
-    /// and Q6_K panels are longer than their rows: never in place.
+    /// remainder past the last panel, rows of whole 16-byte groups, of
+    /// whole words (Q2_K, IQ4_XS) and of a half word more (Q3_K, Q6_K);
+    /// [`k_panels::rows_in_place`] restores the stored bytes.
     #[test]
     fn k_quant_panels_in_place_give_row_major_bits() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
-        assert!(!k_panels::in_place(WeightFormat::Q3K) && !k_panels::in_place(WeightFormat::Q6K));
         for format in [
             WeightFormat::Q2K,
+            WeightFormat::Q3K,
             WeightFormat::Q4K,
             WeightFormat::Q5K,
+            WeightFormat::Q6K,
             WeightFormat::Iq4Xs,
         ] {
             assert!(k_panels::in_place(format));
@@ -3153,6 +3154,7 @@ mod tests {
                         WeightFormat::Q4K | WeightFormat::Q5K => {
                             q4_k::tests::random_row(&mut rng, cols / 256, size)
                         }
+                        WeightFormat::Q6K => q6_k::tests::random_row(&mut rng, cols / 256),
                         _ => k_panels::tests::low_k_row(&mut rng, format, cols / 256),
                     })
                     .collect();
@@ -3163,7 +3165,7 @@ mod tests {
                     assert_ne!(packed, bytes);
                 }
                 let mut back = packed.clone();
-                k_panels::rows_in_place(&mut back, rows, rb, &mut Vec::new());
+                k_panels::rows_in_place(format, &mut back, rows, rb, &mut Vec::new());
                 assert_eq!(back, bytes);
                 use crate::tensor::Bytes;
                 let m =

@@ -991,7 +991,7 @@ unsafe fn k4_panels<const SDOT: bool, const Q5: bool>(
 }
 
 /// `T` activations against a Q2_K or (`Q3`) Q3_K panel of `supers`
-/// super-blocks ([`super::k_panels::low_k`]: 21 or 28 words a
+/// super-blocks ([`super::k_panels::low_k`]: 1344 or 1760 bytes a
 /// super-block), `out[t][r]` equal to `dot_q2_k_q8` (`dot_q3_k_q8`) of row
 /// `r` and `xs[t]` bit for bit. Each 64-byte word of codes is 4 registers
 /// of 4 rows' 4 bytes; a block's codes (signed: Q3_K's less 4 unless their
@@ -1002,8 +1002,8 @@ unsafe fn k4_panels<const SDOT: bool, const Q5: bool>(
 /// into lane `b mod 4` (Q2_K) or `fma(d·xd, A, lane)` (Q3_K).
 ///
 /// # Safety
-/// With `SDOT`, requires `dotprod`; `panel` at least `supers × words × 64`
-/// bytes, each activation's quants `supers · 256` long, its scales
+/// With `SDOT`, requires `dotprod`; `panel` at least `supers × 16 × 84`
+/// (Q3_K: `× 110`) bytes, each activation's quants `supers · 256` long, its scales
 /// `supers · 8` and its bsums16 `supers · 16`, `out.len() ≥ T`.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // t and q index several arrays at once
@@ -1013,9 +1013,11 @@ unsafe fn low_k_panel<const SDOT: bool, const Q3: bool, const T: usize>(
     xs: &[&Q8Activation],
     out: &mut [[f32; 16]],
 ) {
-    let words = if Q3 { 28 } else { 21 };
-    // SAFETY: super-block `s < supers` reads words `s · words..+words` of
-    // the panel (64 bytes each) and, per token, quants `256 s..+256`,
+    // Bytes of a panel super-block: 16 rows' (Q3_K: 27 words of 64 bytes,
+    // then the 16 rows' `d`; Q2_K: 21 words).
+    let bytes = if Q3 { 16 * 110 } else { 16 * 84 };
+    // SAFETY: super-block `s < supers` reads bytes `s · bytes..+bytes` of
+    // the panel and, per token, quants `256 s..+256`,
     // scales `8 s..+8` and bsums16 `16 s..+16` (caller); SDOT only when the
     // caller has it; the rest is register arithmetic on local arrays.
     unsafe {
@@ -1025,13 +1027,18 @@ unsafe fn low_k_panel<const SDOT: bool, const Q3: bool, const T: usize>(
         let (m4, m2) = (vdupq_n_u32(0x0f), vdupq_n_u32(0x03));
         let mut acc = [[[vdupq_n_f32(0.0); 4]; 4]; T];
         for s in 0..supers {
-            let base = panel.as_ptr().add(s * words * 64);
+            let base = panel.as_ptr().add(s * bytes);
             // Word `k`, rows 4q..4q + 4.
             let word = |k: usize, q: usize| vld1q_u32(base.add(64 * k + 16 * q) as *const u32);
             let mut d = [vdupq_n_f32(0.0); 4];
             let mut dmin = [vdupq_n_f32(0.0); 4];
             for q in 0..4 {
-                let dd = word(words - 1, q);
+                if Q3 {
+                    // Rows 4q..4q + 4's `d`: 8 bytes after the 27 words.
+                    d[q] = f16x4_to_f32(vld1_u16(base.add(64 * 27 + 8 * q) as *const u16));
+                    continue;
+                }
+                let dd = word(20, q);
                 d[q] = f16x4_to_f32(vmovn_u32(dd));
                 dmin[q] = f16x4_to_f32(vshrn_n_u32::<16>(dd));
             }
@@ -1935,14 +1942,14 @@ macro_rules! integer_kernels {
                 out: &mut [[f32; 16]],
             ) {
                 use crate::format::WeightFormat;
-                let words = match format {
-                    WeightFormat::Q2K => 21,
-                    WeightFormat::Q3K => 28,
-                    WeightFormat::Q4K => 36,
-                    WeightFormat::Q5K => 44,
+                let size = match format {
+                    WeightFormat::Q2K
+                    | WeightFormat::Q3K
+                    | WeightFormat::Q4K
+                    | WeightFormat::Q5K => super::super::k_panels::super_bytes(format).unwrap_or(0),
                     other => panic!("no NEON panels of {other:?}"),
                 };
-                assert_eq!(panel.len(), supers * words * 64, "whole super-blocks");
+                assert_eq!(panel.len(), supers * 16 * size, "whole super-blocks");
                 assert!(
                     xs.len() <= super::super::k_panels::PANEL_TOKENS && out.len() >= xs.len(),
                     "tokens"

@@ -282,7 +282,7 @@ pub(crate) struct Shared {
 
 /// Whether the RAM tier rearranges matrices of `format` into a CPU
 /// layout when it tiles experts: Q4_0 into tiles (where the tiling is on
-/// at all), Q2_K, Q4_K and Q5_K into panels where a panel kernel
+/// at all), Q2_K, Q3_K, Q4_K and Q5_K into panels where a panel kernel
 /// for them runs ([`colibri_model::kernels::panels_run_here`]).
 fn cpu_layout(format: colibri_model::format::WeightFormat) -> bool {
     match format {
@@ -332,7 +332,7 @@ fn retile_q4_0(
                 q4_0_tiles::untile_in_place(part, m.rows, blocks, &mut scratch)
             }
             (f, true) => k_panels::panels_in_place(f, part, m.rows, rb, &mut scratch),
-            (_, false) => k_panels::rows_in_place(part, m.rows, rb, &mut scratch),
+            (f, false) => k_panels::rows_in_place(f, part, m.rows, rb, &mut scratch),
         }
         any = true;
     }

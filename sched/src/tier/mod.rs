@@ -121,7 +121,7 @@ pub struct TierOptions {
     pub prefetch_layers: usize,
     /// Tile the Q4_0 matrices of experts for the CPU's tile kernel as they
     /// arrive, where one runs ([`TierCache::set_tile_q4_0`]), and pack
-    /// their Q2_K, Q4_K and Q5_K matrices into panels where a panel
+    /// their Q2_K, Q3_K, Q4_K and Q5_K matrices into panels where a panel
     /// kernel runs (`colibri_model::kernels::panels_run_here`): for experts
     /// computed on this CPU. The GPU tier turns it off when it attaches;
     /// leaving it off where a GPU will attach saves the work. The engine

@@ -281,9 +281,9 @@ fn k_quant_experts_stream_with_identical_logits() {
     let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1024).collect();
     // Q4_K_M: layer 1's down projections in Q6_K, so the layers' experts
     // differ in size and an expert mixes formats.
-    // Q2_K, Q4_K and Q5_K experts go into panels in place
-    // (`panels_run_here`); the others stay row-major (Q3_K's panels are
-    // longer than its rows).
+    // Q2_K, Q3_K, Q4_K and Q5_K experts go into panels in place
+    // (`panels_run_here`); the others (IQ4_XS, and Q4_K_M's Q6_K down
+    // projections) stay row-major.
     for (name, format) in [
         ("q4_k", Some(WeightFormat::Q4K)),
         ("q5_k", Some(WeightFormat::Q5K)),

@@ -40,16 +40,17 @@
 //!
 //! # Safety
 //! Requires AVX2, FMA and F16C (checked by the caller with
-//! `is_x86_feature_detected!`), a Q6_K panel of `supers` whole padded
-//! super-blocks ([`super::pack_q6_k`]), at most [`super::PANEL_TOKENS`]
+//! `is_x86_feature_detected!`), a Q6_K panel of `supers` whole
+//! super-blocks ([`super::pack_supers`]), at most [`super::PANEL_TOKENS`]
 //! activations of `supers × 256` quants (in −127..=127, as
 //! [`Q8Activation::quantize`] makes them) and an output for each.
 
 use std::arch::x86_64::*;
 
-use super::{PANEL_ROWS, Q6_K_PANEL_WORDS, Q8Activation};
+use super::{PANEL_ROWS, Q8Activation};
 use crate::format::WeightFormat;
 use crate::kernels::q4_0::LANES;
+use crate::quant::Q6_K_BLOCK_BYTES;
 
 /// Tokens multiplied at once (see the module docs).
 const GROUP: usize = 3;
@@ -96,13 +97,15 @@ unsafe fn panel_n<const T: usize>(
     xs: &[&Q8Activation],
     out: &mut [[f32; PANEL_ROWS]],
 ) {
-    const W: usize = Q6_K_PANEL_WORDS;
-    debug_assert_eq!(panel.len(), supers * W * 64);
+    // Bytes of a panel super-block: 52 words, then the 16 rows' `d`.
+    const B: usize = 16 * Q6_K_BLOCK_BYTES;
+    debug_assert_eq!(panel.len(), supers * B);
     debug_assert!(xs.len() == T && out.len() >= T);
     let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
     let picks = [0, 1, 2, 3].map(pair_of_byte);
-    // SAFETY: super-block `s < supers` reads words `s W..(s + 1) W` of the
-    // panel (64 bytes each, as two 32-byte halves) and, for each token,
+    // SAFETY: super-block `s < supers` reads bytes `s B..(s + 1) B` of the
+    // panel (52 words of 64 bytes, as two 32-byte halves, then 32 of `d`
+    // as two 16-byte halves) and, for each token,
     // quants `256 s..+256` and scales `8 s..+8`, all in bounds by the
     // module contract, which also gives the `T` outputs written at the
     // end; the rest is register arithmetic and local arrays indexed below
@@ -113,12 +116,6 @@ unsafe fn panel_n<const T: usize>(
         let thirty_two = _mm256_set1_epi8(32);
         let pick: [__m256i; 4] =
             std::array::from_fn(|m| _mm256_loadu_si256(picks[m].as_ptr() as *const __m256i));
-        // Bytes 0, 1, 4, 5, … (each row's d) to the low 8 of each 128-bit
-        // half, zeros above.
-        let d_bytes = _mm256_setr_epi8(
-            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, //
-            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
-        );
         // acc[t][lane][h]: token t's rows 8h..8h + 8, lane b mod 4.
         let mut acc = [[[_mm256_setzero_ps(); 2]; LANES]; T];
         // The codes of a pair of blocks: split[k][i][h], block 4n + c + 2k,
@@ -135,7 +132,7 @@ unsafe fn panel_n<const T: usize>(
         // 4, where the compiler cannot see it (the word loops).
         let four = std::hint::black_box(4usize);
         for s in 0..supers {
-            let base = panel.as_ptr().add(s * W * 64);
+            let base = panel.as_ptr().add(s * B);
             let half = |k: usize, h: usize| {
                 _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
             };
@@ -157,14 +154,11 @@ unsafe fn panel_n<const T: usize>(
                 let xd = x.scales.as_ptr().add(8 * s);
                 _mm256_storeu_ps(xds[t].as_mut_ptr(), _mm256_loadu_ps(xd));
             }
-            // `d`: the low 16 bits of each row's word W − 1.
+            // `d` of rows 8h..8h + 8: 16 bytes after the 52 words.
             let mut d = [_mm256_setzero_ps(); 2];
             for h in 0..2 {
-                let dd = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(
-                    half(W - 1, h),
-                    d_bytes,
-                ));
-                d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
+                let at = base.add(64 * 52 + 16 * h);
+                d[h] = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
             }
             // Scale j: byte j mod 4 of scale word 48 + j / 4, sign-extended.
             for j in 0..16 {

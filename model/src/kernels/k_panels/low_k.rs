@@ -1,12 +1,13 @@
 //! Q2_K, Q3_K and IQ4_XS panels: 16 rows side by side, word by word, as
-//! the Q4_K panels ([`super::pack_padded`]). Their 84-, 110- and 136-byte
-//! super-blocks take 21, 28 and 34 words:
+//! the Q4_K panels ([`super::pack_supers`]). Their 84-, 110- and 136-byte
+//! super-blocks take 21, 27½ and 34 words:
 //!
 //! - **Q2_K**: words 0–3 the 16 sub-block bytes (scale in the low nibble,
 //!   min in the high one; sub-block `j` is byte `j mod 4` of word `j / 4`),
 //!   words 4–19 the codes, word 20 `d` (low half) and `dmin` (high half).
 //! - **Q3_K**: words 0–7 `hmask`, words 8–23 the codes, words 24–26 the
-//!   12 bytes of 6-bit scales, word 27 `d` and two bytes of zeros.
+//!   12 bytes of 6-bit scales, then the 16 rows' `d` side by side (32
+//!   bytes: a panel super-block is 1760 bytes, as long as its rows).
 //! - **IQ4_XS**: word 0 `d` (low half) and `scales_h` (high half), word 1
 //!   `scales_l`, words `2 + 4k..2 + 4k + 4` block `k`'s nibbles (see
 //!   [`avx512`]'s `iq4_xs`).
@@ -31,11 +32,15 @@
 
 use crate::quant::{IQ4_XS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, Q3_K_BLOCK_BYTES};
 
-/// Panel words of a super-block: Q2_K's (21), Q3_K's (28, the last half
-/// zeros), IQ4_XS's (34).
-const Q2_WORDS: usize = Q2_K_BLOCK_BYTES.div_ceil(4);
-const Q3_WORDS: usize = Q3_K_BLOCK_BYTES.div_ceil(4);
-const IQ4_XS_WORDS: usize = IQ4_XS_BLOCK_BYTES.div_ceil(4);
+/// Words of a super-block: Q2_K's (21), Q3_K's (27 whole ones, then
+/// `d`).
+const Q2_WORDS: usize = Q2_K_BLOCK_BYTES / 4;
+const Q3_WORDS: usize = Q3_K_BLOCK_BYTES / 4;
+
+/// Bytes of a panel super-block: 16 rows' (as long as the rows).
+const Q2_PANEL: usize = 16 * Q2_K_BLOCK_BYTES;
+const Q3_PANEL: usize = 16 * Q3_K_BLOCK_BYTES;
+const IQ4_XS_PANEL: usize = 16 * IQ4_XS_BLOCK_BYTES;
 
 pub mod avx512 {
     //! The Q2_K, Q3_K and IQ4_XS panel kernels on AVX-512 VNNI: the 16 rows in the
@@ -57,7 +62,7 @@ pub mod avx512 {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
-    use super::{IQ4_XS_WORDS, Q2_WORDS, Q3_WORDS};
+    use super::{IQ4_XS_PANEL, Q2_PANEL, Q2_WORDS, Q3_PANEL, Q3_WORDS};
 
     /// # Safety
     /// See the module docs (IQ4_XS as Q2_K and Q3_K).
@@ -137,7 +142,7 @@ pub mod avx512 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        debug_assert_eq!(panel.len(), supers * Q2_WORDS * 64);
+        debug_assert_eq!(panel.len(), supers * Q2_PANEL);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         // SAFETY: super-block `s < supers` reads words `21 s..21 s + 21` of
@@ -149,7 +154,7 @@ pub mod avx512 {
             let m4 = _mm512_set1_epi32(0x0f);
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * Q2_WORDS * 64);
+                let base = panel.as_ptr().add(s * Q2_PANEL);
                 if T == 1 {
                     super::super::ask_next_panel(base, panel.len(), Q2_WORDS);
                 }
@@ -229,19 +234,24 @@ pub mod avx512 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        debug_assert_eq!(panel.len(), supers * Q3_WORDS * 64);
+        debug_assert_eq!(panel.len(), supers * Q3_PANEL);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
-        // SAFETY: as in `q2_k`, with 28 words per super-block.
+        // SAFETY: as in `q2_k`, with 1760 bytes per super-block: 27 words
+        // of 64 bytes, then 32 of `d`.
         unsafe {
             let (m4, m2) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(0x03));
             let off = _mm512_set1_epi32(32);
             let four = _mm512_set1_epi8(4);
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * Q3_WORDS * 64);
+                let base = panel.as_ptr().add(s * Q3_PANEL);
+                if T == 1 {
+                    super::super::ask_next_panel(base, panel.len(), Q3_PANEL.div_ceil(64));
+                }
                 let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word(27)));
+                let d =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(base.add(64 * Q3_WORDS) as *const __m256i));
                 let (w0, w1, w2) = (word(24), word(25), word(26));
                 // Sub-block j's scale (−32..=31) as f32: its low 4 bits
                 // from nibble j / 8 of byte j mod 8 (words 24, 25), its
@@ -333,7 +343,7 @@ pub mod avx512 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        debug_assert_eq!(panel.len(), supers * IQ4_XS_WORDS * 64);
+        debug_assert_eq!(panel.len(), supers * IQ4_XS_PANEL);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         // SAFETY: super-block `s < supers` reads words `34 s..34 s + 34` of
@@ -350,7 +360,7 @@ pub mod avx512 {
             let off = _mm512_set1_epi32(32);
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * IQ4_XS_WORDS * 64);
+                let base = panel.as_ptr().add(s * IQ4_XS_PANEL);
                 let word = |k: usize| _mm512_loadu_si512(base.add(64 * k) as *const __m512i);
                 let (w0, w1) = (word(0), word(1));
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
@@ -423,7 +433,7 @@ pub mod avx2 {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0::LANES;
 
-    use super::{IQ4_XS_WORDS, Q2_WORDS, Q3_WORDS};
+    use super::{IQ4_XS_PANEL, Q2_PANEL, Q2_WORDS, Q3_PANEL, Q3_WORDS};
 
     /// Tokens multiplied at once.
     const GROUP: usize = 4;
@@ -485,12 +495,13 @@ pub mod avx2 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        let words = if Q3 { Q3_WORDS } else { Q2_WORDS };
-        debug_assert_eq!(panel.len(), supers * words * 64);
+        let bytes = if Q3 { Q3_PANEL } else { Q2_PANEL };
+        debug_assert_eq!(panel.len(), supers * bytes);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
-        // SAFETY: super-block `s < supers` reads words `words × s..+words`
-        // of the panel (64 bytes each, as two 32-byte halves) and, for
+        // SAFETY: super-block `s < supers` reads bytes `bytes × s..+bytes`
+        // of the panel (words of 64 bytes each, as two 32-byte halves, and
+        // Q3_K's 32 bytes of `d` as two 16-byte halves) and, for
         // each token, quants `256 s..+256`, scales `8 s..+8` and `bsums16`
         // `16 s..+16`, all in bounds by the module contract, which also
         // gives the `T` outputs written at the end; the rest is register
@@ -514,19 +525,25 @@ pub mod avx2 {
             // A block's codes: u[g][h], word g, rows 8h..8h + 8.
             let mut u = [[_mm256_setzero_si256(); 2]; 8];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * words * 64);
+                let base = panel.as_ptr().add(s * bytes);
                 if T == 1 {
-                    super::super::ask_next_panel(base, panel.len(), words);
+                    super::super::ask_next_panel(base, panel.len(), bytes.div_ceil(64));
                 }
                 let half = |k: usize, h: usize| {
                     _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
                 };
-                // d (and Q2_K's dmin) of rows 8h..8h + 8.
+                // d (and Q2_K's dmin) of rows 8h..8h + 8: Q3_K's 16 bytes
+                // after the words, Q2_K's the halves of word 20.
                 let mut d = [_mm256_setzero_ps(); 2];
                 let mut dmin = [_mm256_setzero_ps(); 2];
                 for h in 0..2 {
+                    if Q3 {
+                        let at = base.add(64 * Q3_WORDS + 16 * h);
+                        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+                        continue;
+                    }
                     let dd = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(
-                        half(words - 1, h),
+                        half(Q2_WORDS - 1, h),
                         halves,
                     ));
                     d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
@@ -696,8 +713,7 @@ pub mod avx2 {
         xs: &[&Q8Activation],
         out: &mut [[f32; PANEL_ROWS]],
     ) {
-        const WORDS: usize = IQ4_XS_WORDS;
-        debug_assert_eq!(panel.len(), supers * WORDS * 64);
+        debug_assert_eq!(panel.len(), supers * IQ4_XS_PANEL);
         debug_assert!(xs.len() == T && out.len() >= T);
         let q: [*const i32; T] = std::array::from_fn(|t| xs[t].quants.as_ptr() as *const i32);
         // SAFETY: super-block `s < supers` reads words `34 s..34 s + 34` of
@@ -724,7 +740,7 @@ pub mod avx2 {
             let mut v = [[_mm256_setzero_si256(); 2]; 8];
             let mut m = [[_mm256_setzero_si256(); 2]; 8];
             for s in 0..supers {
-                let base = panel.as_ptr().add(s * WORDS * 64);
+                let base = panel.as_ptr().add(s * IQ4_XS_PANEL);
                 let half = |k: usize, h: usize| {
                     _mm256_loadu_si256(base.add(64 * k + 32 * h) as *const __m256i)
                 };
