@@ -240,8 +240,8 @@ pub mod avx512 {
         // SAFETY: as in `q2_k`, with 1760 bytes per super-block: 27 words
         // of 64 bytes, then 32 of `d`.
         unsafe {
-            let (m4, m2) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(0x03));
-            let off = _mm512_set1_epi32(32);
+            let (m4b, m2b) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x03));
+            let off8 = _mm512_set1_epi8(32);
             let four = _mm512_set1_epi8(4);
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
@@ -253,17 +253,25 @@ pub mod avx512 {
                 let d =
                     _mm512_cvtph_ps(_mm256_loadu_si256(base.add(64 * Q3_WORDS) as *const __m256i));
                 let (w0, w1, w2) = (word(24), word(25), word(26));
-                // Sub-block j's scale (−32..=31) as f32: its low 4 bits
-                // from nibble j / 8 of byte j mod 8 (words 24, 25), its
-                // high 2 from bits 2 (j / 4) of byte 8 + j mod 4 (word 26).
+                // The 16 sub-block scales of each row, unpacked once a
+                // super-block: byte i of each lane of `six[q]` is scale
+                // j = 4q + i less 32 (−32..=31). Its low 4 bits are nibble
+                // j / 8 of byte j mod 8 (words 24, 25), its high 2 bits
+                // 2q of byte 8 + i (word 26). (32-bit shifts by at most 6,
+                // then byte masks: every bit stays in its byte.)
+                let six: [__m512i; 4] = std::array::from_fn(|q| {
+                    let low = shr(if q % 2 == 0 { w0 } else { w1 }, 4 * (q / 2));
+                    let high = _mm512_and_si512(shr(w2, 2 * q), m2b);
+                    let v =
+                        _mm512_or_si512(_mm512_and_si512(low, m4b), _mm512_slli_epi32::<4>(high));
+                    _mm512_sub_epi8(v, off8)
+                });
+                // Sub-block j's scale as f32: byte j mod 4 of `six[j / 4]`,
+                // sign-extended.
                 let scale = |j: usize| {
-                    let low = shr(if j % 8 < 4 { w0 } else { w1 }, 8 * (j % 4) + 4 * (j / 8));
-                    let high = shr(w2, 8 * (j % 4) + 2 * (j / 4));
-                    let v = _mm512_or_si512(
-                        _mm512_and_si512(low, m4),
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(high, m2)),
-                    );
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(v, off))
+                    let up =
+                        _mm512_sll_epi32(six[j / 4], _mm_cvtsi64_si128(24 - 8 * (j % 4) as i64));
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(up))
                 };
                 for k in 0..8 {
                     let b = 8 * s + k;
@@ -508,9 +516,48 @@ pub mod avx2 {
         // arithmetic and local arrays indexed below their lengths.
         unsafe {
             let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-            let (m4, m2) = (_mm256_set1_epi32(0x0f), _mm256_set1_epi32(0x03));
+            let m4 = _mm256_set1_epi32(0x0f);
             let low16 = _mm256_set1_epi32(0xffff);
-            let off = _mm256_set1_epi16(32);
+            let (m4b, m2b) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x03));
+            let off8 = _mm256_set1_epi8(32);
+            // Byte i of each 32-bit lane into all four of its bytes.
+            let pick: [__m256i; 4] = std::array::from_fn(|i| {
+                let i = i as i8;
+                _mm256_setr_epi8(
+                    i,
+                    i,
+                    i,
+                    i,
+                    4 + i,
+                    4 + i,
+                    4 + i,
+                    4 + i,
+                    8 + i,
+                    8 + i,
+                    8 + i,
+                    8 + i,
+                    12 + i,
+                    12 + i,
+                    12 + i,
+                    12 + i,
+                    i,
+                    i,
+                    i,
+                    i,
+                    4 + i,
+                    4 + i,
+                    4 + i,
+                    4 + i,
+                    8 + i,
+                    8 + i,
+                    8 + i,
+                    8 + i,
+                    12 + i,
+                    12 + i,
+                    12 + i,
+                    12 + i,
+                )
+            });
             // Bytes 0, 1, 4, 5, … (each row's low f16) to the low 8 of each
             // 128-bit lane, bytes 2, 3, 6, 7, … (the high one) to the high 8.
             let halves = _mm256_setr_epi8(
@@ -549,6 +596,24 @@ pub mod avx2 {
                     d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
                     dmin[h] = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(dd));
                 }
+                // (Q3_K) The 16 sub-block scales of each row, unpacked once
+                // a super-block: byte i of each lane of `six[q][h]` (rows
+                // 8h..8h + 8) is scale j = 4q + i less 32 (−32..=31). Its
+                // low 4 bits are nibble j / 8 of byte j mod 8 (words 24,
+                // 25), its high 2 bits 2q of byte 8 + i (word 26). (32-bit
+                // shifts by at most 6, then byte masks: every bit stays in
+                // its byte.)
+                let mut six = [[_mm256_setzero_si256(); 2]; 4];
+                if Q3 {
+                    for q in 0..4 {
+                        for h in 0..2 {
+                            let low = _mm256_and_si256(shr(half(24 + q % 2, h), 4 * (q / 2)), m4b);
+                            let high = _mm256_and_si256(shr(half(26, h), 2 * q), m2b);
+                            let v = _mm256_or_si256(low, _mm256_slli_epi32::<4>(high));
+                            six[q][h] = _mm256_sub_epi8(v, off8);
+                        }
+                    }
+                }
                 for k in 0..8 {
                     let b = 8 * s + k;
                     // Sub-block j = 2k + i's scale as a 16-bit pair, and
@@ -561,17 +626,11 @@ pub mod avx2 {
                         let j = 2 * k + i;
                         for h in 0..2 {
                             if Q3 {
-                                // Low 4 bits: nibble j / 8 of byte j mod 8
-                                // (words 24, 25); high 2: bits 2 (j / 4)
-                                // of byte 8 + j mod 4 (word 26).
-                                let lw = half(24 + (j % 8) / 4, h);
-                                let lo = _mm256_and_si256(shr(lw, 8 * (j % 4) + 4 * (j / 8)), m4);
-                                let hi = _mm256_and_si256(
-                                    shr(half(26, h), 8 * (j % 4) + 2 * (j / 4)),
-                                    m2,
-                                );
-                                let raw = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
-                                sc[i][h] = _mm256_sub_epi16(pair(raw), off);
+                                // Byte j mod 4 of each lane of `six[j / 4]`
+                                // into both of its 16-bit halves (as the
+                                // high byte), then sign-extended.
+                                let dup = _mm256_shuffle_epi8(six[j / 4][h], pick[j % 4]);
+                                sc[i][h] = _mm256_srai_epi16::<8>(dup);
                             } else {
                                 // Byte j mod 4 of word j / 4: scale in the
                                 // low nibble, min in the high one.
