@@ -151,7 +151,23 @@ pub mod avx512 {
         // in bounds by the module contract; the rest is register
         // arithmetic and local arrays indexed below their lengths.
         unsafe {
-            let m4 = _mm512_set1_epi32(0x0f);
+            let m4b = _mm512_set1_epi8(0x0f);
+            // `vpshufb` controls: in each 32-bit lane, its bytes `p[i]`
+            // (zero where `p[i]` < 0).
+            let ctl = |p: [i8; 4]| {
+                let mut c = [0i8; 16];
+                for (l, lane) in c.chunks_exact_mut(4).enumerate() {
+                    for (v, &i) in lane.iter_mut().zip(&p) {
+                        *v = if i < 0 { -1 } else { 4 * l as i8 + i };
+                    }
+                }
+                _mm512_broadcast_i32x4(_mm_loadu_si128(c.as_ptr() as *const __m128i))
+            };
+            // Byte i of a lane, zero-extended; bytes 2p and 2p + 1 as a
+            // pair of 16-bit values.
+            let byte: [__m512i; 4] = std::array::from_fn(|i| ctl([i as i8, -1, -1, -1]));
+            let pair: [__m512i; 2] =
+                std::array::from_fn(|p| ctl([2 * p as i8, -1, 2 * p as i8 + 1, -1]));
             let mut acc = [[_mm512_setzero_ps(); LANES]; T];
             for s in 0..supers {
                 let base = panel.as_ptr().add(s * Q2_PANEL);
@@ -162,21 +178,24 @@ pub mod avx512 {
                 let dd = word(20);
                 let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
                 let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+                // Sub-block j's scale and min: the low and high nibbles of
+                // byte j mod 4 of word j / 4, split once a super-block
+                // (byte i of each lane of `scales[q]` and `mins4[q]`: sub-block
+                // 4q + i).
+                let scales: [__m512i; 4] = std::array::from_fn(|q| _mm512_and_si512(word(q), m4b));
+                let mins4: [__m512i; 4] =
+                    std::array::from_fn(|q| _mm512_and_si512(_mm512_srli_epi32::<4>(word(q)), m4b));
                 for k in 0..8 {
                     let b = 8 * s + k;
                     // Sub-blocks 2k and 2k + 1: bytes 2 (k mod 2) and
-                    // 2 (k mod 2) + 1 of word k / 2; scale and min as f32
-                    // (exact small integers).
-                    let sw = word(k / 2);
-                    let at = 16 * (k % 2);
-                    let nibble = |n: usize| _mm512_cvtepi32_ps(_mm512_and_si512(shr(sw, n), m4));
-                    let sc = [nibble(at), nibble(at + 8)];
+                    // 2 (k mod 2) + 1 of word k / 2; scale as f32 (exact
+                    // small integers).
+                    let p = k % 2;
+                    let sc = [2 * p, 2 * p + 1]
+                        .map(|i| _mm512_cvtepi32_ps(_mm512_shuffle_epi8(scales[k / 2], byte[i])));
                     // The two mins as a 16-bit pair (m0, m1), for
                     // `vpmaddwd` against the pair of the token's sums.
-                    let mins = _mm512_or_si512(
-                        _mm512_and_si512(shr(sw, at + 4), m4),
-                        _mm512_slli_epi32::<16>(_mm512_and_si512(shr(sw, at + 12), m4)),
-                    );
+                    let mins = _mm512_shuffle_epi8(mins4[k / 2], pair[p]);
                     let codes_at = 4 + 8 * (k / 4);
                     // Sub-block h's Σ u·a (words 4h..4h + 4) for every
                     // token.
@@ -516,48 +535,27 @@ pub mod avx2 {
         // arithmetic and local arrays indexed below their lengths.
         unsafe {
             let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-            let m4 = _mm256_set1_epi32(0x0f);
             let low16 = _mm256_set1_epi32(0xffff);
             let (m4b, m2b) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x03));
             let off8 = _mm256_set1_epi8(32);
-            // Byte i of each 32-bit lane into all four of its bytes.
-            let pick: [__m256i; 4] = std::array::from_fn(|i| {
-                let i = i as i8;
-                _mm256_setr_epi8(
-                    i,
-                    i,
-                    i,
-                    i,
-                    4 + i,
-                    4 + i,
-                    4 + i,
-                    4 + i,
-                    8 + i,
-                    8 + i,
-                    8 + i,
-                    8 + i,
-                    12 + i,
-                    12 + i,
-                    12 + i,
-                    12 + i,
-                    i,
-                    i,
-                    i,
-                    i,
-                    4 + i,
-                    4 + i,
-                    4 + i,
-                    4 + i,
-                    8 + i,
-                    8 + i,
-                    8 + i,
-                    8 + i,
-                    12 + i,
-                    12 + i,
-                    12 + i,
-                    12 + i,
-                )
-            });
+            // `vpshufb` controls: in each 32-bit lane, its bytes `p[i]`
+            // (zero where `p[i]` < 0).
+            let ctl = |p: [i8; 4]| {
+                let mut c = [0i8; 16];
+                for (l, lane) in c.chunks_exact_mut(4).enumerate() {
+                    for (v, &i) in lane.iter_mut().zip(&p) {
+                        *v = if i < 0 { -1 } else { 4 * l as i8 + i };
+                    }
+                }
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(c.as_ptr() as *const __m128i))
+            };
+            // Byte i of a lane into all four of its bytes; zero-extended
+            // into both 16-bit halves; bytes 2p and 2p + 1 zero-extended
+            // as a pair of 16-bit values.
+            let pick: [__m256i; 4] = std::array::from_fn(|i| ctl([i as i8; 4]));
+            let zpair: [__m256i; 4] = std::array::from_fn(|i| ctl([i as i8, -1, i as i8, -1]));
+            let mpair: [__m256i; 2] =
+                std::array::from_fn(|p| ctl([2 * p as i8, -1, 2 * p as i8 + 1, -1]));
             // Bytes 0, 1, 4, 5, … (each row's low f16) to the low 8 of each
             // 128-bit lane, bytes 2, 3, 6, 7, … (the high one) to the high 8.
             let halves = _mm256_setr_epi8(
@@ -565,8 +563,6 @@ pub mod avx2 {
                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
             );
             let shr = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi64_si128(n as i64));
-            // (v, v) from v in the low 16 bits of each lane (non-negative).
-            let pair = |v: __m256i| _mm256_or_si256(v, _mm256_slli_epi32::<16>(v));
             // acc[t][lane][h]: token t's rows 8h..8h + 8, lane b mod 4.
             let mut acc = [[[_mm256_setzero_ps(); 2]; LANES]; T];
             // A block's codes: u[g][h], word g, rows 8h..8h + 8.
@@ -603,14 +599,22 @@ pub mod avx2 {
                 // 25), its high 2 bits 2q of byte 8 + i (word 26). (32-bit
                 // shifts by at most 6, then byte masks: every bit stays in
                 // its byte.)
+                // (Q2_K) Byte i of each lane of `six[q][h]` is the scale
+                // of sub-block 4q + i (the low nibble of byte i of word
+                // q), of `mins4[q][h]` its min (the high nibble).
                 let mut six = [[_mm256_setzero_si256(); 2]; 4];
-                if Q3 {
-                    for q in 0..4 {
-                        for h in 0..2 {
+                let mut mins4 = [[_mm256_setzero_si256(); 2]; 4];
+                for q in 0..4 {
+                    for h in 0..2 {
+                        if Q3 {
                             let low = _mm256_and_si256(shr(half(24 + q % 2, h), 4 * (q / 2)), m4b);
                             let high = _mm256_and_si256(shr(half(26, h), 2 * q), m2b);
                             let v = _mm256_or_si256(low, _mm256_slli_epi32::<4>(high));
                             six[q][h] = _mm256_sub_epi8(v, off8);
+                        } else {
+                            let w = half(q, h);
+                            six[q][h] = _mm256_and_si256(w, m4b);
+                            mins4[q][h] = _mm256_and_si256(_mm256_srli_epi32::<4>(w), m4b);
                         }
                     }
                 }
@@ -632,20 +636,17 @@ pub mod avx2 {
                                 let dup = _mm256_shuffle_epi8(six[j / 4][h], pick[j % 4]);
                                 sc[i][h] = _mm256_srai_epi16::<8>(dup);
                             } else {
-                                // Byte j mod 4 of word j / 4: scale in the
-                                // low nibble, min in the high one.
-                                let w = half(j / 4, h);
-                                sc[i][h] = pair(_mm256_and_si256(shr(w, 8 * (j % 4)), m4));
-                                let m = _mm256_and_si256(shr(w, 8 * (j % 4) + 4), m4);
-                                mins[h] = _mm256_or_si256(
-                                    mins[h],
-                                    if i == 0 {
-                                        m
-                                    } else {
-                                        _mm256_slli_epi32::<16>(m)
-                                    },
-                                );
+                                // Byte j mod 4 of each lane of `six[j / 4]`,
+                                // zero-extended into both 16-bit halves.
+                                sc[i][h] = _mm256_shuffle_epi8(six[j / 4][h], zpair[j % 4]);
                             }
+                        }
+                    }
+                    if !Q3 {
+                        // Bytes 2 (k mod 2) and 2 (k mod 2) + 1 of each
+                        // lane of `mins4[k / 2]`: sub-blocks 2k, 2k + 1.
+                        for h in 0..2 {
+                            mins[h] = _mm256_shuffle_epi8(mins4[k / 2][h], mpair[k % 2]);
                         }
                     }
                     let codes_at = if Q3 { 8 } else { 4 } + 8 * (k / 4);
