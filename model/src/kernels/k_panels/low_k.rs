@@ -42,6 +42,18 @@ const Q2_PANEL: usize = 16 * Q2_K_BLOCK_BYTES;
 const Q3_PANEL: usize = 16 * Q3_K_BLOCK_BYTES;
 const IQ4_XS_PANEL: usize = 16 * IQ4_XS_BLOCK_BYTES;
 
+/// A `vpshufb` control for one 128-bit lane: in each of its 32-bit lanes,
+/// byte `i` takes that lane's byte `p[i]` (zero where `p[i]` < 0).
+fn lane_bytes(p: [i8; 4]) -> [i8; 16] {
+    let mut c = [0i8; 16];
+    for (l, lane) in c.chunks_exact_mut(4).enumerate() {
+        for (v, &i) in lane.iter_mut().zip(&p) {
+            *v = if i < 0 { -1 } else { 4 * l as i8 + i };
+        }
+    }
+    c
+}
+
 pub mod avx512 {
     //! The Q2_K, Q3_K and IQ4_XS panel kernels on AVX-512 VNNI: the 16 rows in the
     //! 16 lanes of a register, one `vpdpbusd` per word and token. A
@@ -152,15 +164,9 @@ pub mod avx512 {
         // arithmetic and local arrays indexed below their lengths.
         unsafe {
             let m4b = _mm512_set1_epi8(0x0f);
-            // `vpshufb` controls: in each 32-bit lane, its bytes `p[i]`
-            // (zero where `p[i]` < 0).
+            // [`super::lane_bytes`] in every 128-bit lane.
             let ctl = |p: [i8; 4]| {
-                let mut c = [0i8; 16];
-                for (l, lane) in c.chunks_exact_mut(4).enumerate() {
-                    for (v, &i) in lane.iter_mut().zip(&p) {
-                        *v = if i < 0 { -1 } else { 4 * l as i8 + i };
-                    }
-                }
+                let c = super::lane_bytes(p);
                 _mm512_broadcast_i32x4(_mm_loadu_si128(c.as_ptr() as *const __m128i))
             };
             // Byte i of a lane, zero-extended; bytes 2p and 2p + 1 as a
@@ -538,15 +544,9 @@ pub mod avx2 {
             let low16 = _mm256_set1_epi32(0xffff);
             let (m4b, m2b) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x03));
             let off8 = _mm256_set1_epi8(32);
-            // `vpshufb` controls: in each 32-bit lane, its bytes `p[i]`
-            // (zero where `p[i]` < 0).
+            // [`super::lane_bytes`] in both 128-bit lanes.
             let ctl = |p: [i8; 4]| {
-                let mut c = [0i8; 16];
-                for (l, lane) in c.chunks_exact_mut(4).enumerate() {
-                    for (v, &i) in lane.iter_mut().zip(&p) {
-                        *v = if i < 0 { -1 } else { 4 * l as i8 + i };
-                    }
-                }
+                let c = super::lane_bytes(p);
                 _mm256_broadcastsi128_si256(_mm_loadu_si128(c.as_ptr() as *const __m128i))
             };
             // Byte i of a lane into all four of its bytes; zero-extended
