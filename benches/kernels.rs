@@ -1,7 +1,7 @@
 //! Matrix–vector kernels against the memory-bandwidth roofline, measured in
 //! the same run on the same machine.
 //!
-//! `cargo bench --bench kernels [-- --threads N --mib M --format q4_0]`
+//! `cargo bench --bench kernels [-- --threads N --mib M --format q4_0 --batches 1,4,8]`
 //!
 //! For each weight format: a matrix of about `M` MiB (so it does not sit in
 //! the caches) is multiplied by a vector repeatedly; we report the weight
@@ -585,7 +585,8 @@ fn main() {
                 format!("{} quads", f.name())
             }
         };
-        for batch in [1usize, 4, 8, 16, 32, 128] {
+        let batches = args_list("--batches").unwrap_or_else(|| vec![1, 4, 8, 16, 32, 128]);
+        for &batch in &batches {
             let x: Vec<f32> = (0..batch * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();

@@ -41,6 +41,11 @@ use crate::tensor::QMatrix;
 /// One quantized row against up to [`q8act::MULTI`] activations.
 pub type MultiDot = fn(&[u8], &[&Q8Activation], &mut [f32]);
 
+/// `(w0, w1, xs, out)`: two Q8_0 rows of the same length against up to
+/// [`q8act::avx512::PAIR_TOKENS`] activations, `out[t] = [w0 · xs[t], w1
+/// · xs[t]]`, each `dot_q8_0_q8`'s bits.
+pub type PairDot = fn(&[u8], &[u8], &[&Q8Activation], &mut [[f32; 2]]);
+
 /// `(format, row, xs, out)`: one row of a [`KernelSet::dot_more_q8`]
 /// format against up to [`q8act::MULTI`] activations, `out[t]` for
 /// `xs[t]`.
@@ -149,6 +154,11 @@ pub struct KernelSet {
     /// One Q8_0 row against up to [`q8act::MULTI`] activations, each
     /// result identical to the single-token kernel's.
     pub dot_q8_0_q8_multi: MultiDot,
+    /// Two consecutive Q8_0 rows against up to
+    /// `q8act::avx512::PAIR_TOKENS` activations (prefill, batched decode),
+    /// each result identical to `dot_q8_0_q8`'s; `None`: a row at a time
+    /// through `dot_q8_0_q8_multi`.
+    pub dot_q8_0_q8_pair: Option<PairDot>,
     /// One Q4_0 row against up to [`q8act::MULTI`] activations (batched
     /// decode below the matrix–matrix kernel's size), each result identical
     /// to `dot_q4_0_q8`'s; `None` computes token by token.
@@ -348,6 +358,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_more_q8,
     dot_more_q8_multi: None,
     dot_q8_0_q8_multi: q8act::dot_q8_0_q8_multi,
+    dot_q8_0_q8_pair: None,
     dot_q4_0_q8_multi: None,
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
@@ -669,6 +680,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_more_q8: avx2_wrappers::dot_more_q8,
     dot_more_q8_multi: Some(avx2_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_multi: avx2_wrappers::dot_q8_0_q8_multi,
+    dot_q8_0_q8_pair: None,
     dot_q4_0_q8_multi: Some(avx2_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: Some(GemmQ4 {
         width: q4_0::avx2::WIDTH,
@@ -749,6 +761,32 @@ mod avx512_wrappers {
             }
             _ => super::avx2_wrappers::dot_more_q8_multi(f, w, xs, out),
         }
+    }
+    /// Also checks the rows' and the activations' lengths and the token
+    /// count, which the kernel's safety contract asks for.
+    pub fn dot_q8_0_q8_pair(
+        w0: &[u8],
+        w1: &[u8],
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 2]],
+    ) {
+        use super::q8act::avx512::PAIR_TOKENS;
+        let blocks = w0.len() / super::Q8_0_BLOCK_BYTES;
+        assert!(
+            w1.len() == w0.len() && w0.len() == blocks * super::Q8_0_BLOCK_BYTES,
+            "two whole Q8_0 rows of one length"
+        );
+        assert!(
+            xs.len() <= PAIR_TOKENS && out.len() >= xs.len(),
+            "at most {PAIR_TOKENS} tokens, a result pair for each"
+        );
+        for x in xs {
+            assert!(
+                x.quants.len() >= blocks * super::QK && x.scales.len() >= blocks,
+                "an activation as long as the rows"
+            );
+        }
+        unsafe { super::q8act::avx512::dot_q8_0_q8_pair(w0, w1, xs, out) }
     }
     /// Also checks the lengths its safety contract asks for.
     pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
@@ -849,6 +887,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     weighted_rows: avx512_wrappers::weighted_rows,
     dot_more_q8: avx512_wrappers::dot_more_q8,
     dot_more_q8_multi: Some(avx512_wrappers::dot_more_q8_multi),
+    dot_q8_0_q8_pair: Some(avx512_wrappers::dot_q8_0_q8_pair),
     ..AVX2
 };
 
@@ -1028,6 +1067,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_more_q8: neon_wrappers::dot_more_q8,
     dot_more_q8_multi: Some(neon_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_multi: neon_wrappers::dot_q8_0_q8_multi,
+    dot_q8_0_q8_pair: None,
     dot_q4_0_q8_multi: Some(neon_wrappers::dot_q4_0_q8_multi),
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
@@ -1149,6 +1189,11 @@ fn select() -> KernelSet {
         dot_q6_k_panels: simd.dot_q6_k_panels.filter(|_| panels),
         dot_low_k_panels: simd.dot_low_k_panels.filter(|_| panels),
         dot_iq4_xs_panels: simd.dot_iq4_xs_panels.filter(|_| panels),
+        // `COLIBRI_NO_Q8_PAIRS=1`: Q8_0 rows one at a time (to compare;
+        // the same bits).
+        dot_q8_0_q8_pair: simd
+            .dot_q8_0_q8_pair
+            .filter(|_| std::env::var_os("COLIBRI_NO_Q8_PAIRS").is_none_or(|v| v == "0")),
         ..simd
     }
 }
@@ -2029,6 +2074,56 @@ fn panel_rows(
     }
 }
 
+/// Rows `r0..r0 + len` of a Q8_0 matrix (`bytes`, `rb` bytes a row)
+/// against every token of `xs` into `out` (token-major, `len` per token):
+/// two rows at a time against up to 8 tokens per pass, the
+/// rows of a pass still in L1 for the next; an odd last row by the
+/// several-token row kernel. Every value is `dot_q8_0_q8`'s, bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn q8_0_pair_rows(
+    k: &KernelSet,
+    pair: PairDot,
+    bytes: &[u8],
+    rb: usize,
+    xs: &[&Q8Activation],
+    r0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    // Passes as even as `tile_passes` makes them (a pass of few tokens
+    // runs slowest per token); `TILE_TOKENS` is the pair kernel's most.
+    #[cfg(target_arch = "x86_64")]
+    const {
+        assert!(q8act::avx512::PAIR_TOKENS == TILE_TOKENS)
+    };
+    let mut res = [[0.0f32; 2]; TILE_TOKENS];
+    let pairs = len / 2;
+    for p in 0..pairs {
+        let at = (r0 + 2 * p) * rb;
+        let (w0, w1) = (&bytes[at..at + rb], &bytes[at + rb..at + 2 * rb]);
+        let mut t0 = 0;
+        for size in tile_passes(xs.len()) {
+            pair(w0, w1, &xs[t0..t0 + size], &mut res);
+            for (j, r) in res[..size].iter().enumerate() {
+                out[(t0 + j) * len + 2 * p] = r[0];
+                out[(t0 + j) * len + 2 * p + 1] = r[1];
+            }
+            t0 += size;
+        }
+    }
+    if len % 2 == 1 {
+        let i = len - 1;
+        let row = &bytes[(r0 + i) * rb..(r0 + i + 1) * rb];
+        let mut tmp = [0.0f32; q8act::MULTI];
+        for (g, group) in xs.chunks(q8act::MULTI).enumerate() {
+            (k.dot_q8_0_q8_multi)(row, group, &mut tmp[..group.len()]);
+            for (j, v) in tmp[..group.len()].iter().enumerate() {
+                out[(g * q8act::MULTI + j) * len + i] = *v;
+            }
+        }
+    }
+}
+
 /// A several-token row kernel: one row against up to [`q8act::MULTI`]
 /// activations, each result the single-token kernel's.
 #[derive(Clone, Copy)]
@@ -2117,6 +2212,11 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 .filter(|_| q8.len() == n && (n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels()))
             {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
+            } else if let Some(pair) = k
+                .dot_q8_0_q8_pair
+                .filter(|_| w.format == WeightFormat::Q8_0 && q8.len() == n)
+            {
+                q8_0_pair_rows(k, pair, bytes, rb, &q8, r0, len, &mut out);
             } else if let Some(multi) = Multi::of(k, w.format)
                 .filter(|_| q8.len() == n && !w.is_tiled() && !w.is_k_panels())
             {
@@ -2881,6 +2981,54 @@ mod tests {
             for threads in [1, 2, 3] {
                 let pool = Pool::new(threads).unwrap();
                 for batch in [2usize, 5, 6, 16, 17, 35] {
+                    let mut y = vec![f32::NAN; batch * rows];
+                    matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
+                    for t in 0..batch {
+                        assert_eq!(
+                            bits(&y[t * rows..(t + 1) * rows]),
+                            bits(&single[t]),
+                            "{rows}x{cols}, batch {batch}, token {t}, {threads} threads"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Q8_0 products over many tokens (two rows at a time where the CPU
+    /// has the pair kernel, up to 8 tokens a pass; odd row counts leave a
+    /// row to the several-token row kernel) give each token what a product
+    /// of that token alone gives, whatever the thread count.
+    #[test]
+    fn q8_0_batches_equal_single_tokens_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for (rows, cols) in [(37usize, 96usize), (130, 768), (9, 32)] {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|_| quant::quantize_q8_0(&rand_vec(&mut rng, cols)).unwrap())
+                .collect();
+            let m = QMatrix::new(
+                "q8",
+                rows,
+                cols,
+                WeightFormat::Q8_0,
+                crate::tensor::Bytes::from_vec(data),
+                None,
+            )
+            .unwrap();
+            let n = 35;
+            let x = rand_vec(&mut rng, n * cols);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let one = Pool::new(1).unwrap();
+            let single: Vec<Vec<f32>> = (0..n)
+                .map(|t| {
+                    let mut y = vec![f32::NAN; rows];
+                    matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
+                    y
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let pool = Pool::new(threads).unwrap();
+                for batch in [2usize, 5, 8, 9, 16, 17, 35] {
                     let mut y = vec![f32::NAN; batch * rows];
                     matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
                     for t in 0..batch {

@@ -394,6 +394,154 @@ pub mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! Two consecutive Q8_0 rows at once in 512-bit registers (AVX-512
+    //! VNNI): row 0's 32 codes of a block in the low half, row 1's in the
+    //! high half, each token's block broadcast to both. The 32-bit lane `k`
+    //! of a half is exactly the AVX2 kernel's lane `k` (Σ of elements 4k ..
+    //! 4k + 3), scaled and accumulated by the same fused multiply-add into
+    //! the same even/odd accumulator, and each half is reduced in the AVX2
+    //! kernel's order: every result is [`super::dot_q8_0_q8`]'s bit for bit.
+    //!
+    //! For several tokens (prefill, batched decode) the weights' work — the
+    //! magnitudes, the sign mask, the two scales — is done once per block
+    //! for up to [`PAIR_TOKENS`] tokens, and each token costs five vector
+    //! operations per block and row pair, against eight per block and row
+    //! with AVX2's `maddubs` (q8act.rs `avx2::multi`).
+    //!
+    //! # Safety
+    //! Every function requires AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C
+    //! (checked by the caller), two rows of `blocks × 34` bytes and
+    //! activations of `blocks × 32` quants.
+
+    use std::arch::x86_64::*;
+
+    use super::Q8Activation;
+    use crate::quant::{Q8_0_BLOCK_BYTES, QK};
+
+    /// Most activations one call takes (two accumulators per token: 16 of
+    /// the 32 vector registers at 8).
+    pub const PAIR_TOKENS: usize = 8;
+
+    /// The AVX2 kernel's reduction of 8 lanes: `((0 + 4) + (2 + 6)) + ((1
+    /// + 5) + (3 + 7))`.
+    #[inline(always)]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        // SAFETY: register arithmetic under the caller's avx guarantee.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    /// Rows `w0` and `w1` (Q8_0, the same length) against `xs.len() ≤
+    /// PAIR_TOKENS` activations: `out[t] = [row 0, row 1]` for `xs[t]`,
+    /// each [`super::dot_q8_0_q8`]'s bits.
+    ///
+    /// # Safety
+    /// See the module docs; `w0.len() == w1.len()`, a multiple of 34;
+    /// `out.len() >= xs.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_q8_pair(
+        w0: &[u8],
+        w1: &[u8],
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 2]],
+    ) {
+        // SAFETY: forwarded contract; N matches the slice lengths.
+        unsafe {
+            match xs.len().min(out.len()) {
+                1 => pair::<1>(w0, w1, xs, out),
+                2 => pair::<2>(w0, w1, xs, out),
+                3 => pair::<3>(w0, w1, xs, out),
+                4 => pair::<4>(w0, w1, xs, out),
+                5 => pair::<5>(w0, w1, xs, out),
+                6 => pair::<6>(w0, w1, xs, out),
+                7 => pair::<7>(w0, w1, xs, out),
+                8 => pair::<8>(w0, w1, xs, out),
+                _ => {}
+            }
+        }
+    }
+
+    /// The pair kernel for exactly `N` tokens (a compile-time count, so
+    /// the accumulators stay in registers).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn pair<const N: usize>(
+        w0: &[u8],
+        w1: &[u8],
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 2]],
+    ) {
+        let blocks = w0.len() / Q8_0_BLOCK_BYTES;
+        let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
+        let qp: [*const i8; N] = std::array::from_fn(|t| xs[t].quants.as_ptr());
+        let sp: [*const f32; N] = std::array::from_fn(|t| xs[t].scales.as_ptr());
+        let zero = _mm512_setzero_si512();
+        // Lanes 0..8 take the first f32 of a vector, lanes 8..16 the second.
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        // SAFETY: block b reads w0/w1[34b..34b+34] and each activation's
+        // quants[32b..32b+32] and scales[b], in bounds for b < blocks
+        // (caller).
+        unsafe {
+            // One block into an accumulator set (even blocks or odd ones).
+            let step = |b: usize, acc: &mut [__m512; N]| {
+                let (b0, b1) = (p0.add(b * Q8_0_BLOCK_BYTES), p1.add(b * Q8_0_BLOCK_BYTES));
+                let lo = _mm256_loadu_si256(b0.add(2) as *const __m256i);
+                let hi = _mm256_loadu_si256(b1.add(2) as *const __m256i);
+                let wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                // |w| as unsigned bytes (|−128| = 128) against x with w's
+                // sign: the products w·x, exactly, in VNNI's u8 × i8 form.
+                let aw = _mm512_abs_epi8(wq);
+                let neg = _mm512_movepi8_mask(wq);
+                // The two rows' f16 scales, converted exactly (F16C), row 0's
+                // under lanes 0..8 and row 1's under 8..16.
+                let bits = _mm_insert_epi16::<1>(
+                    _mm_cvtsi32_si128((b0 as *const u16).read_unaligned() as i32),
+                    (b1 as *const u16).read_unaligned() as i32,
+                );
+                let dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(bits)));
+                for t in 0..N {
+                    let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        qp[t].add(b * QK) as *const __m256i
+                    ));
+                    let sx = _mm512_mask_sub_epi8(xq, neg, zero, xq);
+                    let lanes = _mm512_dpbusd_epi32(zero, aw, sx);
+                    // f16(d) · x.d rounded once, as the scalar `d * xs`.
+                    let d = _mm512_mul_ps(dw, _mm512_set1_ps(*sp[t].add(b)));
+                    acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes), acc[t]);
+                }
+            };
+            let (mut even, mut odd) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
+            let mut b = 0;
+            while b + 2 <= blocks {
+                // The next two rows (where the caller goes next: its
+                // rows are consecutive) asked of L2, 4 × 34 bytes of them
+                // per two blocks of these. A hint that never faults.
+                let at = 2 * w0.len() + b * 2 * Q8_0_BLOCK_BYTES;
+                _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at + 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at + 128) as *const i8);
+                step(b, &mut even);
+                step(b + 1, &mut odd);
+                b += 2;
+            }
+            if b < blocks {
+                step(b, &mut even);
+            }
+            for t in 0..N {
+                let s = _mm512_add_ps(even[t], odd[t]);
+                let row0 = _mm512_castps512_ps256(s);
+                let row1 = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s)));
+                out[t] = [hsum8(row0), hsum8(row1)];
+            }
+        }
+    }
+}
+
 /// Most activations one multi-token call takes.
 pub const MULTI: usize = 4;
 
@@ -577,8 +725,8 @@ pub(crate) mod tests {
                             _ => {}
                         }
                     }
-                    let mut xs: Vec<Vec<f32>> =
-                        (0..MULTI).map(|_| data(&mut rng, n, spread)).collect();
+                    // Enough tokens for the pair kernel's largest pass.
+                    let mut xs: Vec<Vec<f32>> = (0..8).map(|_| data(&mut rng, n, spread)).collect();
                     xs[1][..QK].fill(0.0);
                     let acts: Vec<Q8Activation> =
                         xs.iter().map(|x| Q8Activation::quantize(x)).collect();
@@ -598,6 +746,31 @@ pub(crate) mod tests {
                                 "{} multi, {blocks} blocks, {m} tokens",
                                 k.name
                             );
+                        }
+                    }
+                    // Two rows at a time: the second row another of this
+                    // test's rows (its bytes reversed block by block keep
+                    // the extreme bytes and scales), so each half of the
+                    // kernel sees different weights.
+                    if let Some(pair) = k.dot_q8_0_q8_pair {
+                        let w1: Vec<u8> = w
+                            .chunks_exact(Q8_0_BLOCK_BYTES)
+                            .rev()
+                            .flatten()
+                            .copied()
+                            .collect();
+                        let want1: Vec<f32> = acts.iter().map(|a| dot_q8_0_q8(&w1, a)).collect();
+                        for m in 1..=refs.len() {
+                            let mut out = vec![[f32::NAN; 2]; m];
+                            pair(&w, &w1, &refs[..m], &mut out);
+                            for (t, o) in out.iter().enumerate() {
+                                assert_eq!(
+                                    [o[0].to_bits(), o[1].to_bits()],
+                                    [want[t].to_bits(), want1[t].to_bits()],
+                                    "{} pair, {blocks} blocks, {m} tokens, token {t}",
+                                    k.name
+                                );
+                            }
                         }
                     }
                 }
