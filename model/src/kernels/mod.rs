@@ -2967,29 +2967,37 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for (rows, cols) in [(37usize, 96usize), (130, 768)] {
             let m = q4_matrix(&mut rng, rows, cols);
-            let n = 35;
-            let x = rand_vec(&mut rng, n * cols);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            let one = Pool::new(1).unwrap();
-            let single: Vec<Vec<f32>> = (0..n)
-                .map(|t| {
-                    let mut y = vec![f32::NAN; rows];
-                    matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
-                    y
-                })
-                .collect();
-            for threads in [1, 2, 3] {
-                let pool = Pool::new(threads).unwrap();
-                for batch in [2usize, 5, 6, 16, 17, 35] {
-                    let mut y = vec![f32::NAN; batch * rows];
-                    matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
-                    for t in 0..batch {
-                        assert_eq!(
-                            bits(&y[t * rows..(t + 1) * rows]),
-                            bits(&single[t]),
-                            "{rows}x{cols}, batch {batch}, token {t}, {threads} threads"
-                        );
-                    }
+            assert_batches_equal_single_tokens(&m, &[2, 5, 6, 16, 17, 35], &mut rng);
+        }
+    }
+
+    /// `matmul` of `m` over each batch of `batches` gives every token the
+    /// bits of a one-token `matvec`, on 1, 2 and 3 threads.
+    fn assert_batches_equal_single_tokens(m: &QMatrix, batches: &[usize], rng: &mut impl Rng) {
+        let (rows, cols) = (m.rows, m.cols);
+        let n = batches.iter().copied().max().unwrap_or(1);
+        let x = rand_vec(rng, n * cols);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let one = Pool::new(1).unwrap();
+        let single: Vec<Vec<f32>> = (0..n)
+            .map(|t| {
+                let mut y = vec![f32::NAN; rows];
+                matvec(&one, m, &x[t * cols..(t + 1) * cols], &mut y);
+                y
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            for &batch in batches {
+                let mut y = vec![f32::NAN; batch * rows];
+                matmul(&pool, m, &x[..batch * cols], batch, &mut y);
+                for t in 0..batch {
+                    assert_eq!(
+                        bits(&y[t * rows..(t + 1) * rows]),
+                        bits(&single[t]),
+                        "{:?} {rows}x{cols}, batch {batch}, token {t}, {threads} threads",
+                        m.format
+                    );
                 }
             }
         }
@@ -3015,31 +3023,7 @@ mod tests {
                 None,
             )
             .unwrap();
-            let n = 35;
-            let x = rand_vec(&mut rng, n * cols);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            let one = Pool::new(1).unwrap();
-            let single: Vec<Vec<f32>> = (0..n)
-                .map(|t| {
-                    let mut y = vec![f32::NAN; rows];
-                    matvec(&one, &m, &x[t * cols..(t + 1) * cols], &mut y);
-                    y
-                })
-                .collect();
-            for threads in [1, 2, 3] {
-                let pool = Pool::new(threads).unwrap();
-                for batch in [2usize, 5, 8, 9, 16, 17, 35] {
-                    let mut y = vec![f32::NAN; batch * rows];
-                    matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
-                    for t in 0..batch {
-                        assert_eq!(
-                            bits(&y[t * rows..(t + 1) * rows]),
-                            bits(&single[t]),
-                            "{rows}x{cols}, batch {batch}, token {t}, {threads} threads"
-                        );
-                    }
-                }
-            }
+            assert_batches_equal_single_tokens(&m, &[2, 5, 8, 9, 16, 17, 35], &mut rng);
         }
     }
 

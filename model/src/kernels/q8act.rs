@@ -254,8 +254,9 @@ pub mod avx2 {
         }
     }
 
+    /// The 8 lanes' sum: `((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))`.
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         // SAFETY: register arithmetic under the caller's avx guarantee.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -424,19 +425,6 @@ pub mod avx512 {
     /// the 32 vector registers at 8).
     pub const PAIR_TOKENS: usize = 8;
 
-    /// The AVX2 kernel's reduction of 8 lanes: `((0 + 4) + (2 + 6)) + ((1
-    /// + 5) + (3 + 7))`.
-    #[inline(always)]
-    unsafe fn hsum8(v: __m256) -> f32 {
-        // SAFETY: register arithmetic under the caller's avx guarantee.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-            _mm_cvtss_f32(s)
-        }
-    }
-
     /// Rows `w0` and `w1` (Q8_0, the same length) against `xs.len() ≤
     /// PAIR_TOKENS` activations: `out[t] = [row 0, row 1]` for `xs[t]`,
     /// each [`super::dot_q8_0_q8`]'s bits.
@@ -536,7 +524,8 @@ pub mod avx512 {
                 let s = _mm512_add_ps(even[t], odd[t]);
                 let row0 = _mm512_castps512_ps256(s);
                 let row1 = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s)));
-                out[t] = [hsum8(row0), hsum8(row1)];
+                // The AVX2 kernel's reduction of each row's 8 lanes.
+                out[t] = [super::avx2::hsum(row0), super::avx2::hsum(row1)];
             }
         }
     }
