@@ -173,6 +173,11 @@ pub struct KernelSet {
     /// identical to `dot_q4_0_tile`'s; `None` takes the tokens one by one
     /// (`COLIBRI_TILE_TOKENS=1` forces that).
     pub dot_q4_0_tiles: Option<TilesDot>,
+    /// IQ4_NL rows tiled as Q4_0's (the blocks have the same 18 bytes)
+    /// against several tokens at once (prefill, batched decode), each
+    /// result identical to `dot_more_q8`'s for IQ4_NL; `None`: the row
+    /// kernels. The rows are tiled per product ([`iq4_nl_tiled_rows`]).
+    pub dot_iq4_nl_tiles: Option<TilesDot>,
     /// Panels of 16 Q4_K or Q5_K rows against several tokens at once
     /// (prefill, batched decode; [`k_panels`]), each result identical to
     /// the row kernel's; `None` takes the tokens one by one.
@@ -363,6 +368,7 @@ pub const SCALAR: KernelSet = KernelSet {
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
+    dot_iq4_nl_tiles: None,
     dot_k_panels: None,
     dot_q6_k_panels: None,
     dot_low_k_panels: None,
@@ -689,6 +695,7 @@ pub const AVX2: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
+    dot_iq4_nl_tiles: None,
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx2_wrappers::dot_low_k_panels),
@@ -828,6 +835,17 @@ mod avx512_wrappers {
         super::check_tiles_args(tile, blocks, xs, out);
         unsafe { super::q4_0_tiles::avx512::dot_tiles(tile, blocks, xs, out, next) }
     }
+    /// Also checks every activation's length and the output count.
+    pub fn dot_iq4_nl_tiles(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&super::Q8Activation],
+        out: &mut [[f32; 16]],
+        next: &[u8],
+    ) {
+        super::check_tiles_args(tile, blocks, xs, out);
+        unsafe { super::q4_0_tiles::avx512::dot_iq4_nl_tiles(tile, blocks, xs, out, next) }
+    }
     /// Also checks the panel, every activation's length and the outputs.
     pub fn dot_k_panels(
         format: super::WeightFormat,
@@ -879,6 +897,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     }),
     dot_q4_0_tile: Some(avx512_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx512_wrappers::dot_q4_0_tiles),
+    dot_iq4_nl_tiles: Some(avx512_wrappers::dot_iq4_nl_tiles),
     dot_k_panels: Some(avx512_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx512_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx512_wrappers::dot_low_k_panels),
@@ -1072,6 +1091,7 @@ pub const NEON: KernelSet = KernelSet {
     gemm_q4_0_q8: None,
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
+    dot_iq4_nl_tiles: None,
     dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
     dot_low_k_panels: Some(neon_wrappers::dot_k_panels),
@@ -1189,6 +1209,11 @@ fn select() -> KernelSet {
         dot_q6_k_panels: simd.dot_q6_k_panels.filter(|_| panels),
         dot_low_k_panels: simd.dot_low_k_panels.filter(|_| panels),
         dot_iq4_xs_panels: simd.dot_iq4_xs_panels.filter(|_| panels),
+        // `COLIBRI_NO_TILES=1` keeps IQ4_NL rows as they are too (to
+        // compare; the same bits).
+        dot_iq4_nl_tiles: simd
+            .dot_iq4_nl_tiles
+            .filter(|_| std::env::var_os("COLIBRI_NO_TILES").is_none_or(|v| v == "0")),
         // `COLIBRI_NO_Q8_PAIRS=1`: Q8_0 rows one at a time (to compare;
         // the same bits).
         dot_q8_0_q8_pair: simd
@@ -1526,6 +1551,9 @@ impl Pool {
             chunk.next_multiple_of(quads16::QUAD_ROWS)
         } else if k_panels::super_bytes(w.format).is_some() {
             chunk.next_multiple_of(k_panels::PANEL_ROWS)
+        } else if w.format == WeightFormat::Iq4Nl && kernels().dot_iq4_nl_tiles.is_some() {
+            // Whole groups of 16 rows for `iq4_nl_tiled_rows`.
+            chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
         } else {
             chunk
         }
@@ -2074,6 +2102,64 @@ fn panel_rows(
     }
 }
 
+/// The fewest tokens [`iq4_nl_tiled_rows`] takes: with four or fewer the
+/// row kernels were as fast or faster (the kernels bench on a Zen 4 VM:
+/// 33–37 GB/s × batch either way at 4 tokens, 64 against 36 at 5).
+const IQ4_NL_TILE_MIN_TOKENS: usize = 5;
+
+/// Rows `r0..r0 + len` of an IQ4_NL matrix (`bytes`, `rb` bytes a row)
+/// against every token of `xs` into `out` (token-major, `len` per token):
+/// each full group of 16 rows copied and tiled as Q4_0's ([`q4_0_tiles`];
+/// the blocks have the same 18 bytes) and multiplied by up to
+/// [`TILE_TOKENS`] tokens per pass, the rows past the last group by the
+/// row kernels. Every value is `dot_more_q8`'s for IQ4_NL, bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn iq4_nl_tiled_rows(
+    k: &KernelSet,
+    tiles: TilesDot,
+    bytes: &[u8],
+    rb: usize,
+    xs: &[&Q8Activation],
+    r0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    use q4_0_tiles::TILE_ROWS;
+    const { assert!(quant::IQ4_NL_BLOCK_BYTES == Q4_0_BLOCK_BYTES) };
+    let blocks = rb / quant::IQ4_NL_BLOCK_BYTES;
+    let full = len / TILE_ROWS * TILE_ROWS;
+    let mut tile = vec![0u8; TILE_ROWS * rb];
+    let mut scratch = Vec::new();
+    let mut res = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
+    for p in (0..full).step_by(TILE_ROWS) {
+        let at = (r0 + p) * rb;
+        tile.copy_from_slice(&bytes[at..at + TILE_ROWS * rb]);
+        q4_0_tiles::tile_in_place(&mut tile, TILE_ROWS, blocks, &mut scratch);
+        // The next group's rows, asked of L2 during the first pass: they
+        // are copied next.
+        let next = if p + TILE_ROWS < full {
+            &bytes[at + TILE_ROWS * rb..at + 2 * TILE_ROWS * rb]
+        } else {
+            &[][..]
+        };
+        let mut t0 = 0;
+        for (i, size) in tile_passes(xs.len()).enumerate() {
+            let hint = if i == 0 { next } else { &[][..] };
+            tiles(&tile, blocks, &xs[t0..t0 + size], &mut res[..size], hint);
+            for (j, row) in res[..size].iter().enumerate() {
+                out[(t0 + j) * len + p..][..TILE_ROWS].copy_from_slice(row);
+            }
+            t0 += size;
+        }
+    }
+    for i in full..len {
+        let row = &bytes[(r0 + i) * rb..(r0 + i + 1) * rb];
+        for (t, x) in xs.iter().enumerate() {
+            out[t * len + i] = (k.dot_more_q8)(WeightFormat::Iq4Nl, row, x);
+        }
+    }
+}
+
 /// Rows `r0..r0 + len` of a Q8_0 matrix (`bytes`, `rb` bytes a row)
 /// against every token of `xs` into `out` (token-major, `len` per token):
 /// two rows at a time against up to 8 tokens per pass, the
@@ -2212,6 +2298,10 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                 .filter(|_| q8.len() == n && (n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels()))
             {
                 panel_rows(k, panels, w, &q8, r0, len, &mut out);
+            } else if let Some(tiles) = k.dot_iq4_nl_tiles.filter(|_| {
+                w.format == WeightFormat::Iq4Nl && q8.len() == n && n >= IQ4_NL_TILE_MIN_TOKENS
+            }) {
+                iq4_nl_tiled_rows(k, tiles, bytes, rb, &q8, r0, len, &mut out);
             } else if let Some(pair) = k
                 .dot_q8_0_q8_pair
                 .filter(|_| w.format == WeightFormat::Q8_0 && q8.len() == n)

@@ -772,8 +772,14 @@ pub mod avx512 {
     /// # Safety
     /// `b < blocks` of a tile of `blocks` blocks at `base`; the caller's
     /// target features.
+    ///
+    /// `NL`: the tile holds IQ4_NL blocks (the same 18 bytes: f16 scale,
+    /// 16 bytes of nibbles), and each nibble becomes its value in
+    /// [`IQ4_NL_VALUES`](crate::quant::IQ4_NL_VALUES) plus 128, an unsigned
+    /// byte (1..=241) for `vpdpbusd`; [`zero_point`] then takes 128 · Σq
+    /// off instead of Q4_0's 8 · Σq.
     #[inline(always)]
-    unsafe fn split_block(
+    unsafe fn split_block<const NL: bool>(
         base: *const u8,
         blocks: usize,
         b: usize,
@@ -785,16 +791,42 @@ pub mod avx512 {
             let c = base.add(codes_at(blocks, b)) as *const __m512i;
             let mut wl = [_mm512_setzero_si512(); 4];
             let mut wh = [_mm512_setzero_si512(); 4];
+            let table = nl_table();
             for j in 0..4 {
                 let w = _mm512_loadu_si512(c.add(j));
                 wl[j] = _mm512_and_si512(w, nibble);
                 wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                if NL {
+                    wl[j] = _mm512_shuffle_epi8(table, wl[j]);
+                    wh[j] = _mm512_shuffle_epi8(table, wh[j]);
+                }
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
                 base.add(scales_at(blocks, b)) as *const __m256i
             ));
             (wl, wh, dw)
         }
+    }
+
+    /// IQ4_NL's 16 values plus 128 (unsigned bytes), in every 128-bit lane:
+    /// the `vpshufb` table that turns a nibble into its biased value.
+    #[inline(always)]
+    fn nl_table() -> __m512i {
+        let biased: [u8; 16] =
+            std::array::from_fn(|i| (crate::quant::IQ4_NL_VALUES[i] as u8) ^ 0x80);
+        let lane = u128::from_le_bytes(biased);
+        let (lo, hi) = (lane as u64 as i64, (lane >> 64) as u64 as i64);
+        // SAFETY: register arithmetic (AVX-512 F, under the caller's
+        // target features).
+        unsafe { _mm512_set_epi64(hi, lo, hi, lo, hi, lo, hi, lo) }
+    }
+
+    /// What block `b`'s codes add beyond the weights' values, from the
+    /// activation's `bsums8 = 8 · Σq`: Q4_0's zero point 8 · Σq, or (`NL`)
+    /// the bias 128 · Σq of [`split_block`]'s IQ4_NL bytes. Exact.
+    #[inline(always)]
+    fn zero_point<const NL: bool>(bsums8: i32) -> i32 {
+        if NL { bsums8 << 4 } else { bsums8 }
     }
 
     /// `start` plus a block's exact integer sums of codes times quants for
@@ -850,18 +882,50 @@ pub mod avx512 {
         out: &mut [[f32; 16]],
         next: &[u8],
     ) {
+        // SAFETY: forwarded contract.
+        unsafe { tiles::<false>(tile, blocks, xs, out, next) }
+    }
+
+    /// [`dot_tiles`] for a tile of IQ4_NL rows (tiled as Q4_0's: the
+    /// blocks have the same 18 bytes): for each row, `out[t]` is exactly
+    /// what [`crate::kernels::legacy_q8::dot_iq4_nl_q8`] gives for `xs[t]`
+    /// (the same exact integer sum per block, product of scales, fused
+    /// multiply-add into lane `b mod 4` and final reduction).
+    ///
+    /// # Safety
+    /// As [`dot_tiles`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_iq4_nl_tiles(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 16]],
+        next: &[u8],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { tiles::<true>(tile, blocks, xs, out, next) }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tiles<const NL: bool>(
+        tile: &[u8],
+        blocks: usize,
+        xs: &[&Q8Activation],
+        out: &mut [[f32; 16]],
+        next: &[u8],
+    ) {
         // SAFETY: forwarded contract (module docs): each call reads the
         // tile and its activations within bounds.
         unsafe {
             match xs.len() {
-                8 => tiles_by_lane::<8>(tile, blocks, xs, out, next),
-                7 => tiles_by_lane::<7>(tile, blocks, xs, out, next),
-                6 => tiles_by_lane::<6>(tile, blocks, xs, out, next),
-                5 => tiles_by_lane::<5>(tile, blocks, xs, out, next),
-                4 => tiles_n::<4>(tile, blocks, xs, out, next),
-                3 => tiles_n::<3>(tile, blocks, xs, out, next),
-                2 => tiles_n::<2>(tile, blocks, xs, out, next),
-                1 => tiles_n::<1>(tile, blocks, xs, out, next),
+                8 => tiles_by_lane::<8, NL>(tile, blocks, xs, out, next),
+                7 => tiles_by_lane::<7, NL>(tile, blocks, xs, out, next),
+                6 => tiles_by_lane::<6, NL>(tile, blocks, xs, out, next),
+                5 => tiles_by_lane::<5, NL>(tile, blocks, xs, out, next),
+                4 => tiles_n::<4, NL>(tile, blocks, xs, out, next),
+                3 => tiles_n::<3, NL>(tile, blocks, xs, out, next),
+                2 => tiles_n::<2, NL>(tile, blocks, xs, out, next),
+                1 => tiles_n::<1, NL>(tile, blocks, xs, out, next),
                 0 => {}
                 _ => panic!("dot_tiles takes at most {TOKENS} activations"),
             }
@@ -876,7 +940,7 @@ pub mod avx512 {
     /// as it adds them: the same bits. The zero point starts the low
     /// nibbles' integer chain (exact integer arithmetic, in any order).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tiles_by_lane<const T: usize>(
+    unsafe fn tiles_by_lane<const T: usize, const NL: bool>(
         tile: &[u8],
         blocks: usize,
         xs: &[&Q8Activation],
@@ -898,9 +962,10 @@ pub mod avx512 {
                 let mut b = lane;
                 while b < blocks {
                     super::ask_l2(next, b);
-                    let (wl, wh, dw) = split_block(base, blocks, b, nibble);
+                    let (wl, wh, dw) = split_block::<NL>(base, blocks, b, nibble);
                     for t in 0..T {
-                        let start = _mm512_set1_epi32(z[t].add(b).read().wrapping_neg());
+                        let zero = zero_point::<NL>(z[t].add(b).read());
+                        let start = _mm512_set1_epi32(zero.wrapping_neg());
                         let s = block_sums(start, &wl, &wh, q[t].add(b * 8));
                         let d = _mm512_mul_ps(dw, _mm512_set1_ps(sc[t].add(b).read()));
                         acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[t]);
@@ -920,7 +985,7 @@ pub mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tiles_n<const T: usize>(
+    unsafe fn tiles_n<const T: usize, const NL: bool>(
         tile: &[u8],
         blocks: usize,
         xs: &[&Q8Activation],
@@ -941,12 +1006,12 @@ pub mod avx512 {
                 ($b:expr, $lane:expr) => {{
                     let b: usize = $b;
                     super::ask_l2(next, b);
-                    let (wl, wh, dw) = split_block(base, blocks, b, nibble);
+                    let (wl, wh, dw) = split_block::<NL>(base, blocks, b, nibble);
                     for t in 0..T {
                         // `dot_tile`'s operations for token t, in its order.
                         let x = xs.get_unchecked(t);
                         let sums = block_sums(_mm512_setzero_si512(), &wl, &wh, q[t].add(b * 8));
-                        let zero = _mm512_set1_epi32(*x.bsums8.get_unchecked(b));
+                        let zero = _mm512_set1_epi32(zero_point::<NL>(*x.bsums8.get_unchecked(b)));
                         let s = _mm512_sub_epi32(sums, zero);
                         let d = _mm512_mul_ps(dw, _mm512_set1_ps(*x.scales.get_unchecked(b)));
                         acc[$lane][t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[$lane][t]);
@@ -1091,17 +1156,26 @@ mod tests {
     #[test]
     fn the_several_token_tile_kernels_equal_the_row_kernel_bit_for_bit() {
         type Dots = unsafe fn(&[u8], usize, &[&Q8Activation], &mut [[f32; TILE_ROWS]], &[u8]);
-        let mut levels: Vec<(&str, Dots, usize)> = Vec::new();
+        type Row = fn(&[u8], &Q8Activation) -> f32;
+        let mut levels: Vec<(&str, Dots, usize, Row)> = Vec::new();
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
-            levels.push(("avx2", avx2::dot_tiles, avx2::TOKENS));
+            levels.push(("avx2", avx2::dot_tiles, avx2::TOKENS, dot_q4_0_q8));
         } else {
             eprintln!("SKIP avx2: this CPU has no AVX2+FMA+F16C (probe: is_x86_feature_detected)");
         }
         if crate::kernels::has_avx512_vnni() {
-            levels.push(("avx512", avx512::dot_tiles, avx512::TOKENS));
+            levels.push(("avx512", avx512::dot_tiles, avx512::TOKENS, dot_q4_0_q8));
+            // The same bytes read as IQ4_NL blocks (the same 18-byte
+            // layout; every nibble, zero and negative scales).
+            levels.push((
+                "avx512 iq4_nl",
+                avx512::dot_iq4_nl_tiles,
+                avx512::TOKENS,
+                crate::kernels::legacy_q8::dot_iq4_nl_q8,
+            ));
         } else {
             eprintln!("SKIP avx512: this CPU has no AVX-512 VNNI (probe: is_x86_feature_detected)");
         }
@@ -1125,7 +1199,7 @@ mod tests {
                 })
                 .collect();
             let rb = blocks * Q4_0_BLOCK_BYTES;
-            for &(name, dots, tokens) in &levels {
+            for &(name, dots, tokens, row_dot) in &levels {
                 assert!(tokens <= xs.len());
                 for n in 1..=tokens {
                     let refs: Vec<&Q8Activation> = xs.iter().skip(xs.len() - n).collect();
@@ -1138,7 +1212,7 @@ mod tests {
                     unsafe { dots(&t, blocks, &refs, &mut out, next) };
                     for (x, o) in refs.iter().zip(&out) {
                         for (r, v) in o.iter().enumerate() {
-                            let want = dot_q4_0_q8(&w[r * rb..(r + 1) * rb], x);
+                            let want = row_dot(&w[r * rb..(r + 1) * rb], x);
                             assert_eq!(
                                 v.to_bits(),
                                 want.to_bits(),
