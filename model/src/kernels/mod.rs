@@ -2128,13 +2128,15 @@ fn iq4_nl_tiled_rows(
     const { assert!(quant::IQ4_NL_BLOCK_BYTES == Q4_0_BLOCK_BYTES) };
     let blocks = rb / quant::IQ4_NL_BLOCK_BYTES;
     let full = len / TILE_ROWS * TILE_ROWS;
-    let mut tile = vec![0u8; TILE_ROWS * rb];
-    let mut scratch = Vec::new();
+    let (mut rows, mut tile) = (vec![0u8; TILE_ROWS * rb], vec![0u8; TILE_ROWS * rb]);
     let mut res = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
     for p in (0..full).step_by(TILE_ROWS) {
         let at = (r0 + p) * rb;
-        tile.copy_from_slice(&bytes[at..at + TILE_ROWS * rb]);
-        q4_0_tiles::tile_in_place(&mut tile, TILE_ROWS, blocks, &mut scratch);
+        // Copied first: one stream through the 16 rows, where tiling
+        // straight from them reads 16 streams at once (the 512-token
+        // prefill of an IQ4_NL file 10-20% slower).
+        rows.copy_from_slice(&bytes[at..at + TILE_ROWS * rb]);
+        q4_0_tiles::tile_into(&rows, blocks, &mut tile);
         // The next group's rows, asked of L2 during the first pass: they
         // are copied next.
         let next = if p + TILE_ROWS < full {

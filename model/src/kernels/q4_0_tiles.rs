@@ -237,29 +237,39 @@ fn ask_l2(next: &[u8], b: usize) {
 /// group of 16 rows becomes a tile, the remaining rows stay as they are.
 /// `scratch` holds one tile's rows while it is rewritten.
 pub fn tile_in_place(bytes: &mut [u8], rows: usize, blocks: usize, scratch: &mut Vec<u8>) {
-    let rb = blocks * Q4_0_BLOCK_BYTES;
     for_each_tile(bytes, rows, blocks, scratch, |tile, old| {
-        // Block by block, so that every write goes forward through the
-        // tile.
-        for b in 0..blocks {
-            let at = b * Q4_0_BLOCK_BYTES;
-            let src: [&[u8; Q4_0_BLOCK_BYTES]; TILE_ROWS] = std::array::from_fn(|r| {
-                old[r * rb + at..][..Q4_0_BLOCK_BYTES]
-                    .try_into()
-                    .expect("a block is 18 bytes")
-            });
-            let scales: &mut [u8; SCALE_BYTES] = (&mut tile[scales_at(blocks, b)..][..SCALE_BYTES])
-                .try_into()
-                .expect("16 scales");
-            for (scale, blk) in scales.chunks_exact_mut(2).zip(&src) {
-                scale.copy_from_slice(&blk[..2]);
-            }
-            let codes: &mut [u8; CODE_BYTES] = (&mut tile[codes_at(blocks, b)..][..CODE_BYTES])
-                .try_into()
-                .expect("a block's codes");
-            interleave_codes(&src, codes);
-        }
+        tile_into(old, blocks, tile)
     });
+}
+
+/// The 16 row-major rows of `blocks` blocks in `rows` (`16 × blocks × 18`
+/// bytes) as one tile, written into `tile` (as long): what
+/// [`tile_in_place`] makes of them, without a copy of the rows first.
+pub fn tile_into(rows: &[u8], blocks: usize, tile: &mut [u8]) {
+    let rb = blocks * Q4_0_BLOCK_BYTES;
+    assert!(
+        rows.len() == TILE_ROWS * rb && tile.len() == tile_bytes(blocks),
+        "16 whole rows and a tile of their size"
+    );
+    // Block by block, so that every write goes forward through the tile.
+    for b in 0..blocks {
+        let at = b * Q4_0_BLOCK_BYTES;
+        let src: [&[u8; Q4_0_BLOCK_BYTES]; TILE_ROWS] = std::array::from_fn(|r| {
+            rows[r * rb + at..][..Q4_0_BLOCK_BYTES]
+                .try_into()
+                .expect("a block is 18 bytes")
+        });
+        let scales: &mut [u8; SCALE_BYTES] = (&mut tile[scales_at(blocks, b)..][..SCALE_BYTES])
+            .try_into()
+            .expect("16 scales");
+        for (scale, blk) in scales.chunks_exact_mut(2).zip(&src) {
+            scale.copy_from_slice(&blk[..2]);
+        }
+        let codes: &mut [u8; CODE_BYTES] = (&mut tile[codes_at(blocks, b)..][..CODE_BYTES])
+            .try_into()
+            .expect("a block's codes");
+        interleave_codes(&src, codes);
+    }
 }
 
 /// Block `b`'s codes of 16 rows (`src[r]` is row `r`'s 18-byte block) in
