@@ -12,8 +12,7 @@ use crate::error::{ModelError, Result};
 use crate::experts::ExpertGroup;
 use crate::experts::ExpertSource;
 use crate::kernels::{
-    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, tiled_matmuls,
-    tiled_products,
+    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, q8_matmuls, q8_products,
 };
 use crate::ops::{accumulator, sigmoid, silu, softmax_inplace, top_k};
 use crate::tensor::QMatrix;
@@ -85,13 +84,14 @@ fn gated(w: &MlpWeights) -> Gated<'_> {
 
 /// [`expert_rows`] for every expert of `group`, each on its rows of `h`
 /// (`users[i]` for the group's `i`-th expert), when every matrix of the
-/// group is tiled Q4_0: two pool jobs for the whole group (every gate and
-/// up product, then every down product) instead of three per expert, and
-/// each row of `h` quantized once (`hq`, filled on first use) instead of
-/// once per expert that takes it. The products are `mlp_rows`'s, bit for
-/// bit: the same quantization, tile kernel and SwiGLU. `None` when some
-/// matrix is not tiled.
-fn tiled_group_rows(
+/// group takes quantized inputs ([`q8_products`]: tiled Q4_0, the
+/// k-quants, Q8_0, IQ4_NL, …): two pool jobs for the whole group (every
+/// gate and up product, then every down product) instead of three per
+/// expert, and each row of `h` quantized once (`hq`, filled on first use)
+/// instead of once per expert that takes it. The products are
+/// `mlp_rows`'s, bit for bit: the same quantization, kernels and SwiGLU.
+/// `None` when some matrix does not.
+fn q8_group_rows(
     pool: &Pool,
     group: &ExpertGroup,
     users: &[Vec<(usize, usize)>],
@@ -99,8 +99,8 @@ fn tiled_group_rows(
     hidden: usize,
     hq: &mut Vec<Q8Activation>,
 ) -> Option<Vec<Vec<f32>>> {
-    let tiled = |w: &MlpWeights| [&w.gate, &w.up, &w.down].into_iter().all(tiled_products);
-    if !group.iter().all(|(_, w)| tiled(w)) {
+    let q8 = |w: &MlpWeights| [&w.gate, &w.up, &w.down].into_iter().all(q8_products);
+    if !group.iter().all(|(_, w)| q8(w)) {
         return None;
     }
     if hq.is_empty() {
@@ -116,7 +116,7 @@ fn tiled_group_rows(
         .iter()
         .flat_map(|us| [rows_of(us), rows_of(us)])
         .collect();
-    let gu = tiled_matmuls(pool, &ws, &xs);
+    let gu = q8_matmuls(pool, &ws, &xs);
     // SwiGLU and the down products' quantization, a task per expert.
     let acts: Vec<Vec<Q8Activation>> = pool.map_collect(group.len(), |i| {
         let (g, u) = (&gu[2 * i], &gu[2 * i + 1]);
@@ -131,7 +131,7 @@ fn tiled_group_rows(
     });
     let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
     let xs: Vec<Vec<&Q8Activation>> = acts.iter().map(|a| a.iter().collect()).collect();
-    Some(tiled_matmuls(pool, &ws, &xs))
+    Some(q8_matmuls(pool, &ws, &xs))
 }
 
 /// The experts one row chose: ids and combine weights, in router order.
@@ -309,7 +309,7 @@ pub(crate) fn moe_rows(
                 .iter()
                 .map(|(e, _)| accept(*e).cloned())
                 .collect::<Result<Vec<_>>>()?;
-            if let Some(ys) = tiled_group_rows(pool, &group, &users, h, hidden, &mut hq) {
+            if let Some(ys) = q8_group_rows(pool, &group, &users, h, hidden, &mut hq) {
                 for (us, y) in users.iter().zip(ys) {
                     keep(us, y);
                 }

@@ -1712,39 +1712,47 @@ impl Input<'_> {}
 fn dot_input(k: &KernelSet, w: &QMatrix, r: usize, x: &Input<'_>) -> f32 {
     match x {
         Input::F32(x) => dot_row(k, w, r, x),
-        Input::Q8(a) if w.is_tiled() => with_tiled_row(w, r, |row| (k.dot_q4_0_q8)(row, a)),
-        Input::Q8(a) if w.is_k_panels() => with_panel_row(w, r, |row| match w.format {
+        Input::Q8(a) => dot_q8_row(k, w, r, a),
+    }
+}
+
+/// Row `r` of `w` (an [`int_format`]) against a quantized activation, by
+/// the format's one-token kernel.
+fn dot_q8_row(k: &KernelSet, w: &QMatrix, r: usize, a: &Q8Activation) -> f32 {
+    if w.is_tiled() {
+        return with_tiled_row(w, r, |row| (k.dot_q4_0_q8)(row, a));
+    }
+    if w.is_k_panels() {
+        return with_panel_row(w, r, |row| match w.format {
             WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
             WeightFormat::Q5K => (k.dot_q5_k_q8)(row, a),
             WeightFormat::Q6K => (k.dot_q6_k_q8)(row, a),
             other => (k.dot_more_q8)(other, row, a),
-        }),
-        Input::Q8(a) => {
-            let bytes = w.data().as_slice();
-            let blocks = w.cols / QK;
+        });
+    }
+    let bytes = w.data().as_slice();
+    let blocks = w.cols / QK;
+    match w.format {
+        WeightFormat::Q8_0 => {
+            let rb = blocks * Q8_0_BLOCK_BYTES;
+            (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
+        }
+        f if more_q8(f) => {
+            let rb = bytes.len() / w.rows;
+            (k.dot_more_q8)(f, &bytes[r * rb..(r + 1) * rb], a)
+        }
+        WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
+            let rb = w.cols / quant::QK_K * w.format.super_block_bytes();
+            let row = &bytes[r * rb..(r + 1) * rb];
             match w.format {
-                WeightFormat::Q8_0 => {
-                    let rb = blocks * Q8_0_BLOCK_BYTES;
-                    (k.dot_q8_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
-                }
-                f if more_q8(f) => {
-                    let rb = bytes.len() / w.rows;
-                    (k.dot_more_q8)(f, &bytes[r * rb..(r + 1) * rb], a)
-                }
-                WeightFormat::Q6K | WeightFormat::Q4K | WeightFormat::Q5K => {
-                    let rb = w.cols / quant::QK_K * w.format.super_block_bytes();
-                    let row = &bytes[r * rb..(r + 1) * rb];
-                    match w.format {
-                        WeightFormat::Q6K => (k.dot_q6_k_q8)(row, a),
-                        WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
-                        _ => (k.dot_q5_k_q8)(row, a),
-                    }
-                }
-                _ => {
-                    let rb = blocks * Q4_0_BLOCK_BYTES;
-                    (k.dot_q4_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
-                }
+                WeightFormat::Q6K => (k.dot_q6_k_q8)(row, a),
+                WeightFormat::Q4K => (k.dot_q4_k_q8)(row, a),
+                _ => (k.dot_q5_k_q8)(row, a),
             }
+        }
+        _ => {
+            let rb = blocks * Q4_0_BLOCK_BYTES;
+            (k.dot_q4_0_q8)(&bytes[r * rb..(r + 1) * rb], a)
         }
     }
 }
@@ -1931,19 +1939,24 @@ fn prepared_matvecs(
     });
 }
 
-/// Whether [`tiled_matmuls`] can multiply `w` here: a tiled Q4_0 matrix
-/// and a tile kernel.
-pub fn tiled_products(w: &QMatrix) -> bool {
+/// Whether [`q8_matmuls`] can multiply `w` here: a block-quantized matrix
+/// whose products quantize their input (not `--exact-quant`), in any
+/// layout but a row-major Q4_0 one where the matrix–matrix kernel runs
+/// (that kernel interleaves each batch's tokens first, which `matmul`
+/// does).
+pub fn q8_products(w: &QMatrix) -> bool {
     let k = kernels();
-    w.is_tiled() && k.dot_q4_0_tile.is_some() && k.int_activations
+    k.int_activations
+        && int_format(w.format)
+        && (w.format != WeightFormat::Q4_0 || w.is_tiled() || k.gemm_q4_0_q8.is_none())
 }
 
 /// Per matrix `i`, `ws[i]` times each of the quantized vectors `xs[i]`
-/// (token-major, `xs[i].len() × ws[i].rows`), for several tiled Q4_0 matrices
-/// ([`tiled_products`]) with their own tokens, in one pool job: the bits
-/// [`matmul`] gives each, with one wait for the pool instead of one per
-/// matrix (a prefill chunk's experts).
-pub fn tiled_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Vec<Vec<f32>> {
+/// (token-major, `xs[i].len() × ws[i].rows`), for several matrices
+/// ([`q8_products`]) with their own tokens, in one pool job: the bits
+/// [`matmul`] gives each (the same kernels, [`q8_rows`]), with one wait
+/// for the pool instead of one per matrix (a prefill chunk's experts).
+pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Vec<Vec<f32>> {
     assert_eq!(ws.len(), xs.len(), "inputs per matrix");
     let mut ys: Vec<Vec<f32>> = ws
         .iter()
@@ -1951,11 +1964,10 @@ pub fn tiled_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) ->
         .map(|(w, x)| vec![0.0f32; x.len() * w.rows])
         .collect();
     let k = kernels();
-    let tile = k.dot_q4_0_tile.expect("tiled_matmuls needs a tile kernel");
-    // Tasks: (matrix, first row, rows), whole tiles as `matmul` cuts them.
+    // Tasks: (matrix, first row, rows), cut as `matmul` cuts them.
     let mut tasks = Vec::new();
     for (i, (w, x)) in ws.iter().zip(xs).enumerate() {
-        assert!(w.is_tiled(), "tiled_matmuls on a matrix that is not tiled");
+        assert!(q8_products(w), "q8_matmuls on a {:?} matrix", w.format);
         assert!(x.iter().all(|a| a.quants.len() >= w.cols), "input length");
         let chunk = pool.task_rows(w);
         for r0 in (0..w.rows).step_by(chunk) {
@@ -1965,7 +1977,7 @@ pub fn tiled_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) ->
     let blocks: Vec<Vec<f32>> = pool.map_collect(tasks.len(), |t| {
         let (i, r0, len) = tasks[t];
         let mut out = vec![0.0f32; len * xs[i].len()];
-        tiled_rows(k, tile, ws[i], &xs[i], r0, len, &mut out);
+        q8_rows(k, ws[i], &xs[i], r0, len, &mut out);
         out
     });
     for (&(i, r0, len), out) in tasks.iter().zip(&blocks) {
@@ -2241,6 +2253,66 @@ impl Multi {
     }
 }
 
+/// Rows `r0..r0 + len` of `w` (an [`int_format`]; `r0` at one of
+/// [`Pool::task_rows`]'s boundaries) against every quantized token of
+/// `q8` into `out` (token-major, `len` per token), by the fastest kernel
+/// this CPU has for the layout: tiles, panels, IQ4_NL tiles, Q8_0 row
+/// pairs, several-token row kernels, else a row and a token at a time.
+/// Every value is the one-token kernel's, bit for bit.
+fn q8_rows(
+    k: &KernelSet,
+    w: &QMatrix,
+    q8: &[&Q8Activation],
+    r0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    let n = q8.len();
+    let bytes = w.data().as_slice();
+    let rb = bytes.len() / w.rows;
+    let r1 = r0 + len;
+    // Tiles: a token at a time through each tile while it is in L1, which
+    // beats the matrix–matrix kernel at every batch measured
+    // (docs/benchmarks.md).
+    if let Some(tile) = k.dot_q4_0_tile.filter(|_| w.is_tiled()) {
+        tiled_rows(k, tile, w, q8, r0, len, out);
+    } else if let Some(panels) =
+        panel_fn(k, w.format).filter(|_| n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels())
+    {
+        panel_rows(k, panels, w, q8, r0, len, out);
+    } else if let Some(tiles) = k
+        .dot_iq4_nl_tiles
+        .filter(|_| w.format == WeightFormat::Iq4Nl && n >= IQ4_NL_TILE_MIN_TOKENS)
+    {
+        iq4_nl_tiled_rows(k, tiles, bytes, rb, q8, r0, len, out);
+    } else if let Some(pair) = k
+        .dot_q8_0_q8_pair
+        .filter(|_| w.format == WeightFormat::Q8_0)
+    {
+        q8_0_pair_rows(k, pair, bytes, rb, q8, r0, len, out);
+    } else if let Some(multi) = Multi::of(k, w.format).filter(|_| !w.is_tiled() && !w.is_k_panels())
+    {
+        // One pass over each row serves up to MULTI tokens (same results
+        // as one token at a time).
+        let mut tmp = [0.0f32; q8act::MULTI];
+        for r in r0..r1 {
+            let row = &bytes[r * rb..(r + 1) * rb];
+            for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
+                multi.run(row, group, &mut tmp[..group.len()]);
+                for (j, v) in tmp[..group.len()].iter().enumerate() {
+                    out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
+                }
+            }
+        }
+    } else {
+        for r in r0..r1 {
+            for (t, a) in q8.iter().enumerate() {
+                out[t * len + (r - r0)] = dot_q8_row(k, w, r, a);
+            }
+        }
+    }
+}
+
 /// `Y[t] = W X[t]` for a prepared batch (of `w`'s format).
 fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     let k = kernels();
@@ -2280,9 +2352,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
             // Tiles: a token at a time through each tile while it is in
             // L1, which beats the matrix–matrix kernel at every batch
             // measured (docs/benchmarks.md).
-            if let Some(tile) = k.dot_q4_0_tile.filter(|_| w.is_tiled() && q8.len() == n) {
-                tiled_rows(k, tile, w, &q8, r0, len, &mut out);
-            } else if let Some((g, tiles)) = gemm.filter(|_| !w.is_tiled()) {
+            if let Some((g, tiles)) = gemm.filter(|_| !w.is_tiled()) {
                 let stride = tiles.row_stride();
                 let mut tmp = vec![0.0f32; len * stride];
                 (g.run)(
@@ -2296,34 +2366,8 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                         out[t * len + i] = *v;
                     }
                 }
-            } else if let Some(panels) = panel_fn(k, w.format)
-                .filter(|_| q8.len() == n && (n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels()))
-            {
-                panel_rows(k, panels, w, &q8, r0, len, &mut out);
-            } else if let Some(tiles) = k.dot_iq4_nl_tiles.filter(|_| {
-                w.format == WeightFormat::Iq4Nl && q8.len() == n && n >= IQ4_NL_TILE_MIN_TOKENS
-            }) {
-                iq4_nl_tiled_rows(k, tiles, bytes, rb, &q8, r0, len, &mut out);
-            } else if let Some(pair) = k
-                .dot_q8_0_q8_pair
-                .filter(|_| w.format == WeightFormat::Q8_0 && q8.len() == n)
-            {
-                q8_0_pair_rows(k, pair, bytes, rb, &q8, r0, len, &mut out);
-            } else if let Some(multi) = Multi::of(k, w.format)
-                .filter(|_| q8.len() == n && !w.is_tiled() && !w.is_k_panels())
-            {
-                // One pass over each row serves up to MULTI tokens (same
-                // results as one token at a time).
-                let mut tmp = [0.0f32; q8act::MULTI];
-                for r in r0..r1 {
-                    let row = &bytes[r * rb..(r + 1) * rb];
-                    for (g, group) in q8.chunks(q8act::MULTI).enumerate() {
-                        multi.run(row, group, &mut tmp[..group.len()]);
-                        for (j, v) in tmp[..group.len()].iter().enumerate() {
-                            out[(g * q8act::MULTI + j) * len + (r - r0)] = *v;
-                        }
-                    }
-                }
+            } else if q8.len() == n {
+                q8_rows(k, w, &q8, r0, len, &mut out);
             } else if let Some(multi) = match (w.format, w.is_quads()) {
                 (WeightFormat::Bf16, false) => k.dot_bf16_multi,
                 (WeightFormat::F16, false) => k.dot_f16_multi,
@@ -3607,7 +3651,8 @@ mod tests {
     #[test]
     fn grouped_tiled_products_equal_separate_row_major_ones() {
         if !q4_0_tiles_run_here() {
-            return; // no tile kernel on this machine: nothing is tiled
+            eprintln!("SKIP: no tile kernel on this machine, nothing is tiled");
+            return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -3636,17 +3681,93 @@ mod tests {
             .collect();
         let refs: Vec<Vec<&Q8Activation>> = qs.iter().map(|q| q.iter().collect()).collect();
         let ws: Vec<&QMatrix> = ts.iter().collect();
-        assert!(ws.iter().all(|w| tiled_products(w)));
+        assert!(ws.iter().all(|w| q8_products(w)));
         for threads in [1, 2, 3] {
             let pool = Pool::new(threads).unwrap();
-            let got = tiled_matmuls(&pool, &ws, &refs);
+            let got = q8_matmuls(&pool, &ws, &refs);
             for (i, (&(rows, _, n), m)) in shapes.iter().zip(&ms).enumerate() {
                 let mut want = vec![f32::NAN; n * rows];
                 matmul(&pool, m, &xs[i], n, &mut want);
                 assert_eq!(bits(&got[i]), bits(&want), "matrix {i}, {threads} threads");
             }
         }
-        assert!(!tiled_products(&ms[0]), "row-major matrices are not tiled");
+    }
+
+    /// [`q8_matmuls`] over matrices of several formats and layouts at once
+    /// (Q8_0 row pairs, IQ4_NL tiles, Q4_K panels, Q2_K and Q5_0 row
+    /// kernels; token counts below and above the several-token kernels'
+    /// thresholds) gives each the bits of its own [`matmul`], whatever the
+    /// thread count.
+    #[test]
+    fn grouped_products_of_every_integer_format_equal_separate_ones() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let q8_0 = |rng: &mut rand_chacha::ChaCha8Rng, rows: usize, cols: usize| {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|_| quant::quantize_q8_0(&rand_vec(rng, cols)).unwrap())
+                .collect();
+            QMatrix::new(
+                "q8",
+                rows,
+                cols,
+                WeightFormat::Q8_0,
+                crate::tensor::Bytes::from_vec(data),
+                None,
+            )
+            .unwrap()
+        };
+        let q4_k = |rng: &mut rand_chacha::ChaCha8Rng, rows: usize, cols: usize| {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|_| quant::quantize_q4_k(&rand_vec(rng, cols)).unwrap())
+                .collect();
+            QMatrix::new(
+                "q4k",
+                rows,
+                cols,
+                WeightFormat::Q4K,
+                crate::tensor::Bytes::from_vec(data),
+                None,
+            )
+            .unwrap()
+        };
+        let ms: Vec<(QMatrix, usize)> = vec![
+            (q8_0(&mut rng, 37, 96), 3),
+            (q8_0(&mut rng, 64, 64), 9),
+            (more_q8_matrix(&mut rng, WeightFormat::Iq4Nl, 50, 96), 6),
+            (more_q8_matrix(&mut rng, WeightFormat::Iq4Nl, 33, 64), 2),
+            (q4_k(&mut rng, 40, 512), 5),
+            (more_q8_matrix(&mut rng, WeightFormat::Q2K, 19, 256), 4),
+            (more_q8_matrix(&mut rng, WeightFormat::Q5_0, 21, 64), 11),
+        ];
+        if !ms.iter().all(|(m, _)| q8_products(m)) {
+            eprintln!("SKIP: these kernels quantize no input (exact products)");
+            return;
+        }
+        let xs: Vec<Vec<f32>> = ms
+            .iter()
+            .map(|(m, n)| rand_vec(&mut rng, n * m.cols))
+            .collect();
+        let qs: Vec<Vec<Q8Activation>> = ms
+            .iter()
+            .zip(&xs)
+            .map(|((m, _), x)| x.chunks_exact(m.cols).map(Q8Activation::quantize).collect())
+            .collect();
+        let refs: Vec<Vec<&Q8Activation>> = qs.iter().map(|q| q.iter().collect()).collect();
+        let ws: Vec<&QMatrix> = ms.iter().map(|(m, _)| m).collect();
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let got = q8_matmuls(&pool, &ws, &refs);
+            for (i, (m, n)) in ms.iter().enumerate() {
+                let mut want = vec![f32::NAN; n * m.rows];
+                matmul(&pool, m, &xs[i], *n, &mut want);
+                assert_eq!(
+                    bits(&got[i]),
+                    bits(&want),
+                    "{:?} matrix {i}, {threads} threads",
+                    m.format
+                );
+            }
+        }
     }
 
     #[test]
