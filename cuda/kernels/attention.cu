@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
         const u32 cb = (c0 + z) * AT_CHUNK;
         at_l2_ahead(args, s0, kvh, max(first, cb), min(p + 1, cb + AT_CHUNK));
     }
-    pdl_entry();
+    pdl_entry(PDL_REL_ATTENTION);
     // As `attention` (and NaN too where the records would not fit).
     if (s0 + p >= capacity || chunks > chunk_cap) {
         if (z == 0)

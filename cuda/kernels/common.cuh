@@ -107,6 +107,41 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// A kernel that moves little but precedes a launch with much to load (the
+// norms before q/k/v and the router) may let its successor be scheduled
+// *before* its own wait: the successor's weight loads (which precede its
+// own wait) then overlap this kernel's whole life, its wait included,
+// instead of only what follows the wait. Still exactly a plain launch's
+// order: the successor's wait returns once this grid completes, and this
+// grid completes only after its own wait returned, so every earlier
+// grid's writes are visible to it too.
+//
+// `kind` is the caller's bit of PDL_RELEASE_FIRST, which says which of
+// them do it; the host sets it from COLIBRI_PDL_RELEASE, for comparing
+// (cuda/src/kernels.rs). By default the two norms: on an H100 (48-layer
+// synthetic Qwen3-30B-A3B Q4_0, docs/benchmarks.md, 2026-12-06) they
+// saved 0.04–0.05 ms of 2.68 per token; attention added nothing more,
+// and gqa_prep and the routing plan cost (their successors' early blocks
+// sit on multiprocessor slots the launch before them needs).
+#define PDL_REL_NORM 1u        // rms_norm
+#define PDL_REL_ADD_NORM 2u    // add_rms_norm
+#define PDL_REL_ATTENTION 4u   // attention_split
+#define PDL_REL_GQA_PREP 8u    // gqa_prep
+#define PDL_REL_ROUTE_PLAN 16u // moe_route_plan
+#ifndef PDL_RELEASE_FIRST
+#define PDL_RELEASE_FIRST (PDL_REL_NORM | PDL_REL_ADD_NORM)
+#endif
+__device__ __forceinline__ void pdl_entry(unsigned kind) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if ((PDL_RELEASE_FIRST & kind) != 0) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    } else {
+        pdl_entry();
+    }
+#endif
+}
+
 __device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
 
 // bf16 is the top half of an f32: exact.

@@ -87,7 +87,7 @@ __device__ __forceinline__ void rms_norm_row(float* xr, const float* ar, const f
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
     rms_norm(const float* x, u32 x_stride, const float* __restrict__ w, float* y, u32 y_stride,
              u32 n, float eps) {
-    pdl_entry();
+    pdl_entry(PDL_REL_NORM);
     __shared__ double scratch[RN_WARPS];
     const u64 row = blockIdx.x;
     rms_norm_row<false>((float*)(x + row * x_stride), nullptr, w, y + row * y_stride, n, eps,
@@ -100,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
     add_rms_norm(float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ w,
                  float* __restrict__ y, u32 n, float eps) {
-    pdl_entry();
+    pdl_entry(PDL_REL_ADD_NORM);
     __shared__ double scratch[RN_WARPS];
     const u64 row = blockIdx.x;
     rms_norm_row<true>(x + row * n, a + row * n, w, y + row * n, n, eps, scratch);
@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
              u32 table_rows, u32 rot_dim, u32 interleaved, const u32* __restrict__ pos,
              const u32* __restrict__ slot0, float* __restrict__ kc, float* __restrict__ vc,
              u32 capacity) {
-    pdl_entry();
+    pdl_entry(PDL_REL_GQA_PREP);
     __shared__ double scratch[RN_WARPS];
     __shared__ float tmp[RP_MAX_DIM];
     const u32 b = blockIdx.x, tok = blockIdx.y;

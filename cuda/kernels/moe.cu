@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
                    float* __restrict__ out_w, u64* __restrict__ ptrs, u32 ptr_stride,
                    u32* __restrict__ tok_off, u32* __restrict__ tok_cnt, u32 table_len,
                    u32* __restrict__ pairs, u32* __restrict__ pair_of) {
-    pdl_entry();
+    pdl_entry(PDL_REL_ROUTE_PLAN);
     __shared__ float sa[MR_WARPS][MR_MAX_E];
     __shared__ float sb[MR_WARPS][MR_MAX_E];
     __shared__ u32 ssel[MR_WARPS][MR_MAX_K];

@@ -439,6 +439,27 @@ pub fn nvrtc_options(arch: Arch) -> Vec<String> {
     ]
 }
 
+/// The options `m` compiles with: [`nvrtc_options`], and the defines the
+/// environment sets for comparing variants, each only where the module's
+/// own text names the macro (elsewhere it changes no bit of the cubin, and
+/// the module keeps its cache entry):
+///
+/// * `COLIBRI_PDL_RELEASE=MASK`: which light kernels let their successor
+///   be scheduled before their own wait (`PDL_RELEASE_FIRST` in
+///   kernels/common.cuh; the two norms by default). The bits are the
+///   same either way.
+fn module_options(m: &ModuleSource, arch: Arch) -> Vec<String> {
+    let mut options = nvrtc_options(arch);
+    if m.source.contains("PDL_REL_")
+        && let Some(mask) = std::env::var("COLIBRI_PDL_RELEASE")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+    {
+        options.push(format!("-DPDL_RELEASE_FIRST={mask}u"));
+    }
+    options
+}
+
 /// A module compiled for one architecture.
 #[derive(Clone, Debug)]
 pub struct CompiledModule {
@@ -461,7 +482,7 @@ pub fn compile_module_with(
     arch: Arch,
     extra: &[String],
 ) -> Result<CompiledModule> {
-    let mut options = nvrtc_options(arch);
+    let mut options = module_options(m, arch);
     options.extend_from_slice(extra);
     let out = nvrtc::compile(m.name, &arch.sm(), m.source, HEADERS, &options)?;
     Ok(CompiledModule {
@@ -481,7 +502,7 @@ pub fn compile_all(arch: Arch) -> Result<Vec<CompiledModule>> {
 /// The cache key of a module: everything that determines its cubin.
 fn cache_key(m: &ModuleSource, arch: Arch, nvrtc: &nvrtc::Nvrtc) -> Vec<u8> {
     let version = format!("nvrtc {}.{}", nvrtc.version.0, nvrtc.version.1);
-    let options = nvrtc_options(arch).join("\n");
+    let options = module_options(m, arch).join("\n");
     let sm = arch.sm();
     let mut parts: Vec<&[u8]> = vec![
         m.name.as_bytes(),
@@ -520,6 +541,24 @@ fn cubin_for(m: &ModuleSource, arch: Arch, cache: &KernelCache) -> Result<Vec<u8
         );
     }
     Ok(compiled.cubin)
+}
+
+/// Compiles every module for `arch` into `cache` where it is not there
+/// yet (no GPU needed: NVRTC only), so that a GPU machine with the same
+/// NVRTC release starts without compiling. Returns how many modules were
+/// compiled.
+pub fn fill_cache(arch: Arch, cache: &KernelCache) -> Result<usize> {
+    let nv = nvrtc::load()?;
+    let sm = arch.sm();
+    let mut compiled = 0;
+    for m in MODULES {
+        let key = cache_key(m, arch, nv);
+        if cache.get(m.name, &sm, &key).is_none() {
+            cubin_for(m, arch, cache)?;
+            compiled += 1;
+        }
+    }
+    Ok(compiled)
 }
 
 /// Every kernel, loaded into one device's context.
@@ -713,7 +752,7 @@ mod tests {
             for (sig, body) in bodies {
                 seen += 1;
                 assert!(
-                    body.contains("pdl_entry()"),
+                    body.contains("pdl_entry("),
                     "{}.cu: kernel without pdl_entry(): {sig}",
                     m.name
                 );
