@@ -134,16 +134,37 @@ pub fn attend_heads(
         s.iter_mut().for_each(|x| *x *= scale);
         softmax_inplace(s);
     }
-    for t0 in (0..len).step_by(ROW_BLOCK) {
-        let t1 = (t0 + ROW_BLOCK).min(len);
-        let (v, vstride) = if per > 1 {
-            packed(&values[t0 * stride..], t1 - t0, &mut rows);
-            (&rows[..], hd)
-        } else {
-            (&values[t0 * stride..], stride)
-        };
-        for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(len)) {
-            (k.weighted_rows)(oh, &s[t0..t1], v, vstride);
+    match k.weighted_rows_group {
+        // The group's heads share each load of a value row, four at a
+        // time, read in place (no copy); a block of rows at a time, so
+        // the second four heads find it in the core's caches.
+        Some(f) if per > 1 => {
+            for t0 in (0..len).step_by(ROW_BLOCK) {
+                let b = (len - t0).min(ROW_BLOCK);
+                f(
+                    o,
+                    per,
+                    &scores[t0..],
+                    len,
+                    b,
+                    &values[t0 * stride..],
+                    stride,
+                );
+            }
+        }
+        _ => {
+            for t0 in (0..len).step_by(ROW_BLOCK) {
+                let t1 = (t0 + ROW_BLOCK).min(len);
+                let (v, vstride) = if per > 1 {
+                    packed(&values[t0 * stride..], t1 - t0, &mut rows);
+                    (&rows[..], hd)
+                } else {
+                    (&values[t0 * stride..], stride)
+                };
+                for (oh, s) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(len)) {
+                    (k.weighted_rows)(oh, &s[t0..t1], v, vstride);
+                }
+            }
         }
     }
 }

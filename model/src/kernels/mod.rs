@@ -90,6 +90,10 @@ pub fn tile_passes(n: usize) -> impl Iterator<Item = usize> {
 /// [`KernelSet::dot_f32_rows_group`]).
 pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32]);
 
+/// `(o, g, s, s_stride, rows, v, v_stride)`: `weighted_rows` for `g`
+/// heads over the same value rows (see [`KernelSet::weighted_rows_group`]).
+pub type GroupWeighted = fn(&mut [f32], usize, &[f32], usize, usize, &[f32], usize);
+
 /// The dot kernels chosen for this CPU.
 #[derive(Clone, Copy)]
 pub struct KernelSet {
@@ -134,6 +138,12 @@ pub struct KernelSet {
     /// Attention's weighted sum of value rows, accumulated onto `o`
     /// (bit-identical at every level: [`scalar::weighted_rows`]).
     pub weighted_rows: fn(&mut [f32], &[f32], &[f32], usize),
+    /// `weighted_rows` for the `g` heads of a KV group over the same value
+    /// rows: `(o, g, s, s_stride, rows, v, v_stride)`, head `j` taking the
+    /// weights `s[j·s_stride..][..rows]` onto `o[j·n..(j + 1)·n]` (`n =
+    /// o.len() / g`), each head's bits those of `weighted_rows` alone.
+    /// `None`: a head at a time.
+    pub weighted_rows_group: Option<GroupWeighted>,
     pub dot_q8_0_q8: fn(&[u8], &Q8Activation) -> f32,
     pub dot_q4_0_q8: fn(&[u8], &Q8Activation) -> f32,
     /// A Q6_K row against one activation ([`q6_k`]).
@@ -355,6 +365,7 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_f32_rows: scalar::dot_f32_rows,
     dot_f32_rows_group: None,
     weighted_rows: scalar::weighted_rows,
+    weighted_rows_group: None,
     dot_q8_0_q8: q8act::dot_q8_0_q8,
     dot_q4_0_q8: q4_0::dot_q4_0_q8,
     dot_q6_k_q8: q6_k::dot_q6_k_q8,
@@ -678,6 +689,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_f32_rows: avx2_wrappers::dot_f32_rows,
     dot_f32_rows_group: Some(avx2_wrappers::dot_f32_rows_group),
     weighted_rows: avx2_wrappers::weighted_rows,
+    weighted_rows_group: None,
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: avx2_wrappers::dot_q6_k_q8,
@@ -807,6 +819,29 @@ mod avx512_wrappers {
         }
         unsafe { super::x86::weighted_rows_avx512(o, s, v, stride) }
     }
+    /// Also checks the extents its safety contract asks for.
+    pub fn weighted_rows_group(
+        o: &mut [f32],
+        g: usize,
+        s: &[f32],
+        s_stride: usize,
+        rows: usize,
+        v: &[f32],
+        v_stride: usize,
+    ) {
+        assert!(g > 0 && o.len().is_multiple_of(g), "g whole heads");
+        assert!(
+            s.len() >= (g - 1) * s_stride + rows,
+            "every head's weights in bounds"
+        );
+        if let Some(last) = rows.checked_sub(1) {
+            assert!(
+                v.len() >= last * v_stride + o.len() / g,
+                "value rows in bounds"
+            );
+        }
+        unsafe { super::x86::weighted_rows_group_avx512(o, g, s, s_stride, rows, v, v_stride) }
+    }
     /// Also checks the tiles' width and the output's length, which the
     /// kernel's safety contract asks for.
     pub fn gemm_q4_0_q8(
@@ -904,6 +939,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_iq4_xs_panels: Some(avx512_wrappers::dot_low_k_panels),
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
+    weighted_rows_group: Some(avx512_wrappers::weighted_rows_group),
     dot_more_q8: avx512_wrappers::dot_more_q8,
     dot_more_q8_multi: Some(avx512_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_pair: Some(avx512_wrappers::dot_q8_0_q8_pair),
@@ -1078,6 +1114,7 @@ pub const NEON: KernelSet = KernelSet {
     dot_f32_rows: neon_wrappers::dot_f32_rows,
     dot_f32_rows_group: None,
     weighted_rows: neon_wrappers::weighted_rows,
+    weighted_rows_group: None,
     dot_q8_0_q8: neon_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: neon_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: neon_wrappers::dot_q6_k_q8,
@@ -2779,6 +2816,71 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         assert!(checked > 0, "no grouped kernel on an x86-64 SIMD set");
+        let _ = checked;
+    }
+
+    /// Grouped weighted sums: each head of `weighted_rows_group` gets the
+    /// bits `weighted_rows` gives it alone, for group sizes around the
+    /// kernel's four heads, row lengths around its 16 and 64 columns, and
+    /// blocks of rows continued across calls.
+    #[test]
+    fn grouped_weighted_sums_equal_single_heads_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(35);
+        let mut checked = 0;
+        for k in simd_sets() {
+            let Some(f) = k.weighted_rows_group else {
+                continue;
+            };
+            for n in [1usize, 15, 16, 17, 48, 64, 80, 128, 129] {
+                for g in [1usize, 3, 4, 5, 8, 9] {
+                    for rows in [0usize, 1, 7, 40] {
+                        let v_stride = 2 * n + 3;
+                        let s_stride = rows + 5;
+                        let v = rand_vec(&mut rng, rows.max(1) * v_stride);
+                        let s = rand_vec(&mut rng, g * s_stride);
+                        let start = rand_vec(&mut rng, g * n);
+                        let mut want = start.clone();
+                        for j in 0..g {
+                            (k.weighted_rows)(
+                                &mut want[j * n..(j + 1) * n],
+                                &s[j * s_stride..j * s_stride + rows],
+                                &v,
+                                v_stride,
+                            );
+                        }
+                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let mut got = start.clone();
+                        f(&mut got, g, &s, s_stride, rows, &v, v_stride);
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{} n={n} g={g} rows={rows}",
+                            k.name
+                        );
+                        // In two blocks of rows: one call's bits.
+                        let cut = rows / 2;
+                        let mut parts = start.clone();
+                        f(&mut parts, g, &s, s_stride, cut, &v, v_stride);
+                        let rest = &v[(cut * v_stride).min(v.len())..];
+                        f(
+                            &mut parts,
+                            g,
+                            &s[cut..],
+                            s_stride,
+                            rows - cut,
+                            rest,
+                            v_stride,
+                        );
+                        assert_eq!(bits(&parts), bits(&want), "{} n={n} g={g} cut", k.name);
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            assert!(checked > 0, "no grouped weighted sum on an AVX-512 machine");
+        }
         let _ = checked;
     }
 

@@ -81,7 +81,29 @@ unsafe fn rows_group<const WIDE: bool>(
     let mut j0 = 0;
     while j0 < g {
         let m = (g - j0).min(4);
-        for t in 0..rows {
+        // Four rows at a time where the steps cover the rows exactly: the
+        // 4 × 4 kernel keeps sixteen sums in registers and reduces them
+        // together (the same bits, a quarter of the query loads).
+        let mut t0 = 0;
+        if WIDE && m == 4 && d >= 16 && d.is_multiple_of(16) {
+            while t0 + 4 <= rows {
+                // SAFETY: rows t0..t0 + 4 lie in k (caller); queries j0..j0
+                // + 4 in qs; out has g · rows entries, so each query's four
+                // results at (j0 + jj) · rows + t0 are in it.
+                unsafe {
+                    let kp = k.as_ptr().add(t0 * stride);
+                    let keys = [kp, kp.add(stride), kp.add(2 * stride), kp.add(3 * stride)];
+                    let r = dot_four_by_four_avx512(qs.as_ptr().add(j0 * d), d, keys);
+                    let o = out.as_mut_ptr();
+                    _mm_storeu_ps(o.add(j0 * rows + t0), _mm512_extractf32x4_ps::<0>(r));
+                    _mm_storeu_ps(o.add((j0 + 1) * rows + t0), _mm512_extractf32x4_ps::<1>(r));
+                    _mm_storeu_ps(o.add((j0 + 2) * rows + t0), _mm512_extractf32x4_ps::<2>(r));
+                    _mm_storeu_ps(o.add((j0 + 3) * rows + t0), _mm512_extractf32x4_ps::<3>(r));
+                }
+                t0 += 4;
+            }
+        }
+        for t in t0..rows {
             // SAFETY: row t lies in k (caller); queries j0..j0 + m in qs.
             unsafe {
                 let kr = k.get_unchecked(t * stride..t * stride + d);
@@ -990,6 +1012,175 @@ unsafe fn dot_four_avx512(q: *const f32, d: usize, kr: &[f32]) -> [f32; 4] {
             *o = s;
         }
         out
+    }
+}
+
+/// Four queries at `q` (`d` apart, `d` a multiple of 16) against four key
+/// rows, each result exactly as [`dot_four_avx512`] (so [`dot_f32_body`])
+/// computes it. Lane `4j + r` of the result is query `j` against row `r`.
+///
+/// Sum `4r + j` holds the sixteen lane chains of that pair: lanes 0–7 the
+/// AVX2 kernel's `a0`, 8–15 its `a1`. The sixteen are then reduced
+/// together, two registers per shuffle, in `hsum(a0 + a1)`'s order for
+/// each: v = a0 + a1, then v[i] + v[i + 4], then those two apart, then
+/// the last two. (Each addition has the operands it has there; the lanes
+/// only move between registers.) Per 16 columns: 4 query loads and 4 key
+/// loads for 16 FMAs, where four rows one at a time load 20.
+///
+/// # Safety
+/// `q` holds `4 · d` floats and each key pointer `d`; AVX-512 F.
+#[inline(always)]
+unsafe fn dot_four_by_four_avx512(q: *const f32, d: usize, keys: [*const f32; 4]) -> __m512 {
+    // SAFETY: loads of 16 floats at i ≤ d − 16 of a query or a key row;
+    // the rest is register arithmetic.
+    unsafe {
+        let mut a = [_mm512_setzero_ps(); 16];
+        let mut i = 0;
+        while i + 16 <= d {
+            let qv = [
+                _mm512_loadu_ps(q.add(i)),
+                _mm512_loadu_ps(q.add(d + i)),
+                _mm512_loadu_ps(q.add(2 * d + i)),
+                _mm512_loadu_ps(q.add(3 * d + i)),
+            ];
+            for (r, kp) in keys.iter().enumerate() {
+                let kv = _mm512_loadu_ps(kp.add(i));
+                for (j, qj) in qv.iter().enumerate() {
+                    a[4 * r + j] = _mm512_fmadd_ps(*qj, kv, a[4 * r + j]);
+                }
+            }
+            i += 16;
+        }
+        // v = a0 + a1: sums 2p and 2p + 1 side by side, each in a half.
+        let v: [__m512; 8] = core::array::from_fn(|p| {
+            let (x, y) = (a[2 * p], a[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(x, y),
+                _mm512_shuffle_f32x4::<0xEE>(x, y),
+            )
+        });
+        // v[i] + v[i + 4]: four sums, one per 128-bit quarter.
+        let s4: [__m512; 4] = core::array::from_fn(|p| {
+            let (x, y) = (v[2 * p], v[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xDD>(x, y),
+            )
+        });
+        // s4[0] + s4[2] and s4[1] + s4[3], within each quarter.
+        let s2: [__m512; 2] = core::array::from_fn(|p| {
+            let (x, y) = (s4[2 * p], s4[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(x, y),
+                _mm512_shuffle_ps::<0xEE>(x, y),
+            )
+        });
+        // s2[0] + s2[1]. Sum 4r + j ends in lane 4j + r.
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(s2[0], s2[1]),
+            _mm512_shuffle_ps::<0xDD>(s2[0], s2[1]),
+        )
+    }
+}
+
+/// [`weighted_rows_avx512`] for `g` heads over the same value rows (the
+/// heads of a KV group): head `j` accumulates `s[j·s_stride..][..rows]`
+/// onto `o[j·n..(j + 1)·n]` (`n = o.len() / g`). Four heads at a time
+/// share every load of a value row (64 columns: sixteen sums in
+/// registers); each element is still `o + s·v` with the product and the
+/// sum rounded apart, rows in order, so every head gets the bits it gets
+/// alone. Heads past the last four, and rows whose length is not a
+/// multiple of 16, go through [`weighted_rows_avx512`].
+///
+/// # Safety
+/// AVX-512 F; `o.len()` a multiple of `g`; `s.len() >= (g − 1) · s_stride
+/// + rows`; `v.len() >= (rows − 1) · v_stride + n` when `rows > 0`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn weighted_rows_group_avx512(
+    o: &mut [f32],
+    g: usize,
+    s: &[f32],
+    s_stride: usize,
+    rows: usize,
+    v: &[f32],
+    v_stride: usize,
+) {
+    let n = o.len() / g.max(1);
+    let (vp, sp) = (v.as_ptr(), s.as_ptr());
+    let mut j0 = 0;
+    if n.is_multiple_of(16) {
+        while j0 + 4 <= g {
+            // SAFETY: head j0 + j's weights are s[(j0 + j)·s_stride + t]
+            // for t < rows, and its outputs o[(j0 + j)·n + i..][..16·C]
+            // with i + 16·C <= n; row t's columns i..i + 16·C are below
+            // t·v_stride + n <= v.len() (caller).
+            unsafe {
+                let op = o.as_mut_ptr().add(j0 * n);
+                let wp = sp.add(j0 * s_stride);
+                let mut i = 0;
+                while i + 64 <= n {
+                    group_columns::<4>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride);
+                    i += 64;
+                }
+                while i + 16 <= n {
+                    group_columns::<1>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride);
+                    i += 16;
+                }
+            }
+            j0 += 4;
+        }
+    }
+    for j in j0..g {
+        // SAFETY: forwarded contract, one head.
+        unsafe {
+            weighted_rows_avx512(
+                &mut o[j * n..(j + 1) * n],
+                &s[j * s_stride..j * s_stride + rows],
+                v,
+                v_stride,
+            )
+        }
+    }
+}
+
+/// Four heads' `16·C` columns at `o` (heads `n` apart), over `rows` value
+/// rows: see [`weighted_rows_group_avx512`].
+///
+/// # Safety
+/// As there, for these columns; AVX-512 F.
+#[inline(always)]
+unsafe fn group_columns<const C: usize>(
+    o: *mut f32,
+    n: usize,
+    w: *const f32,
+    s_stride: usize,
+    rows: usize,
+    v: *const f32,
+    v_stride: usize,
+) {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; 4];
+        for (j, aj) in acc.iter_mut().enumerate() {
+            for (c, a) in aj.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(o.add(j * n + 16 * c));
+            }
+        }
+        for t in 0..rows {
+            let row = v.add(t * v_stride);
+            let vs: [__m512; C] = core::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let wt = _mm512_set1_ps(*w.add(j * s_stride + t));
+                for (a, vc) in aj.iter_mut().zip(&vs) {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wt, *vc));
+                }
+            }
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            for (c, a) in aj.iter().enumerate() {
+                _mm512_storeu_ps(o.add(j * n + 16 * c), *a);
+            }
+        }
     }
 }
 
