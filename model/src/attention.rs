@@ -95,16 +95,49 @@ pub fn attend_heads(
     scale: f32,
     o: &mut [f32],
 ) {
+    SCRATCH.with_borrow_mut(|(scores, blk, rows)| {
+        attend_heads_in(
+            qs, hd, keys, values, stride, len, scale, o, scores, blk, rows,
+        )
+    })
+}
+
+thread_local! {
+    /// `attend_heads`'s buffers (scores, a block's scores, a block's value
+    /// rows), kept per thread: a long context's scores are hundreds of
+    /// KiB, which a fresh allocation maps and faults in on every call (the
+    /// page faults took most of a 16,000-position decode step).
+    #[allow(clippy::type_complexity)]
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// [`attend_heads`] with its buffers.
+#[allow(clippy::too_many_arguments)]
+fn attend_heads_in(
+    qs: &[f32],
+    hd: usize,
+    keys: &[f32],
+    values: &[f32],
+    stride: usize,
+    len: usize,
+    scale: f32,
+    o: &mut [f32],
+    scores: &mut Vec<f32>,
+    blk: &mut Vec<f32>,
+    rows: &mut Vec<f32>,
+) {
     let k = kernels::kernels();
     let per = qs.len() / hd;
-    let mut scores = vec![0.0f32; per * len];
+    // Every score is written below before it is read.
+    scores.clear();
+    scores.resize(per * len, 0.0);
     // A block's value rows copied side by side: cached rows lie `stride`
     // apart (every KV head's row of a position together), and 64 rows at
     // a 2 KiB stride fall into few L1 sets, so each head of the group
     // would read the block from L2 again. (The keys are not copied: the
     // grouped dot is bound by its arithmetic, and copying them cost more
     // than it saved; docs/benchmarks.md.)
-    let mut rows = Vec::new();
     let packed = |src: &[f32], b: usize, rows: &mut Vec<f32>| {
         rows.clear();
         for t in 0..b {
@@ -115,9 +148,11 @@ pub fn attend_heads(
         Some(f) if per > 1 => {
             // A block of key rows at a time, so that the group's later
             // queries find them in the core's caches.
-            let mut blk = vec![0.0f32; per * ROW_BLOCK];
+            blk.clear();
+            blk.resize(per * ROW_BLOCK, 0.0);
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
+                ask_l2(keys, t0 + ROW_BLOCK, len, stride, hd);
                 f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
                 for (j, s) in scores.chunks_exact_mut(len).enumerate() {
                     s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
@@ -141,6 +176,7 @@ pub fn attend_heads(
         Some(f) if per > 1 => {
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
+                ask_l2(values, t0 + ROW_BLOCK, len, stride, hd);
                 f(
                     o,
                     per,
@@ -156,7 +192,7 @@ pub fn attend_heads(
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let t1 = (t0 + ROW_BLOCK).min(len);
                 let (v, vstride) = if per > 1 {
-                    packed(&values[t0 * stride..], t1 - t0, &mut rows);
+                    packed(&values[t0 * stride..], t1 - t0, rows);
                     (&rows[..], hd)
                 } else {
                     (&values[t0 * stride..], stride)
@@ -167,6 +203,31 @@ pub fn attend_heads(
             }
         }
     }
+}
+
+/// Asks L2 for the `hd` floats of rows `from..from + ROW_BLOCK` (those
+/// below `len`) of `rows` (`stride` apart): the next block's keys or
+/// values, while this block is computed. A cache holding a long context
+/// is read from memory, and a core's hardware prefetchers follow its
+/// 512-byte rows at a 2 KiB stride poorly. A hint: no value changes.
+#[inline]
+fn ask_l2(rows: &[f32], from: usize, len: usize, stride: usize, hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        let base = rows.as_ptr();
+        for t in from..(from + ROW_BLOCK).min(len) {
+            for c in (0..hd).step_by(16) {
+                // SAFETY: a prefetch never faults; the address is only a
+                // hint, computed without dereferencing.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(t * stride + c) as *const i8)
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (rows, from, len, stride, hd);
 }
 
 pub(crate) fn attention(
