@@ -626,6 +626,7 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
     use colibri_model::attention::attend_heads;
     let (heads, kv_heads, hd) = (32usize, 4usize, 128usize);
     let group = heads / kv_heads;
+    // Each KV head's positions side by side, as the KV cache keeps them.
     let stride = kv_heads * hd;
     let scale = (hd as f32).powf(-0.5);
     let bw = read_bandwidth(pool, mib << 20);
@@ -656,9 +657,9 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
                 attend_heads(
                     &q[h0 * hd..(h0 + per) * hd],
                     hd,
-                    &keys[kvh * hd..],
-                    &values[kvh * hd..],
-                    stride,
+                    &keys[kvh * len * hd..],
+                    &values[kvh * len * hd..],
+                    hd,
                     len,
                     scale,
                     o,

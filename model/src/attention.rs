@@ -132,12 +132,14 @@ fn attend_heads_in(
     // Every score is written below before it is read.
     scores.clear();
     scores.resize(per * len, 0.0);
-    // A block's value rows copied side by side: cached rows lie `stride`
-    // apart (every KV head's row of a position together), and 64 rows at
-    // a 2 KiB stride fall into few L1 sets, so each head of the group
-    // would read the block from L2 again. (The keys are not copied: the
-    // grouped dot is bound by its arithmetic, and copying them cost more
-    // than it saved; docs/benchmarks.md.)
+    // Where rows lie farther apart than their length (a caller's
+    // interleaved heads; the KV cache keeps each head's rows side by
+    // side), a block's value rows are copied side by side for the kernels
+    // that take a head at a time: 64 rows at a 2 KiB stride fall into few
+    // L1 sets, so each head of the group would read the block from L2
+    // again. (The keys are not copied: the grouped dot is bound by its
+    // arithmetic, and copying them cost more than it saved;
+    // docs/benchmarks.md.)
     let packed = |src: &[f32], b: usize, rows: &mut Vec<f32>| {
         rows.clear();
         for t in 0..b {
@@ -191,7 +193,7 @@ fn attend_heads_in(
         _ => {
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let t1 = (t0 + ROW_BLOCK).min(len);
-                let (v, vstride) = if per > 1 {
+                let (v, vstride) = if per > 1 && stride != hd {
                     packed(&values[t0 * stride..], t1 - t0, rows);
                     (&rows[..], hd)
                 } else {
@@ -207,9 +209,8 @@ fn attend_heads_in(
 
 /// Asks L2 for the `hd` floats of rows `from..from + ROW_BLOCK` (those
 /// below `len`) of `rows` (`stride` apart): the next block's keys or
-/// values, while this block is computed. A cache holding a long context
-/// is read from memory, and a core's hardware prefetchers follow its
-/// 512-byte rows at a 2 KiB stride poorly. A hint: no value changes.
+/// values, while this block is computed: a cache holding a long context
+/// is read from memory. A hint: no value changes.
 #[inline]
 fn ask_l2(rows: &[f32], from: usize, len: usize, stride: usize, hd: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -300,8 +301,11 @@ pub(crate) fn attention(
             };
             for (i, ri) in rows.iter().enumerate() {
                 if let LayerCache::Gqa { k: kc, v: vc } = &mut caches[ri.seq].layers[layer] {
-                    kc.extend_from_slice(&k[i * nkv * hd..(i + 1) * nkv * hd]);
-                    vc.extend_from_slice(&v[i * nkv * hd..(i + 1) * nkv * hd]);
+                    let at = i * nkv * hd;
+                    for (h, (kh, vh)) in kc.iter_mut().zip(vc.iter_mut()).enumerate() {
+                        kh.extend_from_slice(&k[at + h * hd..at + (h + 1) * hd]);
+                        vh.extend_from_slice(&v[at + h * hd..at + (h + 1) * hd]);
+                    }
                 }
             }
             let scale = (hd as f32).powf(-0.5);
@@ -313,19 +317,22 @@ pub(crate) fn attention(
             pool.for_each_chunk_mut(&mut out, per * hd, |idx, o| {
                 let (i, h0) = (idx / (nh / per), idx % (nh / per) * per);
                 let ri = rows[i];
+                let kvh = h0 / group;
                 let LayerCache::Gqa { k: kc, v: vc } = &caches[ri.seq].layers[layer] else {
                     return;
                 };
-                let kvh = h0 / group;
+                let (Some(kc), Some(vc)) = (kc.get(kvh), vc.get(kvh)) else {
+                    return;
+                };
                 let first = window.map_or(0, |wdw| (ri.pos + 1).saturating_sub(wdw));
                 let mut qs = q[i * nh * hd + h0 * hd..i * nh * hd + (h0 + per) * hd].to_vec();
                 query_heads(&mut qs, &angles[i]);
                 attend_heads(
                     &qs,
                     hd,
-                    &kc[(first * nkv + kvh) * hd..],
-                    &vc[(first * nkv + kvh) * hd..],
-                    nkv * hd,
+                    &kc[first * hd..],
+                    &vc[first * hd..],
+                    hd,
                     ri.pos + 1 - first,
                     scale,
                     o,

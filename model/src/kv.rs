@@ -7,8 +7,11 @@ use crate::error::{ModelError, Result};
 
 #[derive(Clone, Debug)]
 pub(crate) enum LayerCache {
-    /// `k`, `v`: `[pos][kv_head][head_dim]`.
-    Gqa { k: Vec<f32>, v: Vec<f32> },
+    /// `k`, `v`: one vector per KV head, `[pos][head_dim]` each, so that
+    /// the heads attending with one KV head read its keys and values as
+    /// one stream (interleaved, a long context's decode step ran ~20%
+    /// slower: docs/benchmarks.md).
+    Gqa { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
     /// `latent`: `[pos][kv_lora_rank]` (normed); `k_pe`: `[pos][rope_dim]` (rotated).
     Mla { latent: Vec<f32>, k_pe: Vec<f32> },
 }
@@ -53,9 +56,9 @@ impl KvCache {
     pub fn new(spec: &ModelSpec, capacity: usize) -> KvCache {
         let layers = (0..spec.num_layers())
             .map(|_| match spec.attention {
-                AttentionSpec::Gqa { .. } => LayerCache::Gqa {
-                    k: Vec::new(),
-                    v: Vec::new(),
+                AttentionSpec::Gqa { num_kv_heads, .. } => LayerCache::Gqa {
+                    k: vec![Vec::new(); num_kv_heads],
+                    v: vec![Vec::new(); num_kv_heads],
                 },
                 AttentionSpec::Mla { .. } => LayerCache::Mla {
                     latent: Vec::new(),
@@ -103,11 +106,8 @@ impl KvCache {
         }
         let per_pos = |which: usize| -> usize {
             match &spec.attention {
-                AttentionSpec::Gqa {
-                    num_kv_heads,
-                    head_dim,
-                    ..
-                } => num_kv_heads * head_dim,
+                // Per KV head's vector.
+                AttentionSpec::Gqa { head_dim, .. } => *head_dim,
                 AttentionSpec::Mla {
                     kv_lora_rank,
                     qk_rope_head_dim,
@@ -124,8 +124,9 @@ impl KvCache {
         for l in &mut self.layers {
             match l {
                 LayerCache::Gqa { k, v } => {
-                    k.truncate(len * per_pos(0));
-                    v.truncate(len * per_pos(0));
+                    for x in k.iter_mut().chain(v.iter_mut()) {
+                        x.truncate(len * per_pos(0));
+                    }
                 }
                 LayerCache::Mla { latent, k_pe } => {
                     latent.truncate(len * per_pos(0));
@@ -191,7 +192,7 @@ impl KvCache {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerCache::Gqa { k, v } => (k.len() + v.len()) * 4,
+                LayerCache::Gqa { k, v } => k.iter().chain(v).map(Vec::len).sum::<usize>() * 4,
                 LayerCache::Mla { latent, k_pe } => (latent.len() + k_pe.len()) * 4,
             })
             .sum()
