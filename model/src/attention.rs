@@ -154,7 +154,6 @@ fn attend_heads_in(
             blk.resize(per * ROW_BLOCK, 0.0);
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
-                ask_l2(keys, t0 + ROW_BLOCK, len, stride, hd);
                 f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
                 for (j, s) in scores.chunks_exact_mut(len).enumerate() {
                     s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
@@ -178,7 +177,6 @@ fn attend_heads_in(
         Some(f) if per > 1 => {
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
-                ask_l2(values, t0 + ROW_BLOCK, len, stride, hd);
                 f(
                     o,
                     per,
@@ -205,30 +203,6 @@ fn attend_heads_in(
             }
         }
     }
-}
-
-/// Asks L2 for the `hd` floats of rows `from..from + ROW_BLOCK` (those
-/// below `len`) of `rows` (`stride` apart): the next block's keys or
-/// values, while this block is computed: a cache holding a long context
-/// is read from memory. A hint: no value changes.
-#[inline]
-fn ask_l2(rows: &[f32], from: usize, len: usize, stride: usize, hd: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        let base = rows.as_ptr();
-        for t in from..(from + ROW_BLOCK).min(len) {
-            for c in (0..hd).step_by(16) {
-                // SAFETY: a prefetch never faults; the address is only a
-                // hint, computed without dereferencing.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(t * stride + c) as *const i8)
-                };
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (rows, from, len, stride, hd);
 }
 
 pub(crate) fn attention(
