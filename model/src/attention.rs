@@ -105,8 +105,7 @@ pub fn attend_heads(
 thread_local! {
     /// `attend_heads`'s buffers (scores, a block's scores, a block's value
     /// rows), kept per thread: a long context's scores are hundreds of
-    /// KiB, which a fresh allocation maps and faults in on every call (the
-    /// page faults took most of a 16,000-position decode step).
+    /// KiB, which a fresh allocation would map and fault in on every call.
     #[allow(clippy::type_complexity)]
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
