@@ -107,6 +107,25 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// `pdl_entry()` for a kernel that loads device constants first (a plain
+// matvec's first tile of weights): the wait is tied to `dep`, a word those
+// loads returned. Untied, ptxas hoisted `griddepcontrol.wait` above loads
+// that precede it in the same basic block (`cuobjdump --dump-sass`), so
+// they left only after the previous grid had finished. Tied, every load
+// is issued before the wait; the wait then also waits for `dep`'s load,
+// which the kernel needs anyway.
+__device__ __forceinline__ void pdl_entry_after(unsigned dep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0x9e3779b9;\n\t@p griddepcontrol.wait;\n\t"
+        "@!p griddepcontrol.wait;\n\t}" ::"r"(dep)
+        : "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+    (void)dep;
+#endif
+}
+
 // A kernel that moves little but precedes a launch with much to load (the
 // norms before q/k/v and the router) may let its successor be scheduled
 // *before* its own wait: the successor's weight loads (which precede its

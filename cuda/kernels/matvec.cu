@@ -650,28 +650,62 @@ __device__ __forceinline__ u64 row_bytes(u32 cols) {
 // Loads the groups of the tile at column c0 that this lane owns, for each
 // of the M matrices (row bytes `rb`, FP8 scales at `s[m]`) and each of the
 // warp's R rows from row0; rows past `rows` get zero groups.
-template <int FMT, int M, int J, int R, typename G>
+//
+// STRAIGHT (the 8-bit-activation core): without a branch. Every group is
+// loaded from an index clamped into the matrix, then replaced by zeros
+// where its row lies past the rows (a group past the row's end is a copy
+// of its last group, never used: a round past the row is skipped, a lane's
+// group past it predicated off). A quantized group's `load` decodes its
+// words where it loads them (a funnel shift, the scale's widening), so
+// inside a branch per group those uses sat between one group's loads and
+// the next group's: each lane waited for one group to arrive before asking
+// for the next (`cuobjdump --dump-sass`), eight round trips to memory one
+// after another in a Q4_0 GLU launch. In one straight block ptxas issues
+// every load first. (The float core keeps the branches: its f16/bf16/f32
+// groups load lazily, and straight loads made ptxas spill in its FP8,
+// Q8_0 and IQ4_NL launches.)
+template <int FMT, int M, int J, int R, bool STRAIGHT = false, typename G>
 __device__ __forceinline__ void mv_load_tile(G (&grp)[M][J][R], const u8* const (&w)[2],
                                              const float* const (&s)[2], u32 s_block, u32 s_cols,
                                              u64 rb, u32 row0, u32 rows, u32 cols, u32 c0) {
     const u32 lane = threadIdx.x & 31;
     const u32 ngroups = (cols + 31) / 32;
+    if constexpr (STRAIGHT) {
 #pragma unroll
-    for (int jj = 0; jj < J; ++jj) {
-        const u32 g = c0 / 32 + jj * 32 + lane;
-        if (g < ngroups) {
+        for (int jj = 0; jj < J; ++jj) {
+            const u32 g = min(c0 / 32 + jj * 32 + lane, ngroups - 1);
             const u32 valid = min(32u, cols - g * 32);
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const u32 row = row0 + r;
-                    if (row < rows) {
-                        float scale = 0.0f;
-                        if (FMT == FMT_F8E4M3) scale = s[m][(u64)(row / s_block) * s_cols + (g * 32) / s_block];
-                        grp[m][jj][r].load(w[m] + (u64)row * rb, g, valid, scale);
-                    } else {
-                        grp[m][jj][r].zero();
+                for (int r = 0; r < R; ++r)
+                    grp[m][jj][r].load(w[m] + (u64)min(row0 + r, rows - 1) * rb, g, valid, 0.0f);
+        }
+#pragma unroll
+        for (int jj = 0; jj < J; ++jj)
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (row0 + r >= rows) grp[m][jj][r].zero();
+    } else {
+#pragma unroll
+        for (int jj = 0; jj < J; ++jj) {
+            const u32 g = c0 / 32 + jj * 32 + lane;
+            if (g < ngroups) {
+                const u32 valid = min(32u, cols - g * 32);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const u32 row = row0 + r;
+                        if (row < rows) {
+                            float scale = 0.0f;
+                            if (FMT == FMT_F8E4M3) scale = s[m][(u64)(row / s_block) * s_cols + (g * 32) / s_block];
+                            grp[m][jj][r].load(w[m] + (u64)row * rb, g, valid, scale);
+                        } else {
+                            grp[m][jj][r].zero();
+                        }
                     }
                 }
             }
@@ -895,7 +929,7 @@ __device__ __forceinline__ u32 pack_s8(int q0, int q1, int q2, int q3) {
 // the row or the tokens). Eight columns per thread and step; the 4
 // threads of a block are 4 consecutive lanes of one warp, which combine
 // their maxima and sums by butterflies (exact: max and integer addition).
-template <int NT, u32 TILE>
+template <int NT, u32 TILE, bool SKIP_DEAD>
 __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __restrict__ xm,
                                          u32 x_tstride, const u32* __restrict__ xrows, u32 nt,
                                          u32 c0, u32 cols) {
@@ -905,6 +939,25 @@ __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __res
     static_assert((NT * TILE / 8) % 32 == 0, "whole warps per step");
     for (u32 i = threadIdx.x; i < NT * TILE / 8; i += MV_THREADS) {
         const u32 t = i / (TILE / 8), j = 8 * (i % (TILE / 8)), col = c0 + j;
+        const u32 blk = j / 32, k = (j % 32) / 8;  // k: which 8 of the block
+        // SKIP_DEAD (the table launches): a warp whose columns all lie past
+        // the row or the tokens stores the zeros the steps below would
+        // compute (d = 0, every quant 0) without computing them, as in a
+        // down projection's 768-column tile. No faster in the decode, but
+        // without it ptxas spilled in the Q4_0 GLU launch on sm_80 (and
+        // with it in the plain launches).
+        if (SKIP_DEAD && __all_sync(FULL_MASK, t >= nt || col >= cols)) {
+            if (k < 2) {
+                *(uint2*)&s.lo[t][blk * 4 + 2 * k] = make_uint2(0u, 0u);
+            } else {
+                *(uint2*)&s.hi[t][blk * 4 + 2 * (k - 2)] = make_uint2(0u, 0u);
+            }
+            if (k == 0) {
+                s.d[t][blk] = 0.0f;
+                s.z[t][blk] = 0;
+            }
+            continue;
+        }
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
         if (t < nt && col < cols) {
             const u64 xr = xrows != nullptr ? xrows[t] : t;
@@ -930,7 +983,6 @@ __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __res
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
         sum += __shfl_xor_sync(FULL_MASK, sum, 2);
         const uint2 words = make_uint2(pack_s8(q0, q1, q2, q3), pack_s8(q4, q5, q6, q7));
-        const u32 blk = j / 32, k = (j % 32) / 8;  // k: which 8 of the block
         if (k < 2) {
             *(uint2*)&s.lo[t][blk * 4 + 2 * k] = words;
         } else {
@@ -1249,6 +1301,49 @@ __device__ __forceinline__ float chain_sum(float v) {
     return v;
 }
 
+// Block b's values for token t, into a round's staging: the finished
+// term at cs[0] (TERM), else d_b = G.d · x.d_b at cd[0] and the K integer
+// sums at cs[32·k].
+template <typename Dot, typename G, typename X>
+__device__ __forceinline__ void stage_block(const Dot& dot, const G& g, const X& xs, u32 t, u32 b,
+                                            float* cd, float* cs) {
+    if constexpr (Dot::TERM) {
+        cs[0] = dot.term(xs, t, b);
+    } else {
+        int si[Dot::K];
+        dot.sums(xs, t, b, si);
+        cd[0] = __fmul_rn(g.d, xs.d[t][b]);
+#pragma unroll
+        for (int k = 0; k < Dot::K; ++k) cs[32 * k] = (float)si[k];
+    }
+}
+
+// One accumulator chain through a round: its L block values (d_b, s_b)
+// at dp and sp in order, a = fmaf(d_b, s_b, a), or (TERM) the CPU's a +=
+// t_b with one rounding. Value i is group g0 + A·i + ca of the row, in it
+// when A·i < n (tested as A·i < n, a constant per FMA: the sum in every
+// test made ptxas spill on sm_90).
+template <bool TERM, int A, int L>
+__device__ __forceinline__ float chain_round(const float* dp, const float* sp, int n, float a) {
+#pragma unroll
+    for (int i = 0; i < L; i += 4) {
+        const float4 s4 = *(const float4*)(sp + i);
+        const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
+        if constexpr (TERM) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (A * (i + e) < n) a = __fadd_rn(a, sv[e]);
+        } else {
+            const float4 d4 = *(const float4*)(dp + i);
+            const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (A * (i + e) < n) a = fmaf(dv[e], sv[e], a);
+        }
+    }
+    return a;
+}
+
 // Asks L2 for this block's share of `bytes` at `p` (the matrices the next
 // launch reads: a GLU launch's down projections), once `dep` (a word of
 // this lane's first weight group) has arrived: the block's own weights are
@@ -1289,6 +1384,16 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
     // lanes' stores in distinct banks).
     __shared__ __align__(16) float cd[MV_WARPS][TP][32];
     __shared__ __align__(16) float cs[MV_WARPS][TP][K * 32];
+    // One token (BATCH): every (matrix, row) pair of the warp stages its
+    // round at once, and the M·R·C chains then run side by side in lanes
+    // C·(m·R + r) + K·a + k: one pass through shared memory per round
+    // instead of one per pair (a Q4_0 GLU launch: 2 instead of 8 per
+    // tile). The same chains in the same order: the same bits.
+    constexpr bool BATCH = NT == 1 && M * R > 1 && C * M * R <= 32;
+    constexpr int MR = BATCH ? M * R : 1;
+    __shared__ __align__(16) float cdb[BATCH ? MV_WARPS : 1][MR][32];
+    __shared__ __align__(16) float csb[BATCH ? MV_WARPS : 1][MR][BATCH ? K * 32 : 1];
+    float accb = 0.0f;  // BATCH: lane C·(m·R + r) + K·a + k's chain
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 row0 = bx * (MV_WARPS * R) + warp * R;
     const u64 rb = row_bytes<WFMT>(cols);
@@ -1311,8 +1416,8 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
 
     Group<WFMT> grp[M][J][R];
     if (EARLY) {
-        mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
-        pdl_entry();
+        mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
+        pdl_entry_after(grp[0][0][0].q[0]);
     }
 
     for (u32 c0 = 0; c0 < cols; c0 += TILE) {
@@ -1321,11 +1426,11 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
         // so their latency overlaps the quantization (as EARLY does for
         // the first tile of a plain launch).
         if (NT == 1 && (!EARLY || c0 != 0))
-            mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
-        q8_stage<NT, TILE>(xs, xm, x_tstride, xrows, nt, c0, cols);
+            mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+        q8_stage<NT, TILE, !EARLY>(xs, xm, x_tstride, xrows, nt, c0, cols);
         __syncthreads();
         if (NT != 1 && (!EARLY || c0 != 0))
-            mv_load_tile<WFMT, M, J, R>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
+            mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
         if (NT == 1 && c0 == 0 && ahead != nullptr) l2_ahead_share(ahead, ahead_bytes, grp[0][0][0].q[0], bx);
 #pragma unroll
         for (int jj = 0; jj < J; ++jj) {
@@ -1336,77 +1441,75 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
             // over the block (a down projection's 24 groups fill one of a
             // one-token tile's two rounds).
             if (g0 >= ngroups) break;
+            if constexpr (BATCH) {
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
+                for (int m = 0; m < M; ++m) {
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const Group<WFMT>& G = grp[m][jj][r];
-                    const Dot dot(G);
+                    for (int r = 0; r < R; ++r) {
+                        const Group<WFMT>& G = grp[m][jj][r];
+                        const Dot dot(G);
+                        const int mr = m * R + r;
+                        stage_block(dot, G, xs, 0, b, &cdb[warp][mr][slot], &csb[warp][mr][slot]);
+                    }
+                }
+                __syncwarp();
+                if (lane < C * M * R) {
+                    const u32 mr = lane / C;
+                    const float* dp = &cdb[warp][mr][ca * L];
+                    const float* sp = &csb[warp][mr][ck * 32 + ca * L];
+                    accb = chain_round<Dot::TERM, A, L>(dp, sp, (int)ngroups - (int)(g0 + ca), accb);
+                }
+                __syncwarp();
+            } else {
 #pragma unroll
-                    for (int p = 0; p < P; ++p) {
-                        // (Four tokens at a time: all eight of a Q4_0
-                        // table launch's made ptxas spill.)
+                for (int m = 0; m < M; ++m) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const Group<WFMT>& G = grp[m][jj][r];
+                        const Dot dot(G);
+#pragma unroll
+                        for (int p = 0; p < P; ++p) {
+                            // (Four tokens at a time: all eight of a Q4_0
+                            // table launch's made ptxas spill.)
 #pragma unroll 4
-                        for (int j = 0; j < TP; ++j) {
-                            const u32 t = p * TP + j;
-                            if constexpr (Dot::TERM) {
-                                cs[warp][j][slot] = dot.term(xs, t, b);
-                            } else {
-                                int si[K];
-                                dot.sums(xs, t, b, si);
-                                cd[warp][j][slot] = __fmul_rn(G.d, xs.d[t][b]);
-#pragma unroll
-                                for (int k = 0; k < K; ++k) cs[warp][j][k * 32 + slot] = (float)si[k];
+                            for (int j = 0; j < TP; ++j) {
+                                stage_block(dot, G, xs, p * TP + j, b, &cd[warp][j][slot], &cs[warp][j][slot]);
                             }
-                        }
-                        __syncwarp();
-                        if (lane < C * TP) {
-                            const float* dp = &cd[warp][cj][ca * L];
-                            const float* sp = &cs[warp][cj][ck * 32 + ca * L];
-                            float a = acc[m][r][p];
-                            // Group g0 + A·i + ca is in the row. (Tested
-                            // as A·i < n, a constant per FMA: the sum in
-                            // every test made ptxas spill on sm_90.)
-                            const int n = (int)ngroups - (int)(g0 + ca);
-#pragma unroll
-                            for (int i = 0; i < L; i += 4) {
-                                if constexpr (Dot::TERM) {
-                                    // The CPU's acc += t_b (one rounding).
-                                    const float4 s4 = *(const float4*)(sp + i);
-                                    const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-                                    for (int e = 0; e < 4; ++e)
-                                        if (A * (i + e) < n) a = __fadd_rn(a, sv[e]);
-                                } else {
-                                    const float4 d4 = *(const float4*)(dp + i);
-                                    const float4 s4 = *(const float4*)(sp + i);
-                                    const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
-                                    const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-                                    for (int e = 0; e < 4; ++e)
-                                        if (A * (i + e) < n) a = fmaf(dv[e], sv[e], a);
-                                }
+                            __syncwarp();
+                            if (lane < C * TP) {
+                                const float* dp = &cd[warp][cj][ca * L];
+                                const float* sp = &cs[warp][cj][ck * 32 + ca * L];
+                                acc[m][r][p] = chain_round<Dot::TERM, A, L>(
+                                    dp, sp, (int)ngroups - (int)(g0 + ca), acc[m][r][p]);
                             }
-                            acc[m][r][p] = a;
+                            __syncwarp();
                         }
-                        __syncwarp();
                     }
                 }
             }
         }
     }
 
+    if constexpr (BATCH) {
+        // Lane C·mr holds pair mr's sum; a GLU row's up sum is R·C lanes on.
+        const float v = chain_sum<C>(accb);
+        const float up = GLU ? __shfl_down_sync(FULL_MASK, v, R * C) : v;
+        const float out = GLU ? __fmul_rn(silu_f32(v), up) : v;
+        const u32 mr = lane / C, row = row0 + mr;
+        if (lane % C == 0 && mr < (u32)R && row < rows && nt > 0) ym[row] = out;
+    } else {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int p = 0; p < P; ++p) {
-            float v[M];
+            for (int p = 0; p < P; ++p) {
+                float v[M];
 #pragma unroll
-            for (int m = 0; m < M; ++m) v[m] = chain_sum<C>(acc[m][r][p]);
-            const float out = GLU ? __fmul_rn(silu_f32(v[0]), v[M - 1]) : v[0];
-            const u32 row = row0 + r, t = p * TP + cj;
-            if (lane % C == 0 && lane < C * TP && row < rows && t < nt)
-                ym[(u64)t * y_tstride + row] = out;
+                for (int m = 0; m < M; ++m) v[m] = chain_sum<C>(acc[m][r][p]);
+                const float out = GLU ? __fmul_rn(silu_f32(v[0]), v[M - 1]) : v[0];
+                const u32 row = row0 + r, t = p * TP + cj;
+                if (lane % C == 0 && lane < C * TP && row < rows && t < nt)
+                    ym[(u64)t * y_tstride + row] = out;
+            }
         }
     }
 }
