@@ -241,12 +241,27 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS) attention(AT_PARAMS) {
     if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
 }
 
+// This (row, head)'s output value in thread d < dv, stored; with outq
+// (dv % 32 == 0, so each warp holds whole blocks or none) also quantized
+// into the row's Q8 row (common.cuh): the head's dv values are blocks
+// head·dv/32 .. of the row's nh·dv.
+__device__ __forceinline__ void at_store_out(float* orow, u8* __restrict__ outq, u32 row, u32 nh,
+                                             u32 head, u32 dv, float v) {
+    if (threadIdx.x >= dv) return;
+    orow[threadIdx.x] = v;
+    if (outq != nullptr) {
+        const u32 n = nh * dv;
+        q8_store_block(v, outq + row * q8_row_bytes(n), n, (head * dv + threadIdx.x) / 32);
+    }
+}
+
 // Chunk records of `attention_split`: [rows][heads][chunk_cap][2 + dv]
 // floats (max, sum, Σ e·v by dim); `counters` [rows][heads], zero between
-// launches.
+// launches. outq: when given, the output's rows quantized as well (see
+// at_store_out).
 extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     attention_split(AT_PARAMS, u32 splits, u32 chunk_cap, float* __restrict__ part,
-                    u32* __restrict__ counters) {
+                    u32* __restrict__ counters, u8* __restrict__ outq) {
     __shared__ float qs[AT_MAX_DQ];
     __shared__ float sc[AT_CHUNK];
     __shared__ float scratch[AT_WARPS];
@@ -269,8 +284,8 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
     pdl_entry(PDL_REL_ATTENTION);
     // As `attention` (and NaN too where the records would not fit).
     if (s0 + p >= capacity || chunks > chunk_cap) {
-        if (z == 0)
-            for (u32 d = threadIdx.x; d < dv; d += AT_THREADS) orow[d] = __int_as_float(0x7fc00000);
+        // (dv ≤ AT_THREADS: one value per thread.)
+        if (z == 0) at_store_out(orow, outq, row, nh, head, dv, __int_as_float(0x7fc00000));
         return;
     }
     if (z >= chunks) return;
@@ -286,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
         float mc, lc, oc, o = 0.0f, m = -f32_inf(), l = 0.0f;
         at_chunk<4, 16, true>(args, qs, s0, kvh, first, p + 1, sc, scratch, vpart, mc, lc, oc);
         at_merge(mc, lc, oc, m, l, o);
-        if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
+        at_store_out(orow, outq, row, nh, head, dv, __fdiv_rn(o, l));
         return;
     }
     for (u32 c = z; c < chunks; c += splits) {
@@ -316,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 1)
         const float oc = out_dim ? __ldcg(r + 2 + threadIdx.x) : 0.0f;
         at_merge(mc, lc, oc, m, l, o);
     }
-    if (out_dim) orow[threadIdx.x] = __fdiv_rn(o, l);
+    at_store_out(orow, outq, row, nh, head, dv, __fdiv_rn(o, l));
     if (threadIdx.x == 0) *counter = 0;
 }
 

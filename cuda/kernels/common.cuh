@@ -263,3 +263,57 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
 }
 __device__ __forceinline__ float silu_f32(float x) { return __fmul_rn(x, sigmoid_f32(x)); }
+
+// ---- 8-bit activations (the CPU tier's Q8 quantization of a product's
+// input, blocks of 32 values with one f32 scale) ----
+
+// One input element quantized as the CPU's `(v * id).round().clamp(-127.0,
+// 127.0) as i8`: roundf rounds half away from zero as Rust's round does;
+// the conversion saturates and takes NaN to 0, as Rust's cast does.
+__device__ __forceinline__ int q8_of(float v, float id) {
+    return max(-127, min(127, __float2int_rz(roundf(__fmul_rn(v, id)))));
+}
+
+// amax / 127 correctly rounded, for every amax ≥ 0 (and +inf): one product
+// by the rounded reciprocal and one fused correction step (Markstein). A
+// unit test (cuda/src/kernels.rs) checks it against IEEE division for
+// every f32 whose quotient can be subnormal and for whole binades (the
+// steps scale exactly by powers of two elsewhere).
+__device__ __forceinline__ float div127(float a) {
+    const float y = __int_as_float(0x3c010204);  // RN(1/127)
+    const float q = __fmul_rn(a, y);
+    const float r = fmaf(-q, 127.0f, a);
+    return a == f32_inf() ? a : fmaf(r, y, q);
+}
+
+// A row of n activations (n a multiple of 32) quantized once by the kernel
+// that produces it, for every 8-bit-activation product that reads it
+// (matvec.cu copies its tiles instead of quantizing them again): bytes
+// [0, n/2) hold each block's first 16 quants as 4 words (block b at 16·b,
+// Q8Tile's `lo`), [n/2, n) its last 16 (`hi`), then the n/32 f32 scales,
+// then the n/32 i32 values 8·Σq. Rows lie q8_row_bytes(n) apart (16-byte
+// aligned). cuda/src/ops.rs `q8_row_bytes` is the host's copy.
+__device__ __forceinline__ u64 q8_row_bytes(u32 n) { return ((u64)n * 5 / 4 + 15) & ~(u64)15; }
+
+// Block `blk` of a Q8 row: the 32 lanes of a warp hold its values in order
+// (lane l: value 32·blk + l), and every lane calls this. The same scale,
+// quants and sum as matvec.cu's q8_stage gives the block (max and integer
+// sums are exact in any order; the scale and each quant are the same
+// operations on the same values).
+__device__ __forceinline__ void q8_store_block(float v, u8* __restrict__ row, u32 n, u32 blk) {
+    const u32 lane = threadIdx.x & 31;
+    // NaNs are skipped, as f32::max skips them (fmaxf returns the other).
+    const float amax = fmaxf(0.0f, warp_max(fabsf(v)));
+    const float d = div127(amax);
+    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+    const int q = q8_of(v, id);
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    // Lanes 0–15 write the low 16 bytes of the block, 16–31 the high ones.
+    row[(lane < 16 ? 0 : n / 2) + 16 * blk + (lane & 15)] = (u8)q;
+    if (lane == 0) {
+        ((float*)(row + n))[blk] = d;
+        ((int*)(row + n + n / 8))[blk] = 8 * sum;
+    }
+}

@@ -890,25 +890,6 @@ __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
     return d;
 }
 
-// One input element quantized as the CPU's `(v * id).round().clamp(-127.0,
-// 127.0) as i8`: roundf rounds half away from zero as Rust's round does;
-// the conversion saturates and takes NaN to 0, as Rust's cast does.
-__device__ __forceinline__ int q8_of(float v, float id) {
-    return max(-127, min(127, __float2int_rz(roundf(__fmul_rn(v, id)))));
-}
-
-// amax / 127 correctly rounded, for every amax ≥ 0 (and +inf): one product
-// by the rounded reciprocal and one fused correction step (Markstein). A
-// unit test (cuda/src/kernels.rs) checks it against IEEE division for
-// every f32 whose quotient can be subnormal and for whole binades (the
-// steps scale exactly by powers of two elsewhere).
-__device__ __forceinline__ float div127(float a) {
-    const float y = __int_as_float(0x3c010204);  // RN(1/127)
-    const float q = __fmul_rn(a, y);
-    const float r = fmaf(-q, 127.0f, a);
-    return a == f32_inf() ? a : fmaf(r, y, q);
-}
-
 // A tile of TILE columns of NT tokens, quantized: per block of 32, its
 // first 16 quants as 4 words in `lo`, its last 16 in `hi` (the bytes Q4_0's
 // low and high nibbles multiply), its scale and 8 · Σ q.
@@ -991,6 +972,29 @@ __device__ __forceinline__ void q8_stage(Q8Tile<NT, TILE>& s, const float* __res
         if (k == 0) {
             s.d[t][blk] = d;
             s.z[t][blk] = 8 * sum;
+        }
+    }
+}
+
+// One token's columns [c0, c0 + TILE) into `s` from its Q8 row (common.cuh:
+// quantized once by the kernel that produced x, the bits q8_stage would
+// give), zeros past the row. One step: a block's lo and hi words are one
+// 16-byte load each, its scale and sum one word each.
+template <u32 TILE>
+__device__ __forceinline__ void q8_copy(Q8Tile<1, TILE>& s, const u8* __restrict__ row, u32 c0,
+                                        u32 cols) {
+    constexpr u32 NB = TILE / 32;  // blocks per tile
+    static_assert(3 * NB <= MV_THREADS, "one step");
+    const u32 i = threadIdx.x;
+    if (i < 3 * NB) {
+        const u32 part = i / NB, blk = i % NB, b = c0 / 32 + blk;
+        const bool in = b < cols / 32;
+        if (part < 2) {
+            const uint4 v = in ? *(const uint4*)(row + part * (cols / 2) + 16 * b) : make_uint4(0u, 0u, 0u, 0u);
+            *(uint4*)(part == 0 ? &s.lo[0][4 * blk] : &s.hi[0][4 * blk]) = v;
+        } else {
+            s.d[0][blk] = in ? ((const float*)(row + cols))[b] : 0.0f;
+            s.z[0][blk] = in ? ((const int*)(row + cols + cols / 8))[b] : 0;
         }
     }
 }
@@ -1366,7 +1370,7 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
                                                const u32* __restrict__ xrows,
                                                float* __restrict__ ym, u32 y_tstride, u32 rows,
                                                u32 cols, u32 nt, const u8* ahead,
-                                               u64 ahead_bytes) {
+                                               u64 ahead_bytes, const u8* __restrict__ xq) {
     using Dot = Q8Dot<FMT>;
     constexpr int WFMT = Dot::WFMT, A = Dot::A, K = Dot::K;
     static_assert(!Dot::TERM || K == 1, "a finished term per block");
@@ -1414,6 +1418,13 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
 #pragma unroll
             for (int p = 0; p < P; ++p) acc[m][r][p] = 0.0f;
 
+    // One token with xq (x's Q8 row, from the kernel that wrote x): the
+    // tiles are copied from it, and its address takes x's place (one
+    // pointer live across the loop, not two: with both, ptxas spilled a
+    // one-token Q2_K launch on sm_86 and sm_89).
+    const bool xcopy = NT == 1 && xq != nullptr;
+    const float* const xsrc = xcopy ? (const float*)xq : xm;
+
     Group<WFMT> grp[M][J][R];
     if (EARLY) {
         mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, 0);
@@ -1427,7 +1438,14 @@ __device__ __forceinline__ void matvec_core_q8(u32 bx, const u8* __restrict__ w0
         // the first tile of a plain launch).
         if (NT == 1 && (!EARLY || c0 != 0))
             mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
-        q8_stage<NT, TILE, !EARLY>(xs, xm, x_tstride, xrows, nt, c0, cols);
+        if constexpr (NT == 1) {
+            if (xcopy)
+                q8_copy<TILE>(xs, (const u8*)xsrc, c0, cols);
+            else
+                q8_stage<NT, TILE, !EARLY>(xs, xsrc, x_tstride, xrows, nt, c0, cols);
+        } else {
+            q8_stage<NT, TILE, !EARLY>(xs, xsrc, x_tstride, xrows, nt, c0, cols);
+        }
         __syncthreads();
         if (NT != 1 && (!EARLY || c0 != 0))
             mv_load_tile<WFMT, M, J, R, true>(grp, w, s, 1, 0, rb, row0, rows, cols, c0);
@@ -1525,10 +1543,10 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
                                             const u32* __restrict__ xrows,
                                             float* __restrict__ ym, u32 y_tstride, u32 rows,
                                             u32 cols, u32 nt, const u8* ahead = nullptr,
-                                            u64 ahead_bytes = 0) {
+                                            u64 ahead_bytes = 0, const u8* xq = nullptr) {
     if constexpr (FMT_INT_ACT(FMT)) {
         matvec_core_q8<FMT, NT, R, EARLY, GLU>(bx, w0, w1, xm, x_tstride, xrows, ym, y_tstride,
-                                               rows, cols, nt, ahead, ahead_bytes);
+                                               rows, cols, nt, ahead, ahead_bytes, xq);
     } else {
         matvec_core_f<FMT, NT, R, EARLY, GLU>(bx, w0, s0, w1, s1, s_block, s_cols, xm, x_tstride,
                                               xrows, ym, y_tstride, rows, cols, nt);
@@ -1546,14 +1564,17 @@ __device__ __forceinline__ void matvec_core(u32 bx, const u8* __restrict__ w0,
 
 
 // Strided group: matrix z is at w + z·w_mstride and reads its ntok tokens
-// at x + z·x_mstride, writing y + z·y_mstride.
+// at x + z·x_mstride, writing y + z·y_mstride. xq: when given (the host
+// gives it for one token of one matrix), x quantized (a Q8 row,
+// common.cuh), which the 8-bit-activation formats copy instead of
+// quantizing x in every block; the same bits.
 template <int FMT, int NT>
 __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstride,
                                             const float* __restrict__ scales, u64 s_mstride,
                                             u32 s_block, u32 s_cols, const float* __restrict__ x,
                                             u64 x_mstride, u32 x_tstride, float* __restrict__ y,
                                             u64 y_mstride, u32 y_tstride, u32 rows, u32 cols,
-                                            u32 ntok) {
+                                            u32 ntok, const u8* __restrict__ xq) {
     const u64 z = blockIdx.z;
     const u32 t0 = blockIdx.y * NT;
     const u32 nt = min((u32)NT, ntok - t0);
@@ -1564,7 +1585,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w, u64 w_mstr
         blockIdx.x, w + z * w_mstride, sz, nullptr, nullptr, s_block, s_cols,
         x + z * x_mstride + (u64)t0 * x_tstride, x_tstride, nullptr,
         y + z * y_mstride + (u64)t0 * y_tstride,
-        y_tstride, rows, cols, nt);
+        y_tstride, rows, cols, nt, nullptr, 0, xq);
 }
 
 // Up to three matrices of the same width and format applied to the same
@@ -1691,10 +1712,10 @@ __device__ __forceinline__ void matvec_table_body(const u64* __restrict__ w_ptrs
         NAME(const u8* __restrict__ w, u64 w_mstride, const float* __restrict__ scales,         \
              u64 s_mstride, u32 s_block, u32 s_cols, const float* __restrict__ x, u64 x_mstride, \
              u32 x_tstride, float* __restrict__ y, u64 y_mstride, u32 y_tstride, u32 rows,       \
-             u32 cols, u32 ntok) {                                                              \
+             u32 cols, u32 ntok, const u8* __restrict__ xq) {                                   \
         /* pdl_entry(): in matvec_core, after the first tile's weights */                       \
         matvec_body<FMT, NT>(w, w_mstride, scales, s_mstride, s_block, s_cols, x, x_mstride,    \
-                             x_tstride, y, y_mstride, y_tstride, rows, cols, ntok);             \
+                             x_tstride, y, y_mstride, y_tstride, rows, cols, ntok, xq);         \
     }
 
 #define MATVEC_SEG_KERNEL(NAME, FMT)                                                              \

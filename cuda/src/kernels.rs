@@ -578,6 +578,21 @@ pub struct KernelSet {
     /// (unless `COLIBRI_DOWN_AHEAD=0`, for comparing; the same bits): see
     /// `l2_ahead_share` in kernels/matvec.cu.
     pub(crate) down_ahead: bool,
+    /// Whether a one-token attention quantizes its output once for the
+    /// output projection (unless `COLIBRI_Q8_ONCE=0`, for comparing; the
+    /// same bits): see [`KernelSet::q8_once`].
+    q8_once: bool,
+}
+
+impl KernelSet {
+    /// Whether a one-token attention should write its output's Q8 row for
+    /// the output projection to copy (`AttentionSplit::out_q8`,
+    /// [`KernelSet::matvec_from_q8`]) rather than have each of its blocks
+    /// quantize the output again: the same bits. On by default;
+    /// `COLIBRI_Q8_ONCE=0` turns it off to compare.
+    pub fn q8_once(&self) -> bool {
+        self.q8_once
+    }
 }
 
 impl KernelSet {
@@ -617,6 +632,7 @@ impl KernelSet {
             pdl: arch.major >= 9 && std::env::var("COLIBRI_PDL").map_or(true, |v| v != "0"),
             stream: std::env::var("COLIBRI_MV_STREAM").map_or(true, |v| v != "0"),
             down_ahead: std::env::var("COLIBRI_DOWN_AHEAD").map_or(true, |v| v != "0"),
+            q8_once: std::env::var("COLIBRI_Q8_ONCE").map_or(true, |v| v != "0"),
         })
     }
 

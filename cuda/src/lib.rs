@@ -62,5 +62,5 @@ pub use kernels::{Arch, CI_ARCHS, CompiledModule, KernelSet, MODULES, compile_al
 pub use moe::{DeviceRouter, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MoeRoutePlan};
 pub use ops::{
     ATTENTION_CHUNK, Attention, AttentionSplit, Fp8Scales, KvView, MatvecGroup, RopeTable,
-    WeightFormat, WeightView, attention_split_records,
+    WeightFormat, WeightView, attention_split_records, q8_row_bytes,
 };

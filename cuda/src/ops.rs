@@ -471,6 +471,25 @@ pub struct MatvecGroup<'a> {
     pub y_mat_stride: usize,
 }
 
+impl<'a> MatvecGroup<'a> {
+    /// `ntok` contiguous rows of x (`[ntok][cols]`) through one matrix into
+    /// contiguous rows of y (`[ntok][rows]`).
+    pub fn one(w: WeightView<'a>, x: BufView<'a, f32>, ntok: usize) -> MatvecGroup<'a> {
+        MatvecGroup {
+            w,
+            matrices: 1,
+            w_stride: 0,
+            scale_stride: 0,
+            x,
+            x_tok_stride: w.cols,
+            x_mat_stride: 0,
+            ntok,
+            y_tok_stride: w.rows,
+            y_mat_stride: 0,
+        }
+    }
+}
+
 /// Rotary tables: `cos`/`sin` hold `rot_dim / 2` values per position for
 /// `positions` positions (YaRN's attention factor already multiplied in).
 #[derive(Clone, Copy, Debug)]
@@ -533,6 +552,10 @@ pub struct AttentionSplit<'a> {
     pub records: BufMut<'a, f32>,
     /// `rows·heads` counters, zero before and after each launch.
     pub counters: BufMut<'a, u32>,
+    /// The output quantized as well: each row's `heads·dim_v` values as a
+    /// Q8 row ([`q8_row_bytes`] apart; `dim_v` a multiple of 32), for the
+    /// output projection to copy ([`KernelSet::matvec_from_q8`]).
+    pub out_q8: Option<BufMut<'a, u8>>,
 }
 
 /// Floats of chunk records [`KernelSet::attention_split`] needs.
@@ -545,6 +568,37 @@ pub fn attention_split_records(
     rows.checked_mul(heads)?
         .checked_mul(chunk_cap)?
         .checked_mul(dim_v.checked_add(2)?)
+}
+
+/// Bytes between consecutive Q8 rows: a row of `n` activations (a
+/// multiple of 32) quantized once by the kernel that produces it, for the
+/// 8-bit-activation products that read it (`q8_row_bytes` and the layout
+/// in kernels/common.cuh): n/2 bytes of low quants, n/2 of high ones, n/32
+/// f32 scales and n/32 i32 sums, padded to 16 bytes.
+pub fn q8_row_bytes(n: usize) -> usize {
+    (n + n / 4).next_multiple_of(16)
+}
+
+/// Checks a Q8 buffer for `rows` rows of `n` activations.
+fn check_q8(kernel: &'static str, q: u64, len: usize, rows: usize, n: usize) -> Result<()> {
+    if !n.is_multiple_of(32) {
+        return Err(CudaError::invalid(
+            kernel,
+            format!("8-bit rows need whole blocks of 32, not {n} values"),
+        ));
+    }
+    if !q.is_multiple_of(16) {
+        return Err(CudaError::invalid(
+            kernel,
+            "8-bit rows must be 16-byte aligned",
+        ));
+    }
+    need(
+        kernel,
+        "8-bit rows",
+        span(kernel, &[(rows, q8_row_bytes(n))], 0)?,
+        len,
+    )
 }
 
 /// The kernels' block sizes (see the .cu files).
@@ -931,22 +985,7 @@ impl KernelSet {
         ntok: usize,
         y: BufMut<'_, f32>,
     ) -> Result<()> {
-        self.matvec_group(
-            dev,
-            &MatvecGroup {
-                w: *w,
-                matrices: 1,
-                w_stride: 0,
-                scale_stride: 0,
-                x,
-                x_tok_stride: w.cols,
-                x_mat_stride: 0,
-                ntok,
-                y_tok_stride: w.rows,
-                y_mat_stride: 0,
-            },
-            y,
-        )
+        self.matvec_group(dev, &MatvecGroup::one(*w, x, ntok), y)
     }
 
     /// One token through one to three matrices of the same format and
@@ -972,18 +1011,7 @@ impl KernelSet {
             if w.format != format || w.cols != cols {
                 return Err(CudaError::invalid(K, "matrices differ in format or width"));
             }
-            let g = MatvecGroup {
-                w: *w,
-                matrices: 1,
-                w_stride: 0,
-                scale_stride: 0,
-                x,
-                x_tok_stride: cols,
-                x_mat_stride: 0,
-                ntok: 1,
-                y_tok_stride: w.rows,
-                y_mat_stride: 0,
-            };
+            let g = MatvecGroup::one(*w, x, 1);
             let (sp, sb, sc) = check_group(&g, y)?;
             if scale_geom.is_some_and(|geom| geom != (sb, sc)) {
                 return Err(CudaError::invalid(K, "matrices differ in fp8 scale block"));
@@ -1036,6 +1064,23 @@ impl KernelSet {
             && w.rows >= warps * MV_STREAM_MIN_ROWS_PER_WARP
     }
 
+    /// One token through `w`, as [`KernelSet::matvec`] gives it, with x's
+    /// Q8 row (written by the kernel that produced x: `attention_split`'s
+    /// `out_q8`), which the 8-bit-activation formats copy instead of
+    /// quantizing x again in each block: the same bits. The caller vouches
+    /// that `xq` is x's.
+    pub fn matvec_from_q8(
+        &self,
+        dev: &CudaDevice,
+        w: &WeightView<'_>,
+        x: BufView<'_, f32>,
+        xq: BufView<'_, u8>,
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
+        check_q8("matvec", xq.device_ptr(), xq.len(), 1, w.cols)?;
+        self.group_launch(dev, &MatvecGroup::one(*w, x, 1), Some(xq), y)
+    }
+
     /// The grouped matrix-vector product of [`MatvecGroup`].
     pub fn matvec_group(
         &self,
@@ -1043,7 +1088,22 @@ impl KernelSet {
         g: &MatvecGroup<'_>,
         y: BufMut<'_, f32>,
     ) -> Result<()> {
+        self.group_launch(dev, g, None, y)
+    }
+
+    /// `matvec_group`, with x's Q8 row for a one-token product of one
+    /// matrix (checked by the caller).
+    fn group_launch(
+        &self,
+        dev: &CudaDevice,
+        g: &MatvecGroup<'_>,
+        xq: Option<BufView<'_, u8>>,
+        y: BufMut<'_, f32>,
+    ) -> Result<()> {
         const K: &str = "matvec";
+        if xq.is_some() && (g.ntok != 1 || g.matrices != 1) {
+            return Err(CudaError::invalid(K, "a Q8 row is one token of one matrix"));
+        }
         let w = &g.w;
         let (scales_ptr, s_block, s_cols) = check_group(g, &y)?;
         let streams = g.matrices == 1
@@ -1093,12 +1153,14 @@ impl KernelSet {
             .u32(u32_arg(K, "y token stride", g.y_tok_stride)?)
             .u32(u32_arg(K, "rows", w.rows)?)
             .u32(u32_arg(K, "cols", w.cols)?)
-            .u32(u32_arg(K, "ntok", g.ntok)?);
-        // SAFETY: 15 arguments in the order and sizes of MATVEC_KERNEL in
+            .u32(u32_arg(K, "ntok", g.ntok)?)
+            .ptr(xq.map_or(0, |q| q.device_ptr()));
+        // SAFETY: 16 arguments in the order and sizes of MATVEC_KERNEL in
         // kernels/matvec.cu (ptr, u64, ptr, u64, u32, u32, ptr, u64, u32,
-        // ptr, u64, u32, u32, u32, u32); weights, scales, x and y ranges were
-        // checked above against their views (weights may be read up to 3
-        // bytes past the view, inside the allocation's padding).
+        // ptr, u64, u32, u32, u32, u32, ptr); weights, scales, x and y
+        // ranges were checked above against their views (weights may be
+        // read up to 3 bytes past the view, inside the allocation's
+        // padding), xq (one token of one matrix) by the caller.
         unsafe { self.launch(dev, name, grid, MV_THREADS, &mut a) }
     }
 
@@ -1744,15 +1806,26 @@ impl KernelSet {
             split.records.len(),
         )?;
         need(K, "counters", at.rows * at.heads, split.counters.len())?;
+        if let Some(q) = &split.out_q8 {
+            if !at.dim_v.is_multiple_of(32) {
+                return Err(CudaError::invalid(
+                    K,
+                    "8-bit rows need heads of whole blocks of 32",
+                ));
+            }
+            check_q8(K, q.device_ptr(), q.len(), at.rows, at.heads * at.dim_v)?;
+        }
         a.ptr(out.device_ptr())
             .u32(u32_arg(K, "blocks", split.blocks)?)
             .u32(u32_arg(K, "chunk_cap", split.chunk_cap)?)
             .ptr(split.records.device_ptr())
-            .ptr(split.counters.device_ptr());
-        // SAFETY: attention's 21 arguments, then u32 ×2, ptr, ptr as
+            .ptr(split.counters.device_ptr())
+            .ptr(split.out_q8.map_or(0, |q| q.device_ptr()));
+        // SAFETY: attention's 21 arguments, then u32 ×2, ptr, ptr, ptr as
         // attention_split in kernels/attention.cu; the records hold
         // chunk_cap records of 2 + dim_v floats per (row, head) and the
-        // kernel writes only below chunk_cap; one counter per (row, head).
+        // kernel writes only below chunk_cap; one counter per (row, head);
+        // out_q8 holds a Q8 row per row of the output (checked).
         unsafe {
             self.launch(
                 dev,

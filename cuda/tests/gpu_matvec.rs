@@ -16,7 +16,7 @@
 
 mod common;
 
-use colibri_cuda::{Fp8Scales, MatvecGroup, WeightFormat, WeightView};
+use colibri_cuda::{Fp8Scales, MatvecGroup, WeightFormat, WeightView, q8_row_bytes};
 use common::*;
 
 const BOUND: f64 = 1e-5;
@@ -515,6 +515,65 @@ fn matvec_seg_equals_single() {
                 assert_bits(&format!("{fmt:?} matrix {i} of {n}"), &got, &single);
             }
         }
+    }
+}
+
+/// One token through one matrix with x's Q8 row (as attention writes it
+/// for the output projection): every format gives the plain launch's bits
+/// (three tiles, the last partial); the 8-bit-activation formats read the
+/// row (quants of other values give those values' product); a row too
+/// short is refused.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with cargo test -p colibri-cuda -- --ignored"]
+fn matvec_from_q8_rows_equals_plain() {
+    let g = gpu();
+    for (fi, &fmt) in FORMATS.iter().enumerate() {
+        let mut rng = rng(170 + fi as u64);
+        let cols = if fmt.row_bytes(4160).is_some() {
+            4160
+        } else {
+            4352
+        };
+        let rows = 45usize;
+        let w = random_weights(&mut rng, fmt, rows, cols);
+        let x = nonzero(&mut rng, cols, 0.01, 1.0);
+        let other: Vec<f32> = x.iter().map(|v| v * -0.75).collect();
+        let (wb, xb) = (upload(&w.bytes), upload(&x));
+        let sb = upload(&if w.scales.is_empty() {
+            vec![0.0f32]
+        } else {
+            w.scales.clone()
+        });
+        let view = WeightView {
+            format: fmt,
+            rows,
+            cols,
+            data: wb.as_view(),
+            fp8: (fmt == WeightFormat::F8E4M3).then(|| Fp8Scales {
+                scales: sb.as_view(),
+                block: w.block,
+            }),
+        };
+        let plain = run(fmt, &w, rows, cols, &x, 1, 0);
+        for (src, want) in [
+            (&x, plain.clone()),
+            (&other, run(fmt, &w, rows, cols, &other, 1, 0)),
+        ] {
+            let xq = upload(&q8_rows_ref(src, cols));
+            let mut y = poisoned(rows);
+            g.k.matvec_from_q8(&g.dev, &view, xb.as_view(), xq.as_view(), y.as_mut())
+                .unwrap();
+            let got = g.dev.download(y.as_view()).unwrap();
+            // The float formats read x itself.
+            let want = if int_act(fmt) { want } else { plain.clone() };
+            assert_bits(&format!("{fmt:?} from a Q8 row"), &got, &want);
+        }
+        let short = upload(&vec![0u8; q8_row_bytes(cols) - 16]);
+        let mut y = poisoned(rows);
+        assert!(
+            g.k.matvec_from_q8(&g.dev, &view, xb.as_view(), short.as_view(), y.as_mut())
+                .is_err()
+        );
     }
 }
 

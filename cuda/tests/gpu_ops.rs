@@ -18,7 +18,7 @@ mod common;
 
 use colibri_cuda::{
     ATTENTION_CHUNK, Attention, AttentionSplit, KvView, RopeTable, WeightFormat, WeightView,
-    attention_split_records,
+    attention_split_records, q8_row_bytes,
 };
 use common::*;
 use rand::Rng;
@@ -727,17 +727,39 @@ fn split_attention_has_the_bits_of_attention() {
                 let mut want = poisoned(m * nh * dv);
                 g.k.attention(&g.dev, &at, want.as_mut()).unwrap();
                 let want = g.dev.download(want.as_view()).unwrap();
+                // Rows of whole blocks of 32 may be quantized as well (the
+                // second round): Q8 rows of exactly the output.
+                let whole = dv % 32 == 0;
+                let qb = q8_row_bytes(nh * dv);
                 for blocks in [1usize, 3, 16] {
                     for round in 0..2 {
                         let mut out = poisoned(m * nh * dv);
+                        let mut oq = upload(&vec![0xa5u8; m * qb]);
                         let split = AttentionSplit {
                             blocks,
                             chunk_cap,
                             records: records.as_mut(),
                             counters: counters.as_mut(),
+                            out_q8: (round == 1).then(|| oq.as_mut()),
                         };
-                        g.k.attention_split(&g.dev, &at, split, out.as_mut())
-                            .unwrap();
+                        let r = g.k.attention_split(&g.dev, &at, split, out.as_mut());
+                        if round == 1 && !whole {
+                            assert!(r.is_err(), "Q8 rows of {dv}-value heads");
+                            continue;
+                        }
+                        r.unwrap();
+                        if round == 1 {
+                            let got = g.dev.download(oq.as_view()).unwrap();
+                            let refq = q8_rows_ref(&want, nh * dv);
+                            let used = nh * dv + nh * dv / 4;
+                            for i in 0..m {
+                                assert_eq!(
+                                    got[i * qb..i * qb + used],
+                                    refq[i * qb..i * qb + used],
+                                    "Q8 row {i} of split attention, blocks={blocks}"
+                                );
+                            }
+                        }
                         assert_bits(
                             &format!(
                                 "split attention heads={nh} dim_b={db} rows={pair:?} \
@@ -760,15 +782,26 @@ fn split_attention_has_the_bits_of_attention() {
                 // the others keep their bits.
                 let cap = 2usize;
                 let mut out = poisoned(m * nh * dv);
+                let mut oq = upload(&vec![0xa5u8; m * qb]);
                 let split = AttentionSplit {
                     blocks: 2,
                     chunk_cap: cap,
                     records: records.as_mut(),
                     counters: counters.as_mut(),
+                    out_q8: whole.then(|| oq.as_mut()),
                 };
                 g.k.attention_split(&g.dev, &at, split, out.as_mut())
                     .unwrap();
                 let got = g.dev.download(out.as_view()).unwrap();
+                if whole {
+                    // NaN rows quantize to zeros with scale 0, as on the CPU.
+                    let gq = g.dev.download(oq.as_view()).unwrap();
+                    let refq = q8_rows_ref(&got, nh * dv);
+                    let used = nh * dv + nh * dv / 4;
+                    for i in 0..m {
+                        assert_eq!(gq[i * qb..i * qb + used], refq[i * qb..i * qb + used]);
+                    }
+                }
                 for (i, &(p, _)) in pair.iter().enumerate() {
                     let p = p as usize;
                     let first = window.map_or(0, |w| (p + 1).saturating_sub(w));

@@ -482,6 +482,33 @@ pub fn quantize_q8_ref(x: &[f32]) -> Q8Ref {
     r
 }
 
+/// Rows of n values (n a multiple of 32) as Q8 rows, the layout of
+/// kernels/common.cuh written out from [`quantize_q8_ref`]: per row, the
+/// blocks' first 16 quants (16 bytes per block), their last 16, the f32
+/// scales, the i32 values 8·Σq; rows `colibri_cuda::q8_row_bytes(n)` apart.
+pub fn q8_rows_ref(x: &[f32], n: usize) -> Vec<u8> {
+    let stride = colibri_cuda::q8_row_bytes(n);
+    let mut out = vec![0u8; x.len() / n * stride];
+    for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(stride)) {
+        let r = quantize_q8_ref(row);
+        for (b, (q, d)) in r.q.chunks_exact(32).zip(&r.d).enumerate() {
+            for (j, &v) in q.iter().enumerate() {
+                dst[if j < 16 { 0 } else { n / 2 } + 16 * b + j % 16] = v as u8;
+            }
+            dst[n + 4 * b..n + 4 * b + 4].copy_from_slice(&d.to_ne_bytes());
+            let z = 8 * q.iter().map(|&v| v as i32).sum::<i32>();
+            dst[n + n / 8 + 4 * b..n + n / 8 + 4 * b + 4].copy_from_slice(&z.to_ne_bytes());
+        }
+    }
+    out
+}
+
+/// Whether `fmt` takes the 8-bit-activation path (the formats whose
+/// one-token launches read Q8 rows when given them).
+pub fn int_act(fmt: WeightFormat) -> bool {
+    fmt.storage() != fmt
+}
+
 /// colibri-model's `dot_q4_0_q8`, written out: block b's exact integer sum
 /// times `f16(w.d) · x.d`, fused-added into accumulator b mod 4, reduced
 /// as `(a0 + a2) + (a1 + a3)`. (sched/tests/gpu.rs holds the GPU to the

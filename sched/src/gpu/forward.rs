@@ -30,7 +30,7 @@ use colibri_cuda::{
     ATTENTION_CHUNK, Attention, AttentionSplit, BufMut, BufView, CudaDevice, DeviceBuffer,
     DeviceRouter, Event, Graph, HostBuffer, HostRegistration, KernelSet, KvView,
     MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K, MatvecGroup, RopeTable, WeightView,
-    attention_split_records,
+    attention_split_records, q8_row_bytes,
 };
 use colibri_io::PinnedArena;
 use colibri_model::config::{QkNorm, RouterKind};
@@ -73,6 +73,8 @@ struct ScratchSizes {
     rows: usize,
     hn: usize,
     lg: usize,
+    /// Bytes of one token's attention output as a Q8 row.
+    ctxq: usize,
     /// attention_split's chunk records and counters, and the chunks a row
     /// may have.
     at_rec: usize,
@@ -132,6 +134,11 @@ fn sizes(d: &Dims, mla_fallback: bool, rope_positions: usize) -> ScratchSizes {
         rows: r,
         hn: LM_ROWS * d.hidden,
         lg: LM_ROWS * d.vocab,
+        ctxq: if ctx.is_multiple_of(32) {
+            q8_row_bytes(ctx)
+        } else {
+            0
+        },
         at_rec: attention_split_records(SPLIT_ROWS.min(r), heads, dim_v, at_chunks)
             .unwrap_or(usize::MAX),
         at_cnt: SPLIT_ROWS.min(r) * heads,
@@ -178,7 +185,7 @@ pub(crate) fn scratch_bytes(d: &Dims, rope_positions: usize, model: &Model) -> u
         + s.at_rec;
     let u32s = 2 * s.rows + LM_ROWS + s.at_cnt;
     let rope = super::rope_of(model).dim() * rope_positions;
-    (4 * (floats + u32s + rope)) as u64 + MoeBufs::device_bytes(d)
+    (4 * (floats + u32s + rope) + s.ctxq) as u64 + MoeBufs::device_bytes(d)
 }
 
 struct Scratch {
@@ -192,6 +199,9 @@ struct Scratch {
     ckv: DeviceBuffer<f32>,
     qa: DeviceBuffer<f32>,
     ctx: DeviceBuffer<f32>,
+    /// One token's attention output as a Q8 row (GQA, for the output
+    /// projection when it takes 8-bit activations).
+    ctxq: DeviceBuffer<u8>,
     mo: DeviceBuffer<f32>,
     mtmp: DeviceBuffer<f32>,
     fg: DeviceBuffer<f32>,
@@ -560,6 +570,7 @@ impl State {
             ckv: f(z.ckv)?,
             qa: f(z.qa)?,
             ctx: f(z.ctx)?,
+            ctxq: zeros::<u8>(&dev, z.ctxq)?,
             mo: f(z.mo)?,
             mtmp: f(z.mtmp)?,
             fg: f(z.mlp)?,

@@ -5,15 +5,20 @@
 use super::*;
 
 /// Attention of one sequence's rows: split over several blocks per (row,
-/// head) for a pass of few rows (the same bits either way).
+/// head) for a pass of few rows (the same bits either way). `out_q8`: the
+/// output's Q8 rows as well (the split launch only: a pass of few rows).
 fn attend(
     k: &KernelSet,
     dev: &CudaDevice,
     at: &Attention<'_>,
     s: &mut SplitScratch,
     out: BufMut<'_, f32>,
+    out_q8: Option<BufMut<'_, u8>>,
 ) -> Result<(), GpuError> {
     if at.rows > SPLIT_ROWS {
+        if out_q8.is_some() {
+            return Err(GpuError::Internal("Q8 rows of a many-row attention".into()));
+        }
         return Ok(k.attention(dev, at, out)?);
     }
     let split = AttentionSplit {
@@ -21,6 +26,7 @@ fn attend(
         chunk_cap: s.chunks,
         records: s.records.as_mut(),
         counters: s.counters.as_mut(),
+        out_q8,
     };
     Ok(k.attention_split(dev, at, split, out)?)
 }
@@ -118,6 +124,13 @@ impl State {
         let base = self.dense.view(l)?;
         let h = self.s.h.view(0..n * dims.hidden)?;
         let (w_q, w_k, w_v) = (wq.w.view(base)?, wk.w.view(base)?, wv.w.view(base)?);
+        let w_o = wo.w.view(base)?;
+        // One token whose output projection takes 8-bit activations: the
+        // attention quantizes its output once, for that product to copy.
+        let ctx_q8 = n == 1
+            && self.k.q8_once()
+            && hd.is_multiple_of(32)
+            && w_o.format.storage() != w_o.format;
         if n == 1 && w_q.format == w_k.format && w_q.format == w_v.format {
             // One token: the three projections in one launch (the same
             // arithmetic per matrix as three), then any biases.
@@ -311,9 +324,33 @@ impl State {
                 &at,
                 &mut self.s.split,
                 self.s.ctx.view_mut(r0 * qd..(r0 + m) * qd)?,
+                if ctx_q8 {
+                    Some(self.s.ctxq.view_mut(0..q8_row_bytes(qd))?)
+                } else {
+                    None
+                },
             )?;
         }
-        let base = self.dense.view(l)?;
+        if ctx_q8 {
+            // One token: the output projection copies the attention's
+            // quants of its input (the same bits as quantizing it again).
+            self.k.matvec_from_q8(
+                &self.dev,
+                &w_o,
+                self.s.ctx.view(0..qd)?,
+                self.s.ctxq.view(0..q8_row_bytes(qd))?,
+                self.s.a.view_mut(0..dims.hidden)?,
+            )?;
+            if let Some(b) = &wo.bias {
+                self.k.add_bias(
+                    &self.dev,
+                    self.s.a.view_mut(0..dims.hidden)?,
+                    b.view(base)?,
+                    1,
+                )?;
+            }
+            return Ok(());
+        }
         linear(
             &self.dev,
             &self.k,
@@ -517,6 +554,7 @@ impl State {
                 &at,
                 &mut self.s.split,
                 self.s.ctx.view_mut(r0 * ctxw..(r0 + m) * ctxw)?,
+                None,
             )?;
         }
         // W_uv per head: rows h·(dn+dv)+dn .. +dv of kv_b on the head's
