@@ -1032,5 +1032,47 @@ fn tile_tokens(rng: &mut impl Rng) {
                 "{cols:>5} columns, {name}{shown}: {ns:.3} ns per block and token (best of 7)"
             );
         }
+        let Some(amx) = k.amx_q4_0_tiles else {
+            continue;
+        };
+        // AMX: tokens packed once (as `tiled_rows` packs them for all of
+        // a task's tiles), in passes of up to 16, all of them per call.
+        let mut scratch = colibri_model::kernels::q4_0_amx::Scratch::default();
+        let mut amx_time = |plan: &[usize]| {
+            let mut j0 = 0;
+            let packed: Vec<colibri_model::kernels::q4_0_amx::Tokens> = plan
+                .iter()
+                .map(|&size| {
+                    let mut p = colibri_model::kernels::q4_0_amx::Tokens::default();
+                    p.pack(&xs[j0..j0 + size], blocks);
+                    j0 += size;
+                    p
+                })
+                .collect();
+            let n: usize = plan.iter().sum();
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                amx(t, blocks, &packed, &mut scratch, &mut out[..n], &[]);
+                std::hint::black_box(&out);
+            }
+            t0.elapsed().as_secs_f64() * 1e9 / (reps * blocks * n) as f64
+        };
+        let amx_plans: Vec<(String, Vec<usize>)> = vec![
+            ("48 tokens, 16 a pass".into(), vec![16; 3]),
+            ("16 tokens".into(), vec![16]),
+            ("12 tokens".into(), vec![12]),
+            ("8 tokens".into(), vec![8]),
+            ("4 tokens".into(), vec![4]),
+            ("33 tokens, even passes".into(), vec![11; 3]),
+        ];
+        let mut best = vec![f64::INFINITY; amx_plans.len()];
+        for _ in 0..7 {
+            for (i, (_, plan)) in amx_plans.iter().enumerate() {
+                best[i] = best[i].min(amx_time(plan));
+            }
+        }
+        for ((name, _), ns) in amx_plans.iter().zip(&best) {
+            println!("{cols:>5} columns, AMX, {name}: {ns:.3} ns per block and token (best of 7)");
+        }
     }
 }

@@ -18,6 +18,7 @@ pub mod low_k;
 pub mod neon;
 pub mod pool;
 pub mod q4_0;
+pub mod q4_0_amx;
 pub mod q4_0_tiles;
 pub mod q4_k;
 pub mod q6_k;
@@ -63,6 +64,21 @@ pub type TileDot = fn(&[u8], usize, &Q8Activation, &mut [f32; q4_0_tiles::TILE_R
 /// following tile, on a tile's first pass).
 pub type TilesDot = fn(&[u8], usize, &[&Q8Activation], &mut [[f32; q4_0_tiles::TILE_ROWS]], &[u8]);
 
+/// `(tile, blocks, passes, scratch, out, next)`: a tile of 16 Q4_0 rows
+/// (or IQ4_NL rows tiled as Q4_0's) against passes of up to
+/// [`q4_0_amx::TOKENS`] activations packed for AMX
+/// ([`q4_0_amx::Tokens`]), token after token into `out`: `out[t]` exactly
+/// what the row kernel gives each row for token `t`. `next` as for
+/// [`TilesDot`].
+pub type PackedTilesDot = fn(
+    &[u8],
+    usize,
+    &[q4_0_amx::Tokens],
+    &mut q4_0_amx::Scratch,
+    &mut [[f32; q4_0_tiles::TILE_ROWS]],
+    &[u8],
+);
+
 /// `(w, x, out)`: consecutive rows of a 16-bit matrix against one vector.
 pub type RowsDot16 = fn(&[u16], &[f32], &mut [f32]);
 
@@ -80,7 +96,12 @@ pub const TILE_TOKENS: usize = 8;
 /// with the few tokens a several-token kernel runs slowest. Which tokens
 /// share a pass changes no result (each token's sums are its own).
 pub fn tile_passes(n: usize) -> impl Iterator<Item = usize> {
-    let passes = n.div_ceil(TILE_TOKENS);
+    passes_of(n, TILE_TOKENS)
+}
+
+/// [`tile_passes`] for a kernel that takes at most `most` tokens a pass.
+pub fn passes_of(n: usize, most: usize) -> impl Iterator<Item = usize> {
+    let passes = n.div_ceil(most);
     let base = n.checked_div(passes).unwrap_or(0);
     let extra = n.checked_rem(passes).unwrap_or(0);
     (0..passes).map(move |p| base + usize::from(p < extra))
@@ -188,6 +209,13 @@ pub struct KernelSet {
     /// result identical to `dot_more_q8`'s for IQ4_NL; `None`: the row
     /// kernels. The rows are tiled per product ([`iq4_nl_tiled_rows`]).
     pub dot_iq4_nl_tiles: Option<TilesDot>,
+    /// Q4_0 tiles against many tokens on AMX ([`q4_0_amx`]; prefill),
+    /// each result identical to `dot_q4_0_tile`'s, from
+    /// [`AMX_MIN_TOKENS`] tokens on; `None` without AMX or with
+    /// `COLIBRI_NO_AMX=1`.
+    pub amx_q4_0_tiles: Option<PackedTilesDot>,
+    /// The same for IQ4_NL rows tiled as Q4_0's.
+    pub amx_iq4_nl_tiles: Option<PackedTilesDot>,
     /// Panels of 16 Q4_K or Q5_K rows against several tokens at once
     /// (prefill, batched decode; [`k_panels`]), each result identical to
     /// the row kernel's; `None` takes the tokens one by one.
@@ -380,6 +408,8 @@ pub const SCALAR: KernelSet = KernelSet {
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
     dot_iq4_nl_tiles: None,
+    amx_q4_0_tiles: None,
+    amx_iq4_nl_tiles: None,
     dot_k_panels: None,
     dot_q6_k_panels: None,
     dot_low_k_panels: None,
@@ -708,6 +738,8 @@ pub const AVX2: KernelSet = KernelSet {
     dot_q4_0_tile: Some(avx2_wrappers::dot_q4_0_tile),
     dot_q4_0_tiles: Some(avx2_wrappers::dot_q4_0_tiles),
     dot_iq4_nl_tiles: None,
+    amx_q4_0_tiles: None,
+    amx_iq4_nl_tiles: None,
     dot_k_panels: Some(avx2_wrappers::dot_k_panels),
     dot_q6_k_panels: Some(avx2_wrappers::dot_q6_k_panels),
     dot_low_k_panels: Some(avx2_wrappers::dot_low_k_panels),
@@ -999,6 +1031,28 @@ pub fn has_avx512_vnni() -> bool {
         && is_x86_feature_detected!("avx512vbmi")
 }
 
+#[cfg(target_arch = "x86_64")]
+mod amx_wrappers {
+    use super::q4_0_amx::{self, Scratch, Tokens};
+    use super::q4_0_tiles::TILE_ROWS;
+
+    /// `NL`: IQ4_NL rows tiled as Q4_0's. The kernel checks its tile,
+    /// passes and output; AMX being here is checked here (a cached probe).
+    pub fn dot_tiles<const NL: bool>(
+        tile: &[u8],
+        blocks: usize,
+        passes: &[Tokens],
+        scratch: &mut Scratch,
+        out: &mut [[f32; TILE_ROWS]],
+        next: &[u8],
+    ) {
+        assert!(q4_0_amx::available(), "AMX on this CPU");
+        // SAFETY: AMX (with AVX-512, which `available` requires) checked
+        // just above; the kernel checks its arguments.
+        unsafe { q4_0_amx::x86::dot_tiles::<NL>(tile, blocks, passes, scratch, out, next) }
+    }
+}
+
 #[cfg(target_arch = "aarch64")]
 mod neon_wrappers {
     // NEON is baseline on aarch64 (neon.rs asserts it at compile time) and
@@ -1129,6 +1183,8 @@ pub const NEON: KernelSet = KernelSet {
     dot_q4_0_tile: None,
     dot_q4_0_tiles: None,
     dot_iq4_nl_tiles: None,
+    amx_q4_0_tiles: None,
+    amx_iq4_nl_tiles: None,
     dot_k_panels: Some(neon_wrappers::dot_k_panels),
     dot_q6_k_panels: None,
     dot_low_k_panels: Some(neon_wrappers::dot_k_panels),
@@ -1237,8 +1293,35 @@ fn select() -> KernelSet {
     let simd = select_simd();
     let one_token_tiles = std::env::var_os("COLIBRI_TILE_TOKENS").is_some_and(|v| v == "1");
     let panels = std::env::var_os("COLIBRI_NO_PANELS").is_none_or(|v| v == "0");
+    // AMX beside the AVX-512 kernels (its epilogue is theirs);
+    // `COLIBRI_NO_AMX=1` leaves it out, to compare (the same bits).
+    #[cfg(target_arch = "x86_64")]
+    let amx = simd.dot_q4_0_tiles.is_some()
+        && simd.dot_iq4_nl_tiles.is_some()
+        && !one_token_tiles
+        && std::env::var_os("COLIBRI_NO_AMX").is_none_or(|v| v == "0")
+        && q4_0_amx::available();
+    #[cfg(target_arch = "x86_64")]
+    let (amx_q4_0_tiles, amx_iq4_nl_tiles): (Option<PackedTilesDot>, Option<PackedTilesDot>) =
+        if amx {
+            (
+                Some(amx_wrappers::dot_tiles::<false>),
+                Some(amx_wrappers::dot_tiles::<true>),
+            )
+        } else {
+            (None, None)
+        };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (amx_q4_0_tiles, amx_iq4_nl_tiles) = (simd.amx_q4_0_tiles, simd.amx_iq4_nl_tiles);
+    #[cfg(target_arch = "x86_64")]
+    let name = if amx { "avx512-vnni+amx" } else { simd.name };
+    #[cfg(not(target_arch = "x86_64"))]
+    let name = simd.name;
     KernelSet {
+        name,
         int_activations: !exact,
+        amx_q4_0_tiles,
+        amx_iq4_nl_tiles,
         dot_q4_0_tiles: simd.dot_q4_0_tiles.filter(|_| !one_token_tiles),
         // `COLIBRI_NO_PANELS=1`: k-quant products token by token (to
         // compare; the bits are the same).
@@ -1799,11 +1882,13 @@ fn dot_q8_row(k: &KernelSet, w: &QMatrix, r: usize, a: &Q8Activation) -> f32 {
 /// i]`): whole tiles through the tile kernel, each tile once for every
 /// token while it is in L1; the rows past the last tile through the row
 /// kernel.
+#[allow(clippy::too_many_arguments)]
 fn tiled_rows(
     k: &KernelSet,
     tile: TileDot,
     w: &QMatrix,
     xs: &[&Q8Activation],
+    amx: Option<&AmxInput>,
     r0: usize,
     len: usize,
     out: &mut [f32],
@@ -1815,11 +1900,22 @@ fn tiled_rows(
     let full = w.rows / TILE_ROWS * TILE_ROWS;
     let bytes = w.data().as_slice();
     let mut rows = [0.0f32; TILE_ROWS];
+    let mut amx = AmxRun::new(k.amx_q4_0_tiles, amx, xs, blocks);
     for i0 in (0..len).step_by(TILE_ROWS) {
         let r = r0 + i0;
         let n = TILE_ROWS.min(len - i0);
         if r < full {
             let t = &bytes[r / TILE_ROWS * tb..][..tb];
+            if let Some(amx) = &mut amx {
+                let next = match r + TILE_ROWS {
+                    r1 if r1 < full && i0 + TILE_ROWS < len => &bytes[r1 / TILE_ROWS * tb..][..tb],
+                    _ => &[][..],
+                };
+                amx.run(t, blocks, next, |j, rows| {
+                    out[j * len + i0..][..n].copy_from_slice(&rows[..n]);
+                });
+                continue;
+            }
             if let Some(tiles) = k.dot_q4_0_tiles.filter(|_| xs.len() > 1) {
                 // The task's next tile, asked for during the first pass.
                 let mut next = match r + TILE_ROWS {
@@ -1857,7 +1953,7 @@ fn tiled_rows(
 /// [`Pool::task_rows`]'s boundaries.
 fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32]) {
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
-        return tiled_rows(k, tile, w, &[a], r0, ys.len(), ys);
+        return tiled_rows(k, tile, w, &[a], None, r0, ys.len(), ys);
     }
     let in_panels = w.is_k_panels() && r0.is_multiple_of(k_panels::PANEL_ROWS);
     if let (Some(panels), Input::Q8(a)) = (panel_fn(k, w.format).filter(|_| in_panels), x) {
@@ -2011,10 +2107,11 @@ pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Ve
             tasks.push((i, r0, chunk.min(w.rows - r0)));
         }
     }
+    let amx = AmxInputs::new(xs);
     let blocks: Vec<Vec<f32>> = pool.map_collect(tasks.len(), |t| {
         let (i, r0, len) = tasks[t];
         let mut out = vec![0.0f32; len * xs[i].len()];
-        q8_rows(k, ws[i], &xs[i], r0, len, &mut out);
+        q8_rows(k, ws[i], &xs[i], Some(amx.of(i)), r0, len, &mut out);
         out
     });
     for (&(i, r0, len), out) in tasks.iter().zip(&blocks) {
@@ -2151,6 +2248,118 @@ fn panel_rows(
     }
 }
 
+/// The fewest tokens the AMX tile kernels take ([`q4_0_amx`]); fewer go
+/// through the AVX-512 ones. The AMX kernel's cost per block hardly
+/// depends on its tokens: on the AMX Xeon VM (`cargo bench --bench
+/// kernels -- --tile-tokens`) 3.2–3.5 ns per block and token at 8 tokens
+/// against AVX-512's 2.8–2.9, 2.25–2.46 at 12, 2.0–2.1 at 16.
+pub const AMX_MIN_TOKENS: usize = 10;
+
+/// One matrix product's tokens packed for the AMX kernels (in passes of
+/// up to [`q4_0_amx::TOKENS`] as even as [`passes_of`] makes them), once
+/// for all its tasks: the first task that needs them packs them.
+#[derive(Default)]
+struct AmxInput(OnceLock<Vec<q4_0_amx::Tokens>>);
+
+impl AmxInput {
+    fn passes(&self, xs: &[&Q8Activation], blocks: usize) -> &[q4_0_amx::Tokens] {
+        self.0.get_or_init(|| {
+            let mut t0 = 0;
+            passes_of(xs.len(), q4_0_amx::TOKENS)
+                .map(|size| {
+                    let mut p = q4_0_amx::Tokens::default();
+                    p.pack(&xs[t0..t0 + size], blocks);
+                    t0 += size;
+                    p
+                })
+                .collect()
+        })
+    }
+}
+
+/// [`AmxInput`]s for several products' inputs (`xs[i]` for matrix `i`):
+/// products of the same tokens (an expert's gate and up) share one.
+struct AmxInputs {
+    /// Matrix `i`'s input is `cells[of[i]]`.
+    of: Vec<usize>,
+    cells: Vec<AmxInput>,
+}
+
+impl AmxInputs {
+    fn new(xs: &[Vec<&Q8Activation>]) -> AmxInputs {
+        let same = |a: &[&Q8Activation], b: &[&Q8Activation]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| std::ptr::eq(*x, *y))
+        };
+        let mut of: Vec<usize> = Vec::with_capacity(xs.len());
+        let mut firsts: Vec<usize> = Vec::new();
+        for (i, x) in xs.iter().enumerate() {
+            match firsts.iter().position(|&j| same(&xs[j], x)) {
+                Some(c) => of.push(c),
+                None => {
+                    of.push(firsts.len());
+                    firsts.push(i);
+                }
+            }
+        }
+        let cells = firsts.iter().map(|_| AmxInput::default()).collect();
+        AmxInputs { of, cells }
+    }
+
+    fn of(&self, i: usize) -> &AmxInput {
+        &self.cells[self.of[i]]
+    }
+}
+
+/// A task's AMX products of one tile against every token: the packed
+/// passes, the kernel's scratch and the results.
+struct AmxRun<'a> {
+    f: PackedTilesDot,
+    passes: &'a [q4_0_amx::Tokens],
+    scratch: q4_0_amx::Scratch,
+    res: Vec<[f32; q4_0_tiles::TILE_ROWS]>,
+}
+
+impl<'a> AmxRun<'a> {
+    /// The AMX kernel `f` for `xs` (`blocks` blocks each) where it runs:
+    /// a kernel, an input to share and enough tokens.
+    fn new(
+        f: Option<PackedTilesDot>,
+        input: Option<&'a AmxInput>,
+        xs: &[&Q8Activation],
+        blocks: usize,
+    ) -> Option<AmxRun<'a>> {
+        let (f, input) = f.zip(input).filter(|_| xs.len() >= AMX_MIN_TOKENS)?;
+        Some(AmxRun {
+            f,
+            passes: input.passes(xs, blocks),
+            scratch: q4_0_amx::Scratch::default(),
+            res: vec![[0.0; q4_0_tiles::TILE_ROWS]; xs.len()],
+        })
+    }
+
+    /// `tile` against every token (asking L2 for `next` meanwhile):
+    /// `take(t, rows)` receives token `t`'s 16 results.
+    fn run(
+        &mut self,
+        tile: &[u8],
+        blocks: usize,
+        next: &[u8],
+        mut take: impl FnMut(usize, &[f32; q4_0_tiles::TILE_ROWS]),
+    ) {
+        (self.f)(
+            tile,
+            blocks,
+            self.passes,
+            &mut self.scratch,
+            &mut self.res,
+            next,
+        );
+        for (t, rows) in self.res.iter().enumerate() {
+            take(t, rows);
+        }
+    }
+}
+
 /// The fewest tokens [`iq4_nl_tiled_rows`] takes: with four or fewer the
 /// row kernels were as fast or faster (the kernels bench on a Zen 4 VM:
 /// 33–37 GB/s × batch either way at 4 tokens, 64 against 36 at 5).
@@ -2169,6 +2378,7 @@ fn iq4_nl_tiled_rows(
     bytes: &[u8],
     rb: usize,
     xs: &[&Q8Activation],
+    amx: Option<&AmxInput>,
     r0: usize,
     len: usize,
     out: &mut [f32],
@@ -2179,6 +2389,7 @@ fn iq4_nl_tiled_rows(
     let full = len / TILE_ROWS * TILE_ROWS;
     let (mut rows, mut tile) = (vec![0u8; TILE_ROWS * rb], vec![0u8; TILE_ROWS * rb]);
     let mut res = [[0.0f32; TILE_ROWS]; TILE_TOKENS];
+    let mut amx = AmxRun::new(k.amx_iq4_nl_tiles, amx, xs, blocks);
     for p in (0..full).step_by(TILE_ROWS) {
         let at = (r0 + p) * rb;
         // Copied first: one stream through the 16 rows, where tiling
@@ -2193,6 +2404,12 @@ fn iq4_nl_tiled_rows(
         } else {
             &[][..]
         };
+        if let Some(amx) = &mut amx {
+            amx.run(&tile, blocks, next, |t, row| {
+                out[t * len + p..][..TILE_ROWS].copy_from_slice(row);
+            });
+            continue;
+        }
         let mut t0 = 0;
         for (i, size) in tile_passes(xs.len()).enumerate() {
             let hint = if i == 0 { next } else { &[][..] };
@@ -2296,10 +2513,14 @@ impl Multi {
 /// this CPU has for the layout: tiles, panels, IQ4_NL tiles, Q8_0 row
 /// pairs, several-token row kernels, else a row and a token at a time.
 /// Every value is the one-token kernel's, bit for bit.
+///
+/// `amx`: where the product's tasks share one, the tokens packed for the
+/// AMX kernels.
 fn q8_rows(
     k: &KernelSet,
     w: &QMatrix,
     q8: &[&Q8Activation],
+    amx: Option<&AmxInput>,
     r0: usize,
     len: usize,
     out: &mut [f32],
@@ -2312,7 +2533,7 @@ fn q8_rows(
     // beats the matrix–matrix kernel at every batch measured
     // (docs/benchmarks.md).
     if let Some(tile) = k.dot_q4_0_tile.filter(|_| w.is_tiled()) {
-        tiled_rows(k, tile, w, q8, r0, len, out);
+        tiled_rows(k, tile, w, q8, amx, r0, len, out);
     } else if let Some(panels) =
         panel_fn(k, w.format).filter(|_| n >= k_panels::PANEL_MIN_TOKENS || w.is_k_panels())
     {
@@ -2321,7 +2542,7 @@ fn q8_rows(
         .dot_iq4_nl_tiles
         .filter(|_| w.format == WeightFormat::Iq4Nl && n >= IQ4_NL_TILE_MIN_TOKENS)
     {
-        iq4_nl_tiled_rows(k, tiles, bytes, rb, q8, r0, len, out);
+        iq4_nl_tiled_rows(k, tiles, bytes, rb, q8, amx, r0, len, out);
     } else if let Some(pair) = k
         .dot_q8_0_q8_pair
         .filter(|_| w.format == WeightFormat::Q8_0)
@@ -2376,6 +2597,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     // Q4_0 with a matrix–matrix kernel: the tokens interleaved once (in
     // the batch), each task's rows multiplied into every token.
     let gemm = batch.tiles.as_ref();
+    let amx = AmxInput::default();
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
     let blocks: Vec<Vec<f32>> = {
@@ -2404,7 +2626,7 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                     }
                 }
             } else if q8.len() == n {
-                q8_rows(k, w, &q8, r0, len, &mut out);
+                q8_rows(k, w, &q8, Some(&amx), r0, len, &mut out);
             } else if let Some(multi) = match (w.format, w.is_quads()) {
                 (WeightFormat::Bf16, false) => k.dot_bf16_multi,
                 (WeightFormat::F16, false) => k.dot_f16_multi,
@@ -3359,7 +3581,7 @@ mod tests {
     }
 
     /// Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS products over 1 to
-    /// 9 tokens (rows against up to `MULTI` tokens at a time through
+    /// 9, 12 and 21 tokens (rows against up to `MULTI` tokens at a time through
     /// `dot_more_q8_multi`, the rest of a batch in a smaller group) give
     /// each token what a product of that token alone gives (the
     /// single-token kernel), whatever the thread count; and the
@@ -3402,7 +3624,7 @@ mod tests {
             };
             for &(rows, cols) in shapes {
                 let m = more_q8_matrix(&mut rng, format, rows, cols);
-                let n = 9;
+                let n = 21;
                 let x = rand_vec(&mut rng, n * cols);
                 let one = Pool::new(1).unwrap();
                 let single: Vec<Vec<f32>> = (0..n)
@@ -3418,7 +3640,8 @@ mod tests {
                 );
                 for threads in [1, 2, 3] {
                     let pool = Pool::new(threads).unwrap();
-                    for batch in 1..=n {
+                    // 12 and 21: IQ4_NL's AMX kernel where the CPU has one.
+                    for batch in (1..=9).chain([12, n]) {
                         let mut y = vec![f32::NAN; batch * rows];
                         matmul(&pool, &m, &x[..batch * cols], batch, &mut y);
                         for t in 0..batch {

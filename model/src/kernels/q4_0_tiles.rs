@@ -180,7 +180,7 @@ const SCALE_BYTES: usize = 2 * TILE_ROWS;
 /// tile is read front to back and every load of codes is 64-byte aligned
 /// within it.
 #[inline(always)]
-fn scales_at(_blocks: usize, b: usize) -> usize {
+pub(crate) fn scales_at(_blocks: usize, b: usize) -> usize {
     let pair = b / 2 * 2 * (SCALE_BYTES + CODE_BYTES);
     pair + b % 2 * SCALE_BYTES
 }
@@ -188,7 +188,7 @@ fn scales_at(_blocks: usize, b: usize) -> usize {
 /// Where block `b`'s codes start in a tile of `blocks` blocks (see
 /// [`scales_at`]; a last, unpaired block has 32 bytes of scales).
 #[inline(always)]
-fn codes_at(blocks: usize, b: usize) -> usize {
+pub(crate) fn codes_at(blocks: usize, b: usize) -> usize {
     let p = b / 2 * 2;
     let in_pair = (blocks - p).min(2);
     p * (SCALE_BYTES + CODE_BYTES) + in_pair * SCALE_BYTES + b % 2 * CODE_BYTES
@@ -216,7 +216,7 @@ fn debug_check_tiles(tile: &[u8], blocks: usize, xs: &[&Q8Activation], outs: usi
 /// A hint only: `prefetcht1` never faults and changes no result.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn ask_l2(next: &[u8], b: usize) {
+pub(crate) fn ask_l2(next: &[u8], b: usize) {
     use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     let share = Q4_0_BLOCK_BYTES * TILE_ROWS;
     let Some(part) = next.get(b * share..next.len().min((b + 1) * share)) else {
@@ -1041,7 +1041,7 @@ pub mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::q4_0::dot_q4_0_q8;
     use crate::kernels::q8act::tests::data;
@@ -1050,7 +1050,7 @@ mod tests {
 
     /// A row-major Q4_0 matrix with every nibble value, zero and negative
     /// scales.
-    fn matrix(rng: &mut impl Rng, rows: usize, blocks: usize) -> Vec<u8> {
+    pub(crate) fn matrix(rng: &mut impl Rng, rows: usize, blocks: usize) -> Vec<u8> {
         let mut w = quantize_q4_0(&data(rng, rows * blocks * QK, 1.0)).unwrap();
         for (i, b) in w.iter_mut().enumerate() {
             match (i % Q4_0_BLOCK_BYTES, i / Q4_0_BLOCK_BYTES % 5) {
@@ -1061,6 +1061,26 @@ mod tests {
             }
         }
         w
+    }
+
+    /// `n` activations of `blocks` blocks: spreads from 0.01 to 300, and
+    /// blocks of zeros, with a huge value and with an infinite one.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn activations(rng: &mut impl Rng, n: usize, blocks: usize) -> Vec<Q8Activation> {
+        (0..n)
+            .map(|i| {
+                let mut x = data(rng, blocks * QK, [0.01f32, 1.0, 300.0, 2.0][i % 4]);
+                for (b, blk) in x.chunks_mut(QK).enumerate() {
+                    match (b + i) % 7 {
+                        1 => blk.fill(0.0),
+                        4 => blk[5] = 1e30,
+                        6 => blk[9] = f32::INFINITY,
+                        _ => {}
+                    }
+                }
+                Q8Activation::quantize(&x)
+            })
+            .collect()
     }
 
     #[test]
@@ -1194,20 +1214,7 @@ mod tests {
             let w = matrix(&mut rng, TILE_ROWS, blocks);
             let mut t = w.clone();
             tile_in_place(&mut t, TILE_ROWS, blocks, &mut Vec::new());
-            let xs: Vec<Q8Activation> = (0..avx512::TOKENS.max(avx2::TOKENS))
-                .map(|i| {
-                    let mut x = data(&mut rng, blocks * QK, [0.01f32, 1.0, 300.0, 2.0][i % 4]);
-                    for (b, blk) in x.chunks_mut(QK).enumerate() {
-                        match (b + i) % 7 {
-                            1 => blk.fill(0.0),
-                            4 => blk[5] = 1e30,
-                            6 => blk[9] = f32::INFINITY,
-                            _ => {}
-                        }
-                    }
-                    Q8Activation::quantize(&x)
-                })
-                .collect();
+            let xs = activations(&mut rng, avx512::TOKENS.max(avx2::TOKENS), blocks);
             let rb = blocks * Q4_0_BLOCK_BYTES;
             for &(name, dots, tokens, row_dot) in &levels {
                 assert!(tokens <= xs.len());
