@@ -2091,11 +2091,8 @@ pub fn q8_products(w: &QMatrix) -> bool {
 /// for the pool instead of one per matrix (a prefill chunk's experts).
 pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Vec<Vec<f32>> {
     assert_eq!(ws.len(), xs.len(), "inputs per matrix");
-    let mut ys: Vec<Vec<f32>> = ws
-        .iter()
-        .zip(xs)
-        .map(|(w, x)| vec![0.0f32; x.len() * w.rows])
-        .collect();
+    let sizes: Vec<usize> = ws.iter().zip(xs).map(|(w, x)| x.len() * w.rows).collect();
+    let mut ys: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
     let k = kernels();
     // Tasks: (matrix, first row, rows), cut as `matmul` cuts them.
     let mut tasks = Vec::new();
@@ -2108,17 +2105,33 @@ pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Ve
         }
     }
     let amx = AmxInputs::new(xs);
-    let blocks: Vec<Vec<f32>> = pool.map_collect(tasks.len(), |t| {
+    // Each task writes its rows of every token straight into the output,
+    // which is filled only by them.
+    let parts: Vec<pool::Parts<'_>> = ys
+        .iter_mut()
+        .zip(&sizes)
+        .map(|(y, &n)| pool::Parts::over_uninit(&mut y.spare_capacity_mut()[..n]))
+        .collect();
+    pool.map_collect(tasks.len(), |t| {
         let (i, r0, len) = tasks[t];
         let mut out = vec![0.0f32; len * xs[i].len()];
         q8_rows(k, ws[i], &xs[i], Some(amx.of(i)), r0, len, &mut out);
-        out
-    });
-    for (&(i, r0, len), out) in tasks.iter().zip(&blocks) {
         let rows = ws[i].rows;
         for (t, part) in out.chunks_exact(len).enumerate() {
-            ys[i][t * rows + r0..][..len].copy_from_slice(part);
+            // SAFETY: task (i, r0, len) alone writes rows r0..r0 + len of
+            // each token of output i: the tasks cut each matrix's rows into
+            // disjoint ranges.
+            unsafe { parts[i].put(t * rows + r0, part) };
         }
+    });
+    // Every row of every token belongs to one task, so each output was
+    // written whole (checked: a part missed would leave memory unread).
+    assert!(parts.iter().all(|p| p.complete()), "every output written");
+    drop(parts);
+    for (y, &n) in ys.iter_mut().zip(&sizes) {
+        // SAFETY: the first n elements were all written just above
+        // (`complete`, the parts disjoint), within the capacity.
+        unsafe { y.set_len(n) };
     }
     ys
 }
@@ -2598,9 +2611,11 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
     // the batch), each task's rows multiplied into every token.
     let gemm = batch.tiles.as_ref();
     let amx = AmxInput::default();
+    // Each task writes its block of rows of every token straight into y.
+    let parts = pool::Parts::over(y);
     // Each task owns a block of rows and computes it for every vector while
     // those rows are hot in cache; the blocks are scattered afterwards.
-    let blocks: Vec<Vec<f32>> = {
+    {
         pool.map_collect(rows.div_ceil(chunk), |b| {
             let r0 = b * chunk;
             let r1 = (r0 + chunk).min(rows);
@@ -2665,16 +2680,14 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                     }
                 }
             }
-            out
-        })
-    };
-    for (b, out) in blocks.iter().enumerate() {
-        let r0 = b * chunk;
-        let len = out.len() / n;
-        for t in 0..n {
-            y[t * rows + r0..t * rows + r0 + len].copy_from_slice(&out[t * len..(t + 1) * len]);
-        }
+            for (t, part) in out.chunks_exact(len).enumerate() {
+                // SAFETY: task b alone writes rows r0..r1 of each token:
+                // the tasks' row blocks are disjoint.
+                unsafe { parts.put(t * rows + r0, part) };
+            }
+        });
     }
+    debug_assert!(parts.complete(), "every row of every token written");
 }
 
 #[cfg(test)]

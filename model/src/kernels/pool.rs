@@ -204,6 +204,66 @@ impl Pool {
     }
 }
 
+/// An output the pool's tasks write in disjoint parts, each task its own
+/// (a product's rows for every token): written in parallel where the
+/// tasks' results were copied in by the calling thread alone after the
+/// job. It counts what was written, so that an output left uninitialised
+/// until the tasks fill it ([`Parts::over_uninit`]) is taken as a whole
+/// only when every element was.
+pub(crate) struct Parts<'a> {
+    ptr: *mut f32,
+    len: usize,
+    written: AtomicUsize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks on several threads write through the pointer only with
+// `put`, whose contract makes their ranges disjoint; `f32` is Send.
+unsafe impl Sync for Parts<'_> {}
+
+impl<'a> Parts<'a> {
+    /// Over an initialised output.
+    pub(crate) fn over(out: &'a mut [f32]) -> Parts<'a> {
+        Parts {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            written: AtomicUsize::new(0),
+            _out: std::marker::PhantomData,
+        }
+    }
+
+    /// Over memory not yet initialised (a vector's spare capacity).
+    pub(crate) fn over_uninit(out: &'a mut [std::mem::MaybeUninit<f32>]) -> Parts<'a> {
+        Parts {
+            ptr: out.as_mut_ptr().cast(),
+            len: out.len(),
+            written: AtomicUsize::new(0),
+            _out: std::marker::PhantomData,
+        }
+    }
+
+    /// `src` into the output from `at` (bounds checked).
+    ///
+    /// # Safety
+    /// No two calls on this output write overlapping ranges.
+    pub(crate) unsafe fn put(&self, at: usize, src: &[f32]) {
+        assert!(
+            at <= self.len && src.len() <= self.len - at,
+            "a part of the output"
+        );
+        // SAFETY: in bounds (checked); no other call writes this range
+        // (caller), and the borrow of the output keeps every reader out
+        // until `self` is dropped.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
+        self.written.fetch_add(src.len(), Ordering::Relaxed);
+    }
+
+    /// Whether every element was written (the parts being disjoint).
+    pub(crate) fn complete(&self) -> bool {
+        self.written.load(Ordering::Relaxed) == self.len
+    }
+}
+
 /// A raw pointer the pool's tasks may share (each touches its own part).
 struct SendPtr<T>(*mut T);
 
@@ -278,6 +338,39 @@ impl Drop for Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tasks on several threads fill an uninitialised output in disjoint
+    /// parts; it is complete exactly when every part was written, and a
+    /// part past the end is refused.
+    #[test]
+    fn parts_fill_an_output_from_every_thread() {
+        let pool = Pool::new(3).unwrap();
+        let mut v: Vec<f32> = Vec::with_capacity(1000);
+        let parts = Parts::over_uninit(&mut v.spare_capacity_mut()[..1000]);
+        pool.run(100, &|i| {
+            let src: Vec<f32> = (0..10).map(|j| (i * 10 + j) as f32).collect();
+            // SAFETY: task i alone writes 10i..10i + 10.
+            unsafe { parts.put(i * 10, &src) };
+        });
+        assert!(parts.complete());
+        drop(parts);
+        // SAFETY: all 1000 written (complete, disjoint).
+        unsafe { v.set_len(1000) };
+        assert!(v.iter().enumerate().all(|(i, x)| *x == i as f32));
+
+        let mut w = vec![0.0f32; 8];
+        let parts = Parts::over(&mut w);
+        // SAFETY: disjoint ranges.
+        unsafe { parts.put(0, &[1.0; 4]) };
+        assert!(!parts.complete(), "half written");
+        let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: disjoint from the first part; refused as out of bounds.
+            unsafe { parts.put(6, &[2.0; 4]) }
+        }));
+        assert!(past.is_err(), "a part past the end is refused");
+        drop(parts);
+        assert_eq!(w, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    }
 
     #[test]
     fn every_task_runs_once_for_any_thread_count() {
