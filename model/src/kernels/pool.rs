@@ -346,29 +346,31 @@ mod tests {
     fn parts_fill_an_output_from_every_thread() {
         let pool = Pool::new(3).unwrap();
         let mut v: Vec<f32> = Vec::with_capacity(1000);
-        let parts = Parts::over_uninit(&mut v.spare_capacity_mut()[..1000]);
-        pool.run(100, &|i| {
-            let src: Vec<f32> = (0..10).map(|j| (i * 10 + j) as f32).collect();
-            // SAFETY: task i alone writes 10i..10i + 10.
-            unsafe { parts.put(i * 10, &src) };
-        });
-        assert!(parts.complete());
-        drop(parts);
+        {
+            let parts = Parts::over_uninit(&mut v.spare_capacity_mut()[..1000]);
+            pool.run(100, &|i| {
+                let src: Vec<f32> = (0..10).map(|j| (i * 10 + j) as f32).collect();
+                // SAFETY: task i alone writes 10i..10i + 10.
+                unsafe { parts.put(i * 10, &src) };
+            });
+            assert!(parts.complete());
+        }
         // SAFETY: all 1000 written (complete, disjoint).
         unsafe { v.set_len(1000) };
         assert!(v.iter().enumerate().all(|(i, x)| *x == i as f32));
 
         let mut w = vec![0.0f32; 8];
-        let parts = Parts::over(&mut w);
-        // SAFETY: disjoint ranges.
-        unsafe { parts.put(0, &[1.0; 4]) };
-        assert!(!parts.complete(), "half written");
-        let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: disjoint from the first part; refused as out of bounds.
-            unsafe { parts.put(6, &[2.0; 4]) }
-        }));
-        assert!(past.is_err(), "a part past the end is refused");
-        drop(parts);
+        {
+            let parts = Parts::over(&mut w);
+            // SAFETY: disjoint ranges.
+            unsafe { parts.put(0, &[1.0; 4]) };
+            assert!(!parts.complete(), "half written");
+            let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: disjoint from the first part; refused as out of bounds.
+                unsafe { parts.put(6, &[2.0; 4]) }
+            }));
+            assert!(past.is_err(), "a part past the end is refused");
+        }
         assert_eq!(w, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
     }
 
