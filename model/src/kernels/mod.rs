@@ -2085,6 +2085,13 @@ pub fn q8_products(w: &QMatrix) -> bool {
         && (w.format != WeightFormat::Q4_0 || w.is_tiled() || k.gemm_q4_0_q8.is_none())
 }
 
+thread_local! {
+    /// A [`q8_matmuls`] task's results before they go to the output, kept
+    /// per thread: a prompt's many small tasks each allocated and zeroed
+    /// their own.
+    static TASK_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Per matrix `i`, `ws[i]` times each of the quantized vectors `xs[i]`
 /// (token-major, `xs[i].len() × ws[i].rows`), for several matrices
 /// ([`q8_products`]) with their own tokens, in one pool job: the bits
@@ -2115,15 +2122,23 @@ pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Ve
         .collect();
     pool.map_collect(tasks.len(), |t| {
         let (i, r0, len) = tasks[t];
-        let mut out = vec![0.0f32; len * xs[i].len()];
-        q8_rows(k, ws[i], &xs[i], Some(amx.of(i)), r0, len, &mut out);
-        let rows = ws[i].rows;
-        for (t, part) in out.chunks_exact(len).enumerate() {
-            // SAFETY: task (i, r0, len) alone writes rows r0..r0 + len of
-            // each token of output i: the tasks cut each matrix's rows into
-            // disjoint ranges.
-            unsafe { parts[i].put(t * rows + r0, part) };
-        }
+        TASK_OUT.with_borrow_mut(|buf| {
+            // `q8_rows` writes every element: what a previous task left
+            // there is overwritten, never read.
+            let need = len * xs[i].len();
+            if buf.len() < need {
+                buf.resize(need, 0.0);
+            }
+            let out = &mut buf[..need];
+            q8_rows(k, ws[i], &xs[i], Some(amx.of(i)), r0, len, out);
+            let rows = ws[i].rows;
+            for (t, part) in out.chunks_exact(len).enumerate() {
+                // SAFETY: task (i, r0, len) alone writes rows r0..r0 + len
+                // of each token of output i: the tasks cut each matrix's
+                // rows into disjoint ranges.
+                unsafe { parts[i].put(t * rows + r0, part) };
+            }
+        });
     });
     // Every row of every token belongs to one task, so each output was
     // written whole (checked: a part missed would leave memory unread).
