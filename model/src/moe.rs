@@ -12,7 +12,8 @@ use crate::error::{ModelError, Result};
 use crate::experts::ExpertGroup;
 use crate::experts::ExpertSource;
 use crate::kernels::{
-    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, q8_matmuls, q8_products,
+    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, q8_matmuls,
+    q8_matmuls_here, q8_products,
 };
 use crate::ops::{accumulator, sigmoid, silu, softmax_inplace, top_k};
 use crate::tensor::QMatrix;
@@ -85,10 +86,11 @@ fn gated(w: &MlpWeights) -> Gated<'_> {
 /// [`expert_rows`] for every expert of `group`, each on its rows of `h`
 /// (`users[i]` for the group's `i`-th expert), when every matrix of the
 /// group takes quantized inputs ([`q8_products`]: tiled Q4_0, the
-/// k-quants, Q8_0, IQ4_NL, …): two pool jobs for the whole group (every
-/// gate and up product, then every down product) instead of three per
-/// expert, and each row of `h` quantized once (`hq`, filled on first use)
-/// instead of once per expert that takes it. The products are
+/// k-quants, Q8_0, IQ4_NL, …): a pool task per expert for a group of many
+/// ([`q8_group_by_expert`]), else three pool jobs for the whole group
+/// ([`q8_group_by_rows`]) instead of three per expert, and each row of
+/// `h` quantized once (`hq`, filled on first use) instead of once per
+/// expert that takes it. The products are
 /// `mlp_rows`'s, bit for bit: the same quantization, kernels and SwiGLU.
 /// `None` when some matrix does not.
 fn q8_group_rows(
@@ -108,6 +110,23 @@ fn q8_group_rows(
             Q8Activation::quantize(&h[row * hidden..(row + 1) * hidden])
         });
     }
+    Some(if group.len() >= EXPERT_TASKS_PER_THREAD * pool.threads() {
+        q8_group_by_expert(pool, group, users, hq)
+    } else {
+        q8_group_by_rows(pool, group, users, hq)
+    })
+}
+
+/// [`q8_group_rows`] for a group of few experts: every product's rows cut
+/// into tasks (every gate and up in one pool job, SwiGLU and the
+/// quantization in another, every down product in a third), so that few
+/// experts still keep every thread busy.
+fn q8_group_by_rows(
+    pool: &Pool,
+    group: &ExpertGroup,
+    users: &[Vec<(usize, usize)>],
+    hq: &[Q8Activation],
+) -> Vec<Vec<f32>> {
     let rows_of = |us: &Vec<(usize, usize)>| -> Vec<&Q8Activation> {
         us.iter().map(|&(row, _)| &hq[row]).collect()
     };
@@ -120,18 +139,75 @@ fn q8_group_rows(
     // SwiGLU and the down products' quantization, a task per expert.
     let acts: Vec<Vec<Q8Activation>> = pool.map_collect(group.len(), |i| {
         let (g, u) = (&gu[2 * i], &gu[2 * i + 1]);
-        let inter = group[i].1.gate.rows;
-        g.chunks_exact(inter)
-            .zip(u.chunks_exact(inter))
-            .map(|(g, u)| {
-                let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)).collect();
-                Q8Activation::quantize(&a)
-            })
-            .collect()
+        swiglu_q8(g, u, group[i].1.gate.rows)
     });
     let ws: Vec<&QMatrix> = group.iter().map(|(_, w)| &w.down).collect();
     let xs: Vec<Vec<&Q8Activation>> = acts.iter().map(|a| a.iter().collect()).collect();
-    Some(q8_matmuls(pool, &ws, &xs))
+    q8_matmuls(pool, &ws, &xs)
+}
+
+/// Per token (`inter` values of gate and of up each), SwiGLU quantized
+/// for the down product.
+fn swiglu_q8(g: &[f32], u: &[f32], inter: usize) -> Vec<Q8Activation> {
+    g.chunks_exact(inter)
+        .zip(u.chunks_exact(inter))
+        .map(|(g, u)| {
+            let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)).collect();
+            Q8Activation::quantize(&a)
+        })
+        .collect()
+}
+
+/// Experts a group needs per pool thread for [`q8_group_by_expert`]:
+/// enough that tasks of different sizes even out between the threads.
+const EXPERT_TASKS_PER_THREAD: usize = 4;
+
+thread_local! {
+    /// A [`q8_group_by_expert`] task's gate and up results, kept per
+    /// thread.
+    static GATE_UP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`q8_group_rows`] for a group of many experts (a prompt's layer): one
+/// pool task per expert, the largest first, computing its gate and up,
+/// SwiGLU and the down product's quantization, and its down product, so
+/// that the gate and up results stay in the core's cache and the layer
+/// takes one pool job instead of three. The same kernels and
+/// quantization: the same bits.
+fn q8_group_by_expert(
+    pool: &Pool,
+    group: &ExpertGroup,
+    users: &[Vec<(usize, usize)>],
+    hq: &[Q8Activation],
+) -> Vec<Vec<f32>> {
+    let mut order: Vec<usize> = (0..group.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(users[i].len()));
+    let done = pool.map_collect(order.len(), |t| {
+        let i = order[t];
+        let w = &group[i].1;
+        let xs: Vec<&Q8Activation> = users[i].iter().map(|&(row, _)| &hq[row]).collect();
+        let inter = w.gate.rows;
+        let acts: Vec<Q8Activation> = GATE_UP.with_borrow_mut(|buf| {
+            let need = 2 * xs.len() * inter;
+            if buf.len() < need {
+                buf.resize(need, 0.0);
+            }
+            // Every element is written by the products: what an earlier
+            // task left is overwritten, never read.
+            let (g, u) = buf[..need].split_at_mut(need / 2);
+            q8_matmuls_here(&[&w.gate, &w.up], &xs, &mut [&mut *g, &mut *u]);
+            swiglu_q8(g, u, inter)
+        });
+        let acts: Vec<&Q8Activation> = acts.iter().collect();
+        let mut y = vec![0.0f32; acts.len() * w.down.rows];
+        q8_matmuls_here(&[&w.down], &acts, &mut [&mut y]);
+        y
+    });
+    let mut ys: Vec<Vec<f32>> = vec![Vec::new(); group.len()];
+    for (&i, y) in order.iter().zip(done) {
+        ys[i] = y;
+    }
+    ys
 }
 
 /// The experts one row chose: ids and combine weights, in router order.
@@ -338,38 +414,48 @@ pub(crate) fn moe_rows(
         });
     }
 
-    let mut out = accumulator(n * hidden);
+    // Where each routed (row, slot) pair's output row is: every one was
+    // delivered (checked above), so the combine below cannot miss one.
+    let mut place = vec![(0usize, 0usize); n * k];
     for (row, r) in routing.iter().enumerate() {
-        let y = &mut out[row * hidden..(row + 1) * hidden];
+        for (s, &e) in r.experts.iter().enumerate() {
+            place[row * k + s] = at[row * k + s].ok_or_else(|| ModelError::Expert {
+                layer,
+                expert: e,
+                reason: "no output for a routed row".into(),
+            })?;
+        }
+    }
+    let shared = match &w.shared {
+        Some(shared) => {
+            let s = mlp_rows(pool, shared, h, n);
+            let gates = match &w.shared_gate {
+                Some(g) => {
+                    let mut gl = vec![0.0f32; n];
+                    matmul(pool, g, h, n, &mut gl);
+                    Some(gl)
+                }
+                None => None,
+            };
+            Some((s, gates))
+        }
+        None => None,
+    };
+    // A row's experts in id order, then the shared expert.
+    let combine = |row: usize, y: &mut [f32]| {
+        let r = &routing[row];
         let mut order: Vec<usize> = (0..r.experts.len()).collect();
         order.sort_by_key(|&s| r.experts[s]);
         for s in order {
             let wgt = r.weights[s];
-            // Every chosen expert was delivered (checked above).
-            let (b, j) = at[row * k + s].ok_or_else(|| ModelError::Expert {
-                layer,
-                expert: r.experts[s],
-                reason: "no output for a routed row".into(),
-            })?;
+            let (b, j) = place[row * k + s];
             let src = &outputs[b][j * hidden..(j + 1) * hidden];
             for (yv, sv) in y.iter_mut().zip(src) {
                 *yv += sv * wgt;
             }
         }
-    }
-    if let Some(shared) = &w.shared {
-        let s = mlp_rows(pool, shared, h, n);
-        let gates = match &w.shared_gate {
-            Some(g) => {
-                let mut gl = vec![0.0f32; n];
-                matmul(pool, g, h, n, &mut gl);
-                Some(gl)
-            }
-            None => None,
-        };
-        for row in 0..n {
+        if let Some((s, gates)) = &shared {
             let gate = gates.as_ref().map(|g| sigmoid(g[row]));
-            let y = &mut out[row * hidden..(row + 1) * hidden];
             for (yv, sv) in y.iter_mut().zip(&s[row * hidden..(row + 1) * hidden]) {
                 *yv += match gate {
                     Some(g) => g * sv,
@@ -377,6 +463,117 @@ pub(crate) fn moe_rows(
                 };
             }
         }
+    };
+    let mut out = accumulator(n * hidden);
+    if n < 2 * pool.threads() {
+        for (row, y) in out.chunks_exact_mut(hidden).enumerate() {
+            combine(row, y);
+        }
+    } else {
+        // A prompt's rows split over the pool (the calling thread combined
+        // them alone while the others waited).
+        let per = n.div_ceil(4 * pool.threads());
+        pool.for_each_chunk_mut(&mut out, per * hidden, |c, ys| {
+            for (j, y) in ys.chunks_exact_mut(hidden).enumerate() {
+                combine(c * per + j, y);
+            }
+        });
     }
     Ok((out, routing))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::WeightFormat;
+    use crate::kernels::q4_0_tiles_run_here;
+    use crate::kernels::tests::{q4_matrix, rand_vec, tiled};
+    use rand::SeedableRng;
+    use rand::seq::SliceRandom;
+    use std::sync::Arc;
+
+    fn q8_0_matrix(rng: &mut impl rand::Rng, rows: usize, cols: usize) -> QMatrix {
+        let w = rand_vec(rng, rows * cols);
+        let bytes: Vec<u8> = w
+            .chunks(cols)
+            .flat_map(|r| crate::quant::quantize_q8_0(r).unwrap())
+            .collect();
+        let data = crate::tensor::Bytes::from_vec(bytes);
+        QMatrix::new("t", rows, cols, WeightFormat::Q8_0, data, None).unwrap()
+    }
+
+    /// A group of many experts computed a task per expert gives every
+    /// expert the bits of the row-split jobs and of `expert_rows` (the
+    /// f32-input path), whatever the thread count: tiled Q4_0 experts
+    /// (where the tile kernels run) and Q8_0 ones, 1 to 40 tokens each
+    /// (the AMX kernel's passes, its rests and the AVX-512 tiles).
+    #[test]
+    fn a_task_per_expert_gives_the_row_split_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(91);
+        let (hidden, inter, n) = (128, 96, 48);
+        let counts = [40, 1, 2, 3, 5, 9, 10, 11, 15, 16, 17, 20, 26, 33];
+        let group: ExpertGroup = counts
+            .iter()
+            .enumerate()
+            .map(|(e, _)| {
+                let tile = q4_0_tiles_run_here() && e % 3 != 2;
+                let m = |rng: &mut rand_chacha::ChaCha8Rng, rows, cols| {
+                    if tile {
+                        tiled(&q4_matrix(rng, rows, cols))
+                    } else {
+                        q8_0_matrix(rng, rows, cols)
+                    }
+                };
+                let w = MlpWeights {
+                    gate: m(&mut rng, inter, hidden),
+                    up: m(&mut rng, inter, hidden),
+                    down: m(&mut rng, hidden, inter),
+                };
+                (e, Arc::new(w))
+            })
+            .collect();
+        assert!(group.iter().all(|(_, w)| {
+            [&w.gate, &w.up, &w.down]
+                .into_iter()
+                .all(q8_products)
+        }));
+        let h = rand_vec(&mut rng, n * hidden);
+        let users: Vec<Vec<(usize, usize)>> = counts
+            .iter()
+            .map(|&c| {
+                let mut rows: Vec<usize> = (0..n).collect();
+                rows.shuffle(&mut rng);
+                rows[..c].iter().map(|&r| (r, 0)).collect()
+            })
+            .collect();
+        let hq: Vec<Q8Activation> = h.chunks_exact(hidden).map(Q8Activation::quantize).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let one = Pool::new(1).unwrap();
+        let want: Vec<Vec<f32>> = group
+            .iter()
+            .zip(&users)
+            .map(|((_, w), us)| expert_rows(&one, w, &h, hidden, us))
+            .collect();
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let by_expert = q8_group_by_expert(&pool, &group, &users, &hq);
+            let by_rows = q8_group_by_rows(&pool, &group, &users, &hq);
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(w.len(), counts[i] * hidden);
+                assert_eq!(
+                    bits(&by_expert[i]),
+                    bits(w),
+                    "expert {i}, {threads} threads"
+                );
+                assert_eq!(bits(&by_rows[i]), bits(w), "expert {i}, {threads} threads");
+            }
+            // A group this size takes a task per expert on up to 3 threads.
+            let mut hq2 = Vec::new();
+            let got = q8_group_rows(&pool, &group, &users, &h, hidden, &mut hq2).unwrap();
+            assert_eq!(
+                got.iter().map(|y| bits(y)).collect::<Vec<_>>(),
+                by_expert.iter().map(|y| bits(y)).collect::<Vec<_>>()
+            );
+        }
+    }
 }

@@ -2131,13 +2131,10 @@ pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Ve
             }
             let out = &mut buf[..need];
             q8_rows(k, ws[i], &xs[i], Some(amx.of(i)), r0, len, out);
-            let rows = ws[i].rows;
-            for (t, part) in out.chunks_exact(len).enumerate() {
-                // SAFETY: task (i, r0, len) alone writes rows r0..r0 + len
-                // of each token of output i: the tasks cut each matrix's
-                // rows into disjoint ranges.
-                unsafe { parts[i].put(t * rows + r0, part) };
-            }
+            // SAFETY: task (i, r0, len) alone writes rows r0..r0 + len of
+            // each token of output i: the tasks cut each matrix's rows
+            // into disjoint ranges.
+            unsafe { parts[i].put_rows(r0, ws[i].rows, out, len) };
         });
     });
     // Every row of every token belongs to one task, so each output was
@@ -2150,6 +2147,28 @@ pub fn q8_matmuls(pool: &Pool, ws: &[&QMatrix], xs: &[Vec<&Q8Activation>]) -> Ve
         unsafe { y.set_len(n) };
     }
     ys
+}
+
+/// `ws[i]` times each of the quantized vectors `xs` into `outs[i]`
+/// (token-major, `xs.len() × ws[i].rows`), on the calling thread alone:
+/// the bits [`q8_matmuls`] gives, for a pool task that owns whole products
+/// (a prompt's expert, gate and up then down, while its results stay in
+/// the core's cache). The matrices share the tokens' packing for AMX.
+pub fn q8_matmuls_here(ws: &[&QMatrix], xs: &[&Q8Activation], outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "an output per matrix");
+    // One packing serves them all: one input length.
+    assert!(
+        ws.windows(2).all(|p| p[0].cols == p[1].cols),
+        "matrices of one input length"
+    );
+    let k = kernels();
+    let amx = AmxInput::default();
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        assert!(q8_products(w), "q8_matmuls_here on a {:?} matrix", w.format);
+        assert!(xs.iter().all(|a| a.quants.len() >= w.cols), "input length");
+        assert_eq!(out.len(), xs.len() * w.rows, "output length");
+        q8_rows(k, w, xs, Some(&amx), 0, w.rows, out);
+    }
 }
 
 /// `Y[t] = W X[t]` for `n` vectors stored row after row in `x` (`n × cols`)
@@ -2710,22 +2729,20 @@ fn matmul_prepared(pool: &Pool, w: &QMatrix, batch: &Batch<'_>, y: &mut [f32]) {
                     }
                 }
             }
-            for (t, part) in out.chunks_exact(len).enumerate() {
-                // SAFETY: task b alone writes rows r0..r1 of each token:
-                // the tasks' row blocks are disjoint.
-                unsafe { parts.put(t * rows + r0, part) };
-            }
+            // SAFETY: task b alone writes rows r0..r1 of each token: the
+            // tasks' row blocks are disjoint.
+            unsafe { parts.put_rows(r0, rows, &out, len) };
         });
     }
     debug_assert!(parts.complete(), "every row of every token written");
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn rand_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+    pub(crate) fn rand_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
@@ -2734,7 +2751,7 @@ mod tests {
     }
 
     /// A Q4_0 matrix of random weights.
-    fn q4_matrix(rng: &mut impl Rng, rows: usize, cols: usize) -> QMatrix {
+    pub(crate) fn q4_matrix(rng: &mut impl Rng, rows: usize, cols: usize) -> QMatrix {
         let w = rand_vec(rng, rows * cols);
         let bytes: Vec<u8> = w
             .chunks(cols)
@@ -3756,7 +3773,7 @@ mod tests {
         }
     }
 
-    fn tiled(m: &QMatrix) -> QMatrix {
+    pub(crate) fn tiled(m: &QMatrix) -> QMatrix {
         let mut bytes = m.data().as_slice().to_vec();
         q4_0_tiles::tile_in_place(&mut bytes, m.rows, m.cols / QK, &mut Vec::new());
         let data = crate::tensor::Bytes::from_vec(bytes);

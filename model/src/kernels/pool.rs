@@ -242,19 +242,35 @@ impl<'a> Parts<'a> {
         }
     }
 
-    /// `src` into the output from `at` (bounds checked).
+    /// `src`'s rows of `len` into the output, row `t` from `at + t ·
+    /// stride` (a task's block of rows for every token), counted once
+    /// (bounds checked): a count per row, an atomic add on a line both
+    /// threads write, cost a prompt's products more than the copies.
     ///
     /// # Safety
     /// No two calls on this output write overlapping ranges.
-    pub(crate) unsafe fn put(&self, at: usize, src: &[f32]) {
+    pub(crate) unsafe fn put_rows(&self, at: usize, stride: usize, src: &[f32], len: usize) {
+        if src.is_empty() {
+            return;
+        }
         assert!(
-            at <= self.len && src.len() <= self.len - at,
+            len > 0 && len <= stride && src.len().is_multiple_of(len),
+            "whole rows, each shorter than the stride"
+        );
+        let rows = src.len() / len;
+        assert!(
+            at <= self.len && (rows - 1) * stride + len <= self.len - at,
             "a part of the output"
         );
-        // SAFETY: in bounds (checked); no other call writes this range
-        // (caller), and the borrow of the output keeps every reader out
-        // until `self` is dropped.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
+        for (t, row) in src.chunks_exact(len).enumerate() {
+            // SAFETY: row t ends at `at + t · stride + len`, within the
+            // output (checked above for the last, `len ≤ stride`); no other
+            // call writes these ranges (caller), and the borrow of the
+            // output keeps every reader out until `self` is dropped.
+            unsafe {
+                std::ptr::copy_nonoverlapping(row.as_ptr(), self.ptr.add(at + t * stride), len)
+            };
+        }
         self.written.fetch_add(src.len(), Ordering::Relaxed);
     }
 
@@ -348,10 +364,14 @@ mod tests {
         let mut v: Vec<f32> = Vec::with_capacity(1000);
         {
             let parts = Parts::over_uninit(&mut v.spare_capacity_mut()[..1000]);
-            pool.run(100, &|i| {
-                let src: Vec<f32> = (0..10).map(|j| (i * 10 + j) as f32).collect();
-                // SAFETY: task i alone writes 10i..10i + 10.
-                unsafe { parts.put(i * 10, &src) };
+            // 10 tokens of 100 rows, token-major; task i computes rows
+            // 10i..10i + 10 of every token.
+            pool.run(10, &|i| {
+                let src: Vec<f32> = (0..10)
+                    .flat_map(|t| (0..10).map(move |j| (t * 100 + i * 10 + j) as f32))
+                    .collect();
+                // SAFETY: task i alone writes rows 10i..10i + 10.
+                unsafe { parts.put_rows(i * 10, 100, &src, 10) };
             });
             assert!(parts.complete());
         }
@@ -363,13 +383,18 @@ mod tests {
         {
             let parts = Parts::over(&mut w);
             // SAFETY: disjoint ranges.
-            unsafe { parts.put(0, &[1.0; 4]) };
+            unsafe { parts.put_rows(0, 4, &[1.0; 4], 4) };
             assert!(!parts.complete(), "half written");
             let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: disjoint from the first part; refused as out of bounds.
-                unsafe { parts.put(6, &[2.0; 4]) }
+                unsafe { parts.put_rows(6, 4, &[2.0; 4], 4) }
             }));
             assert!(past.is_err(), "a part past the end is refused");
+            let last_past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: refused: the second row would end at 9.
+                unsafe { parts.put_rows(4, 3, &[3.0; 4], 2) }
+            }));
+            assert!(last_past.is_err(), "a last row past the end is refused");
         }
         assert_eq!(w, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
     }
