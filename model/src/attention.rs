@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::forward::{Model, RowInfo};
 use crate::kernels::{self, Pool, dot_row, matmul, matmul_shared_input};
 use crate::kv::{KvCache, LayerCache};
-use crate::ops::{accumulator, rms_norm_inplace, softmax_inplace};
+use crate::ops::{rms_norm_inplace, softmax_inplace};
 use crate::rope::Angles;
 use crate::weights::{AttnWeights, Linear, MlaQuery};
 
@@ -285,9 +285,8 @@ pub(crate) fn attention(
             let window = model.spec.layers[layer].sliding_window;
             let group = nh / nkv;
             let per = heads_per_task(n, nh, group, pool.threads());
-            let mut out = accumulator(n * nh * hd);
             let caches: &[&mut KvCache] = caches;
-            pool.for_each_chunk_mut(&mut out, per * hd, |idx, o| {
+            let out = pool.zeroed_chunks(n * nh * hd, per * hd, |idx, o| {
                 let (i, h0) = (idx / (nh / per), idx % (nh / per) * per);
                 let ri = rows[i];
                 let kvh = h0 / group;
@@ -358,10 +357,9 @@ pub(crate) fn attention(
                 }
             }
             let scale = model.attn_scale;
-            let mut out = accumulator(n * nh * dv);
             let caches: &[&mut KvCache] = caches;
             let kv_b = &w.kv_b;
-            pool.for_each_chunk_mut(&mut out, dv, |idx, o| {
+            let out = pool.zeroed_chunks(n * nh * dv, dv, |idx, o| {
                 let (i, head) = (idx / nh, idx % nh);
                 let ri = rows[i];
                 let LayerCache::Mla { latent, k_pe } = &caches[ri.seq].layers[layer] else {

@@ -321,10 +321,17 @@ pub(crate) fn moe_rows(
 ) -> Result<(Vec<f32>, Vec<Routing>)> {
     let hidden = h.len() / n;
     let logits = router_logits(pool, moe, w, h, n);
-    let routing: Vec<Routing> = logits
-        .chunks_exact(moe.num_experts)
-        .map(|l| route(moe, l, w.selection_bias.as_deref()))
-        .collect();
+    let route_row = |row: usize| {
+        let l = &logits[row * moe.num_experts..(row + 1) * moe.num_experts];
+        route(moe, l, w.selection_bias.as_deref())
+    };
+    // A prompt's rows routed on the pool (on the calling thread alone they
+    // took 1.3% of a 512-token prefill while the others waited).
+    let routing: Vec<Routing> = if n < 2 * pool.threads() {
+        (0..n).map(route_row).collect()
+    } else {
+        pool.map_collect(n, route_row)
+    };
     // Which (row, slot) pairs each expert serves.
     let mut users: std::collections::BTreeMap<usize, Vec<(usize, usize)>> = Default::default();
     for (row, r) in routing.iter().enumerate() {
@@ -464,21 +471,22 @@ pub(crate) fn moe_rows(
             }
         }
     };
-    let mut out = accumulator(n * hidden);
-    if n < 2 * pool.threads() {
+    let out = if n < 2 * pool.threads() {
+        let mut out = accumulator(n * hidden);
         for (row, y) in out.chunks_exact_mut(hidden).enumerate() {
             combine(row, y);
         }
+        out
     } else {
         // A prompt's rows split over the pool (the calling thread combined
         // them alone while the others waited).
         let per = n.div_ceil(4 * pool.threads());
-        pool.for_each_chunk_mut(&mut out, per * hidden, |c, ys| {
+        pool.zeroed_chunks(n * hidden, per * hidden, |c, ys| {
             for (j, y) in ys.chunks_exact_mut(hidden).enumerate() {
                 combine(c * per + j, y);
             }
-        });
-    }
+        })
+    };
     Ok((out, routing))
 }
 
@@ -532,11 +540,11 @@ mod tests {
                 (e, Arc::new(w))
             })
             .collect();
-        assert!(group.iter().all(|(_, w)| {
-            [&w.gate, &w.up, &w.down]
-                .into_iter()
-                .all(q8_products)
-        }));
+        assert!(
+            group
+                .iter()
+                .all(|(_, w)| { [&w.gate, &w.up, &w.down].into_iter().all(q8_products) })
+        );
         let h = rand_vec(&mut rng, n * hidden);
         let users: Vec<Vec<(usize, usize)>> = counts
             .iter()

@@ -2038,7 +2038,11 @@ pub fn matmul_shared_input(
             let i = match batches.iter().position(|(f, _)| *f == w.format) {
                 Some(i) => i,
                 None => {
-                    batches.push((w.format, Batch::prepare(pool, w.format, x, w.cols, n)));
+                    // The interleaved tokens only where a matrix of the
+                    // format is not tiled.
+                    let gemm = ws.iter().any(|v| v.format == w.format && !v.is_tiled());
+                    let batch = Batch::prepare(pool, w.format, x, w.cols, n, gemm);
+                    batches.push((w.format, batch));
                     batches.len() - 1
                 }
             };
@@ -2207,7 +2211,7 @@ pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
     if n == 1 {
         return matvec(pool, w, x, y);
     }
-    let batch = Batch::prepare(pool, w.format, x, w.cols, n);
+    let batch = Batch::prepare(pool, w.format, x, w.cols, n, !w.is_tiled());
     matmul_prepared(pool, w, &batch, y);
 }
 
@@ -2220,7 +2224,18 @@ struct Batch<'a> {
 }
 
 impl<'a> Batch<'a> {
-    fn prepare(pool: &Pool, format: WeightFormat, x: &'a [f32], cols: usize, n: usize) -> Self {
+    /// `gemm`: whether a matrix that is not tiled takes the batch, so that
+    /// Q4_0's matrix–matrix kernel needs the tokens interleaved (built on
+    /// the calling thread alone: 1% of a prompt's time where every matrix
+    /// was tiled and none read them).
+    fn prepare(
+        pool: &Pool,
+        format: WeightFormat,
+        x: &'a [f32],
+        cols: usize,
+        n: usize,
+        gemm: bool,
+    ) -> Self {
         let k = kernels();
         let int = int_format(format) && k.int_activations;
         let inputs: Vec<Input<'a>> = if int {
@@ -2233,7 +2248,7 @@ impl<'a> Batch<'a> {
                 .collect()
         };
         let tiles = match k.gemm_q4_0_q8 {
-            Some(g) if int && format == WeightFormat::Q4_0 && n >= g.min_tokens => {
+            Some(g) if gemm && int && format == WeightFormat::Q4_0 && n >= g.min_tokens => {
                 let q8: Vec<&Q8Activation> = inputs
                     .iter()
                     .filter_map(|i| if let Input::Q8(a) = i { Some(a) } else { None })

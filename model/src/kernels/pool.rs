@@ -196,6 +196,36 @@ impl Pool {
         });
     }
 
+    /// `len` zeros in chunks of `chunk`, each zeroed by the task that then
+    /// runs `f(chunk_index, chunk)` on it: [`Pool::for_each_chunk_mut`]
+    /// over a zeroed vector, the zeroing split over the threads (one
+    /// thread zeroing a prompt's attention output left the others
+    /// waiting).
+    pub fn zeroed_chunks(
+        &self,
+        len: usize,
+        chunk: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Vec<f32> {
+        let mut v: Vec<f32> = Vec::with_capacity(len);
+        self.for_each_chunk_mut(&mut v.spare_capacity_mut()[..len], chunk, |i, part| {
+            for m in part.iter_mut() {
+                m.write(0.0);
+            }
+            // SAFETY: every element of `part` was initialised just above;
+            // `MaybeUninit<f32>` has `f32`'s layout.
+            let part = unsafe {
+                std::slice::from_raw_parts_mut(part.as_mut_ptr().cast::<f32>(), part.len())
+            };
+            f(i, part);
+        });
+        // SAFETY: `for_each_chunk_mut` ran every chunk of 0..len once (or
+        // panicked, leaving this unreached), and each task initialised its
+        // chunk; the capacity is `len`.
+        unsafe { v.set_len(len) };
+        v
+    }
+
     /// `f(i)` for `i in 0..n` on the pool, collected in index order.
     pub fn map_collect<R: Send>(&self, n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
@@ -397,6 +427,25 @@ mod tests {
             assert!(last_past.is_err(), "a last row past the end is refused");
         }
         assert_eq!(w, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    }
+
+    /// Every chunk reaches its task zeroed, and the vector comes back
+    /// whole, for any thread count and chunks that do not divide it.
+    #[test]
+    fn zeroed_chunks_are_zero_for_their_tasks() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            for (len, chunk) in [(0, 4), (1, 4), (10, 3), (1000, 7)] {
+                let v = pool.zeroed_chunks(len, chunk, |i, part| {
+                    assert!(part.iter().all(|x| x.to_bits() == 0), "zeroed");
+                    for (j, x) in part.iter_mut().enumerate() {
+                        *x += (i * chunk + j) as f32;
+                    }
+                });
+                assert_eq!(v.len(), len);
+                assert!(v.iter().enumerate().all(|(i, x)| *x == i as f32));
+            }
+        }
     }
 
     #[test]
