@@ -149,23 +149,40 @@ fn q8_group_by_rows(
 /// Per token (`inter` values of gate and of up each), SwiGLU quantized
 /// for the down product.
 fn swiglu_q8(g: &[f32], u: &[f32], inter: usize) -> Vec<Q8Activation> {
+    let mut a = Vec::new();
     g.chunks_exact(inter)
         .zip(u.chunks_exact(inter))
         .map(|(g, u)| {
-            let a: Vec<f32> = g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)).collect();
+            swiglu_into(g, u, &mut a);
             Q8Activation::quantize(&a)
         })
         .collect()
+}
+
+/// One token's SwiGLU into `a` (its memory reused).
+fn swiglu_into(g: &[f32], u: &[f32], a: &mut Vec<f32>) {
+    a.clear();
+    a.extend(g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)));
 }
 
 /// Experts a group needs per pool thread for [`q8_group_by_expert`]:
 /// enough that tasks of different sizes even out between the threads.
 const EXPERT_TASKS_PER_THREAD: usize = 4;
 
+/// A [`q8_group_by_expert`] task's buffers, kept per thread so that a
+/// prompt's thousands of expert tasks allocate nothing but their outputs:
+/// the gate and up results, one token's SwiGLU, and the down product's
+/// quantized inputs (whose five vectors each were allocated per token).
+#[derive(Default)]
+struct ExpertScratch {
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    acts: Vec<Q8Activation>,
+}
+
 thread_local! {
-    /// A [`q8_group_by_expert`] task's gate and up results, kept per
-    /// thread.
-    static GATE_UP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static EXPERT_SCRATCH: std::cell::RefCell<ExpertScratch> =
+        std::cell::RefCell::new(ExpertScratch::default());
 }
 
 /// [`q8_group_rows`] for a group of many experts (a prompt's layer): one
@@ -187,21 +204,31 @@ fn q8_group_by_expert(
         let w = &group[i].1;
         let xs: Vec<&Q8Activation> = users[i].iter().map(|&(row, _)| &hq[row]).collect();
         let inter = w.gate.rows;
-        let acts: Vec<Q8Activation> = GATE_UP.with_borrow_mut(|buf| {
+        EXPERT_SCRATCH.with_borrow_mut(|sc| {
             let need = 2 * xs.len() * inter;
-            if buf.len() < need {
-                buf.resize(need, 0.0);
+            if sc.gate_up.len() < need {
+                sc.gate_up.resize(need, 0.0);
             }
             // Every element is written by the products: what an earlier
             // task left is overwritten, never read.
-            let (g, u) = buf[..need].split_at_mut(need / 2);
+            let (g, u) = sc.gate_up[..need].split_at_mut(need / 2);
             q8_matmuls_here(&[&w.gate, &w.up], &xs, &mut [&mut *g, &mut *u]);
-            swiglu_q8(g, u, inter)
-        });
-        let acts: Vec<&Q8Activation> = acts.iter().collect();
-        let mut y = vec![0.0f32; acts.len() * w.down.rows];
-        q8_matmuls_here(&[&w.down], &acts, &mut [&mut y]);
-        y
+            if sc.acts.len() < xs.len() {
+                sc.acts.resize_with(xs.len(), Q8Activation::default);
+            }
+            for ((g, u), q) in g
+                .chunks_exact(inter)
+                .zip(u.chunks_exact(inter))
+                .zip(&mut sc.acts)
+            {
+                swiglu_into(g, u, &mut sc.act);
+                q.quantize_from(&sc.act);
+            }
+            let acts: Vec<&Q8Activation> = sc.acts[..xs.len()].iter().collect();
+            let mut y = vec![0.0f32; xs.len() * w.down.rows];
+            q8_matmuls_here(&[&w.down], &acts, &mut [&mut y]);
+            y
+        })
     });
     let mut ys: Vec<Vec<f32>> = vec![Vec::new(); group.len()];
     for (&i, y) in order.iter().zip(done) {
