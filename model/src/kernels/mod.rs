@@ -470,6 +470,11 @@ mod avx2_wrappers {
     }
     /// Also checks the lengths the kernel's contract asks for.
     pub fn dot_q6_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        q6_k_lengths(w, x);
+        unsafe { super::q6_k::avx2::dot_q6_k_q8(w, x) }
+    }
+    /// The lengths the Q6_K row kernels' contract asks for.
+    pub(super) fn q6_k_lengths(w: &[u8], x: &super::Q8Activation) {
         let supers = w.len() / crate::quant::Q6_K_BLOCK_BYTES;
         assert!(
             x.quants.len() >= supers * crate::quant::QK_K
@@ -477,7 +482,6 @@ mod avx2_wrappers {
                 && x.bsums16.len() >= supers * crate::quant::QK_K / 16,
             "an activation of the row's length"
         );
-        unsafe { super::q6_k::avx2::dot_q6_k_q8(w, x) }
     }
     /// Also checks the lengths the kernels' contract asks for.
     pub fn dot_q4_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
@@ -756,6 +760,11 @@ mod avx512_wrappers {
     pub fn dot_q4_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q4_0::avx512::dot_q4_0_q8(w, x) }
     }
+    /// After the length checks the kernel's contract asks for.
+    pub fn dot_q6_k_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
+        super::avx2_wrappers::q6_k_lengths(w, x);
+        unsafe { super::q6_k::avx512::dot_q6_k_q8(w, x) }
+    }
     /// Q2_K, Q3_K (where the CPU has GFNI, as every AVX-512 VNNI CPU
     /// since Ice Lake and Zen 4 does) and IQ4_XS by their AVX-512 kernels, after the
     /// length checks their contract asks for; the other formats by AVX2's.
@@ -972,6 +981,7 @@ pub const AVX512_VNNI: KernelSet = KernelSet {
     dot_f32_rows_group: Some(avx512_wrappers::dot_f32_rows_group),
     weighted_rows: avx512_wrappers::weighted_rows,
     weighted_rows_group: Some(avx512_wrappers::weighted_rows_group),
+    dot_q6_k_q8: avx512_wrappers::dot_q6_k_q8,
     dot_more_q8: avx512_wrappers::dot_more_q8,
     dot_more_q8_multi: Some(avx512_wrappers::dot_more_q8_multi),
     dot_q8_0_q8_pair: Some(avx512_wrappers::dot_q8_0_q8_pair),

@@ -187,6 +187,132 @@ pub mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    //! # Safety
+    //! Every function needs AVX-512 F/BW/VL/VNNI, FMA and F16C (the
+    //! caller checked them at run time), `w` whole super-blocks and `x` of
+    //! `w`'s length in elements.
+    //!
+    //! A super-block at a time: its 256 codes in four registers of two
+    //! blocks each (a half's 64 `ql` bytes as they lie, its 32 `qh` bytes
+    //! in both 256-bit halves, shifted per half by `vpsllvw`/`vpsrlvw`),
+    //! each against the two blocks' 64 activation quants as they lie by
+    //! one `vpdpbusd` (the unsigned codes' four-product sums, exact). Two
+    //! rounds of unpack-and-add leave the 16 sub-block sums, which one
+    //! permutation orders as (even sub-blocks, odd ones) beside their
+    //! scales; multiplied, the halves added and the codes' offset `32 ·
+    //! Σ sc·Σ q` (a `pmaddwd` against the activation's `bsums16`) taken
+    //! off, they are the 8 exact block integers, converted and fused-added
+    //! into the 4 lanes blocks 0–3 then 4–7, as the reference adds them.
+    //! The AVX2 kernel was compute-bound at about 19 GB/s of Q6_K a core,
+    //! below the memory's rate (docs/benchmarks.md).
+
+    use std::arch::x86_64::*;
+
+    use super::super::q8act::Q8Activation;
+    use super::BLOCKS;
+    use crate::quant::{Q6_K_BLOCK_BYTES, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK};
+
+    /// How far ahead of the super-block being read its bytes are asked of
+    /// L2 (as the AVX2 kernel).
+    const PREFETCH: usize = 4096;
+
+    /// # Safety
+    /// See the module docs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub unsafe fn dot_q6_k_q8(w: &[u8], x: &Q8Activation) -> f32 {
+        let supers = w.len() / Q6_K_BLOCK_BYTES;
+        let (wp, qp) = (w.as_ptr(), x.quants.as_ptr());
+        // SAFETY: super-blocks i < supers are read, with their 8 blocks of
+        // quants, scales and sums of 16 (module docs); the rest is
+        // register arithmetic under this function's target features.
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0f);
+            let m2 = _mm512_set1_epi8(0x30);
+            // qh's bit pairs to bits 4–5: blocks 4n + 0 | 4n + 1 (<< 4 | << 2)
+            // and 4n + 2 | 4n + 3 (as they are | >> 2), per 256-bit half.
+            let lo_shift = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+            let hi_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+            // After the unpack rounds, dword 4j + m holds sub-block 4m + j;
+            // gathered as the 8 even sub-blocks, then the 8 odd ones.
+            let gather = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+            // The scale bytes in the same order: even sub-blocks, then odd.
+            let split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            let mut acc = _mm_setzero_ps();
+            for i in 0..supers {
+                let blk = wp.add(i * Q6_K_BLOCK_BYTES);
+                for line in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+                }
+                let q = qp.add(i * BLOCKS * QK);
+                let mut z = [_mm512_setzero_si512(); 4];
+                for n in 0..2 {
+                    let l = _mm512_loadu_si512(blk.add(64 * n) as *const __m512i);
+                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        blk.add(Q6_K_QH + 32 * n) as *const __m256i
+                    ));
+                    let lo = _mm512_or_si512(
+                        _mm512_and_si512(l, m4),
+                        _mm512_and_si512(_mm512_sllv_epi16(qh, lo_shift), m2),
+                    );
+                    let hi = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l), m4),
+                        _mm512_and_si512(_mm512_srlv_epi16(qh, hi_shift), m2),
+                    );
+                    // Blocks 4n, 4n + 1 and 4n + 2, 4n + 3: 64 quants each.
+                    let q0 = _mm512_loadu_si512(q.add((4 * n) * QK) as *const __m512i);
+                    let q1 = _mm512_loadu_si512(q.add((4 * n + 2) * QK) as *const __m512i);
+                    z[2 * n] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q0);
+                    z[2 * n + 1] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, q1);
+                }
+                // z[m]'s 128-bit lane j: sub-block 4m + j's four sums.
+                let u = _mm512_add_epi32(
+                    _mm512_unpacklo_epi32(z[0], z[1]),
+                    _mm512_unpackhi_epi32(z[0], z[1]),
+                );
+                let v = _mm512_add_epi32(
+                    _mm512_unpacklo_epi32(z[2], z[3]),
+                    _mm512_unpackhi_epi32(z[2], z[3]),
+                );
+                let subs =
+                    _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+                let subs = _mm512_permutexvar_epi32(gather, subs);
+                let natural = _mm_loadu_si128(blk.add(Q6_K_SCALES) as *const __m128i);
+                let sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(natural, split));
+                let scaled = _mm512_mullo_epi32(subs, sc);
+                let blocks = _mm256_add_epi32(
+                    _mm512_castsi512_si256(scaled),
+                    _mm512_extracti64x4_epi64::<1>(scaled),
+                );
+                let sums16 =
+                    _mm256_loadu_si256(x.bsums16.as_ptr().add(2 * i * BLOCKS) as *const __m256i);
+                let offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(natural), sums16);
+                let exact =
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(blocks, _mm256_slli_epi32::<5>(offset)));
+                let dw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                    u16::from_le_bytes([*blk.add(Q6_K_D), *blk.add(Q6_K_D + 1)]) as i32,
+                ))));
+                let d = _mm256_mul_ps(dw, _mm256_loadu_ps(x.scales.as_ptr().add(i * BLOCKS)));
+                // Blocks 8i .. 8i + 4 into lanes 0..4, then 8i + 4 .. 8i + 8.
+                acc = _mm_fmadd_ps(
+                    _mm256_castps256_ps128(d),
+                    _mm256_castps256_ps128(exact),
+                    acc,
+                );
+                acc = _mm_fmadd_ps(
+                    _mm256_extractf128_ps::<1>(d),
+                    _mm256_extractf128_ps::<1>(exact),
+                    acc,
+                );
+            }
+            // (a0 + a2) + (a1 + a3), as `tree4`.
+            let h2 = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
+            _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)))
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
