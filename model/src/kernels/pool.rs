@@ -273,9 +273,9 @@ impl<'a> Parts<'a> {
     }
 
     /// `src`'s rows of `len` into the output, row `t` from `at + t ·
-    /// stride` (a task's block of rows for every token), counted once
-    /// (bounds checked): a count per row, an atomic add on a line both
-    /// threads write, cost a prompt's products more than the copies.
+    /// stride` (a task's block of rows for every token), bounds checked
+    /// and counted once: one atomic add per task on the line every thread
+    /// writes, not one per token.
     ///
     /// # Safety
     /// No two calls on this output write overlapping ranges.
