@@ -22,7 +22,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use super::{Input, MAX_TASK_ROWS, Pool, Q8Activation, kernels, prepared_matvecs, rows_into};
+use super::{Input, MAX_VEC_TASK_ROWS, Pool, Q8Activation, kernels, prepared_matvecs, rows_into};
 use crate::tensor::QMatrix;
 
 /// The three matrices of one gated MLP.
@@ -67,7 +67,7 @@ pub fn gated_products(
     let mut tasks = Vec::new();
     let mut left = Vec::with_capacity(mlps.len());
     for (i, m) in mlps.iter().enumerate() {
-        let chunk = pool.task_rows(m.gate).max(pool.task_rows(m.up));
+        let chunk = pool.vec_task_rows(m.gate).max(pool.vec_task_rows(m.up));
         let before = tasks.len();
         for r0 in (0..m.gate.rows).step_by(chunk) {
             tasks.push((i, r0, chunk.min(m.gate.rows - r0)));
@@ -83,9 +83,9 @@ pub fn gated_products(
         let (i, r0, len) = tasks[t];
         let m = &mlps[i];
         // A task's products on the stack: they cost the allocator nothing.
-        let mut stack = [0.0f32; 2 * MAX_TASK_ROWS];
+        let mut stack = [0.0f32; 2 * MAX_VEC_TASK_ROWS];
         let mut heap = Vec::new();
-        let gu = if len <= MAX_TASK_ROWS {
+        let gu = if len <= MAX_VEC_TASK_ROWS {
             &mut stack[..2 * len]
         } else {
             heap.resize(2 * len, 0.0);

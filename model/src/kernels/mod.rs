@@ -1662,31 +1662,60 @@ pub fn row_axpy(w: &QMatrix, r: usize, alpha: f32, out: &mut [f32], scratch: &mu
     }
 }
 
-/// The most rows one task of a product takes (a multiple of the tile and
-/// quad heights, so rounding to them keeps a task within it).
+/// The most rows one task of a several-token product takes (its results
+/// go through a per-thread buffer of that many rows per token); a multiple
+/// of the tile and quad heights, so rounding to them keeps a task within
+/// it.
 const MAX_TASK_ROWS: usize = 1024;
 
+/// The same for a one-token product ([`Pool::vec_task_rows`]).
+const MAX_VEC_TASK_ROWS: usize = 2048;
+
 impl Pool {
+    /// Rows per task of a several-token product: four tasks per thread,
+    /// so that tasks even out between threads that run at different
+    /// speeds.
     fn rows_per_task(&self, rows: usize) -> usize {
         (rows / (self.threads() * 4)).clamp(8, MAX_TASK_ROWS)
     }
 
-    /// [`rows_per_task`](Self::rows_per_task) for `w`: whole tiles when
-    /// `w` is tiled.
+    /// Rows per task of a one-token product: one task per thread. Every
+    /// task boundary costs a one-token product time, more than the
+    /// balancing of smaller tasks wins back: a warm decode ran 2–5% faster
+    /// with one task per thread than with four, and 7–10% faster than with
+    /// sixteen (docs/benchmarks.md). A job of several matrices (q, k and
+    /// v; every expert's gate and up) still balances over its matrices.
+    fn vec_rows_per_task(&self, rows: usize) -> usize {
+        (rows / self.threads()).clamp(8, MAX_VEC_TASK_ROWS)
+    }
+
+    /// [`vec_rows_per_task`](Self::vec_rows_per_task) for `w`, rounded as
+    /// [`task_rows`](Self::task_rows) rounds.
+    pub(crate) fn vec_task_rows(&self, w: &QMatrix) -> usize {
+        whole_units(w, self.vec_rows_per_task(w.rows))
+    }
+
+    /// [`rows_per_task`](Self::rows_per_task) for `w`, rounded to whole
+    /// units of its layout ([`whole_units`]).
     fn task_rows(&self, w: &QMatrix) -> usize {
-        let chunk = self.rows_per_task(w.rows);
-        if w.is_tiled() {
-            chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
-        } else if w.is_quads() {
-            chunk.next_multiple_of(quads16::QUAD_ROWS)
-        } else if k_panels::super_bytes(w.format).is_some() {
-            chunk.next_multiple_of(k_panels::PANEL_ROWS)
-        } else if w.format == WeightFormat::Iq4Nl && kernels().dot_iq4_nl_tiles.is_some() {
-            // Whole groups of 16 rows for `iq4_nl_tiled_rows`.
-            chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
-        } else {
-            chunk
-        }
+        whole_units(w, self.rows_per_task(w.rows))
+    }
+}
+
+/// `chunk` rounded up to whole tiles, quads or panels where `w` is laid
+/// out in them (every maximum above is a multiple of those heights).
+fn whole_units(w: &QMatrix, chunk: usize) -> usize {
+    if w.is_tiled() {
+        chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
+    } else if w.is_quads() {
+        chunk.next_multiple_of(quads16::QUAD_ROWS)
+    } else if k_panels::super_bytes(w.format).is_some() {
+        chunk.next_multiple_of(k_panels::PANEL_ROWS)
+    } else if w.format == WeightFormat::Iq4Nl && kernels().dot_iq4_nl_tiles.is_some() {
+        // Whole groups of 16 rows for `iq4_nl_tiled_rows`.
+        chunk.next_multiple_of(q4_0_tiles::TILE_ROWS)
+    } else {
+        chunk
     }
 }
 
@@ -1989,7 +2018,7 @@ fn tiled_rows(
 }
 
 /// Rows `r0..r0 + ys.len()` of `w` with a prepared input, `r0` at one of
-/// [`Pool::task_rows`]'s boundaries.
+/// [`Pool::task_rows`]'s or [`Pool::vec_task_rows`]'s boundaries.
 fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32]) {
     if let (Some(tile), Input::Q8(a)) = (k.dot_q4_0_tile.filter(|_| w.is_tiled()), x) {
         return tiled_rows(k, tile, w, &[a], None, r0, ys.len(), ys);
@@ -2003,7 +2032,7 @@ fn rows_into(k: &KernelSet, w: &QMatrix, x: &Input<'_>, r0: usize, ys: &mut [f32
         (WeightFormat::Bf16, false) => k.dot_bf16_rows,
         (WeightFormat::F16, false) => k.dot_f16_rows,
         // Quads exist only where their kernels do; `r0` is a multiple of
-        // 4 (`task_rows`).
+        // 4 (`whole_units`).
         (WeightFormat::Bf16, true) => k.dot_bf16_quads,
         (WeightFormat::F16, true) => k.dot_f16_quads,
         _ => None,
@@ -2023,7 +2052,7 @@ pub fn matvec(pool: &Pool, w: &QMatrix, x: &[f32], y: &mut [f32]) {
     assert_eq!(y.len(), w.rows, "matvec output length");
     let k = kernels();
     let input = Input::prepare(k, w, x);
-    let chunk = pool.task_rows(w);
+    let chunk = pool.vec_task_rows(w);
     pool.for_each_chunk_mut(y, chunk, |ci, ys| rows_into(k, w, &input, ci * chunk, ys));
 }
 
@@ -2104,7 +2133,7 @@ fn prepared_matvecs(
     let mut tasks = Vec::new();
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
         assert_eq!(y.len(), w.rows, "matvec output length");
-        let chunk = pool.task_rows(w);
+        let chunk = pool.vec_task_rows(w);
         for (c, part) in y.chunks_mut(chunk).enumerate() {
             tasks.push((i, c * chunk, part));
         }
