@@ -15,14 +15,14 @@ use crate::kernels::{
     Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, q8_matmuls,
     q8_matmuls_here, q8_products,
 };
-use crate::ops::{accumulator, sigmoid, silu, softmax_inplace, top_k};
+use crate::ops::{accumulator, sigmoid, softmax_inplace, swiglu_inplace, top_k};
 use crate::tensor::QMatrix;
 use crate::weights::{MlpWeights, MoeWeights};
 
 /// `down(silu(gate x) * up x)` for `n` rows.
 pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<f32> {
     if n == 1 {
-        let mut ys = gated_products(pool, &[gated(w)], x, swiglu);
+        let mut ys = gated_products(pool, &[gated(w)], x, swiglu_inplace);
         return ys.pop().unwrap_or_default();
     }
     let inter = w.gate.rows;
@@ -32,9 +32,7 @@ pub(crate) fn mlp_rows(pool: &Pool, w: &MlpWeights, x: &[f32], n: usize) -> Vec<
     // Elementwise, so the split across threads (for batches worth
     // splitting) changes no result.
     let gate_rows = |c: usize, gs: &mut [f32], chunk: usize| {
-        for (gv, uv) in gs.iter_mut().zip(&u[c * chunk..]) {
-            *gv = swiglu(*gv, *uv);
-        }
+        swiglu_inplace(gs, &u[c * chunk..c * chunk + gs.len()]);
     };
     if n >= 8 {
         let chunk = inter.max(1) * n.div_ceil(pool.threads() * 4);
@@ -67,12 +65,7 @@ fn expert_rows(
 /// product.
 fn mlp_group(pool: &Pool, group: &ExpertGroup, x: &[f32]) -> Vec<Vec<f32>> {
     let mlps: Vec<Gated<'_>> = group.iter().map(|(_, w)| gated(w)).collect();
-    gated_products(pool, &mlps, x, swiglu)
-}
-
-/// SwiGLU's elementwise step: `silu(gate) · up`.
-fn swiglu(g: f32, u: f32) -> f32 {
-    silu(g) * u
+    gated_products(pool, &mlps, x, swiglu_inplace)
 }
 
 fn gated(w: &MlpWeights) -> Gated<'_> {
@@ -162,7 +155,8 @@ fn swiglu_q8(g: &[f32], u: &[f32], inter: usize) -> Vec<Q8Activation> {
 /// One token's SwiGLU into `a` (its memory reused).
 fn swiglu_into(g: &[f32], u: &[f32], a: &mut Vec<f32>) {
     a.clear();
-    a.extend(g.iter().zip(u).map(|(g, u)| swiglu(*g, *u)));
+    a.extend_from_slice(g);
+    swiglu_inplace(a, u);
 }
 
 /// Experts a group needs per pool thread for [`q8_group_by_expert`]:
@@ -171,12 +165,12 @@ const EXPERT_TASKS_PER_THREAD: usize = 4;
 
 /// A [`q8_group_by_expert`] task's buffers, kept per thread so that a
 /// prompt's thousands of expert tasks allocate nothing but their outputs:
-/// the gate and up results, one token's SwiGLU, and the down product's
-/// quantized inputs (whose five vectors each were allocated per token).
+/// the gate and up results (SwiGLU formed in the gate's half), and the
+/// down product's quantized inputs (whose five vectors each were allocated
+/// per token).
 #[derive(Default)]
 struct ExpertScratch {
     gate_up: Vec<f32>,
-    act: Vec<f32>,
     acts: Vec<Q8Activation>,
 }
 
@@ -217,12 +211,12 @@ fn q8_group_by_expert(
                 sc.acts.resize_with(xs.len(), Q8Activation::default);
             }
             for ((g, u), q) in g
-                .chunks_exact(inter)
+                .chunks_exact_mut(inter)
                 .zip(u.chunks_exact(inter))
                 .zip(&mut sc.acts)
             {
-                swiglu_into(g, u, &mut sc.act);
-                q.quantize_from(&sc.act);
+                swiglu_inplace(g, u);
+                q.quantize_from(g);
             }
             let acts: Vec<&Q8Activation> = sc.acts[..xs.len()].iter().collect();
             let mut y = vec![0.0f32; xs.len() * w.down.rows];

@@ -34,12 +34,13 @@ pub struct Gated<'a> {
 }
 
 /// `down_i(act(gate_i x, up_i x))` for each of `mlps`, one output vector
-/// per MLP. `act` is applied elementwise (SwiGLU's `silu(g) · u`, say).
+/// per MLP. `act(g, u)` forms the activation elementwise in place of `g`
+/// (SwiGLU's `g[j] = silu(g[j]) · u[j]`, say), on a task's rows at a time.
 pub fn gated_products(
     pool: &Pool,
     mlps: &[Gated<'_>],
     x: &[f32],
-    act: impl Fn(f32, f32) -> f32 + Sync,
+    act: impl Fn(&mut [f32], &[f32]) + Sync,
 ) -> Vec<Vec<f32>> {
     for m in mlps {
         assert!(
@@ -94,12 +95,8 @@ pub fn gated_products(
         let (g, u) = gu.split_at_mut(len);
         rows_into(k, m.gate, input(m.gate), r0, g);
         rows_into(k, m.up, input(m.up), r0, u);
-        {
-            let mut a = lock(&acts[i]);
-            for ((o, &g), &u) in a[r0..r0 + len].iter_mut().zip(g.iter()).zip(u.iter()) {
-                *o = act(g, u);
-            }
-        }
+        act(g, u);
+        lock(&acts[i])[r0..r0 + len].copy_from_slice(g);
         // The last of this MLP's tasks: every row of its activation was
         // written under the lock before the other tasks' decrements.
         if left[i].fetch_sub(1, Ordering::AcqRel) == 1 && Input::quantizes(k, m.down) {

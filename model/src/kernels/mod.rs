@@ -3265,9 +3265,10 @@ pub(crate) mod tests {
                 s.iter_mut().for_each(|x| *x = x.abs());
                 let mut want = vec![0.0f32; len];
                 scalar::weighted_rows(&mut want, &s, &v, stride);
-                // The reference is the plain sum, row after row.
+                // The reference is the plain sum, row after row, one fused
+                // multiply-add per row.
                 for (i, w) in want.iter().enumerate() {
-                    let plain = (0..rows).fold(0.0f32, |a, t| a + s[t] * v[t * stride + i]);
+                    let plain = (0..rows).fold(0.0f32, |a, t| s[t].mul_add(v[t * stride + i], a));
                     assert_eq!(w.to_bits(), plain.to_bits());
                 }
                 let q = rand_vec(&mut rng, len);
@@ -4064,7 +4065,12 @@ pub(crate) mod tests {
             ],
         ];
         let x = rand_vec(&mut rng, hidden);
-        let act = |g: f32, u: f32| g / (1.0 + (-g).exp()) * u;
+        let act_of = |g: f32, u: f32| g / (1.0 + (-g).exp()) * u;
+        let act = |g: &mut [f32], u: &[f32]| {
+            for (g, &u) in g.iter_mut().zip(u) {
+                *g = act_of(*g, u);
+            }
+        };
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for threads in [1, 2, 3] {
             let pool = Pool::new(threads).unwrap();
@@ -4074,7 +4080,7 @@ pub(crate) mod tests {
                     let (mut gy, mut uy) = (vec![0.0; g.rows], vec![0.0; u.rows]);
                     matvec(&pool, g, &x, &mut gy);
                     matvec(&pool, u, &x, &mut uy);
-                    let a: Vec<f32> = gy.iter().zip(&uy).map(|(&g, &u)| act(g, u)).collect();
+                    let a: Vec<f32> = gy.iter().zip(&uy).map(|(&g, &u)| act_of(g, u)).collect();
                     let mut y = vec![0.0; d.rows];
                     matvec(&pool, d, &a, &mut y);
                     y

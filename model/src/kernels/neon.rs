@@ -16,7 +16,7 @@
 //! - `dot_q8_0`, `dot_q4_0` (f32 activations): bit for bit what [`dot_f32`]
 //!   gives on the dequantized row (as on AVX2).
 //! - `dot_f32_rows` is [`dot_f32`] per row; `weighted_rows` is the scalar
-//!   reference bit for bit (separate multiply and add, row order).
+//!   reference bit for bit (one fused multiply-add per element, row order).
 //! - `dot_q8_0_q8`, `dot_q4_0_q8` and their multi-token forms: the scalar
 //!   references' arithmetic exactly (exact integer lane sums, one fused
 //!   multiply-add per block into the reference's lane, its reduction), so
@@ -362,8 +362,8 @@ pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
 
 /// [`super::scalar::weighted_rows`] with 4 lanes: 64 outputs at a time
 /// held in registers over every row (loaded from `o`, stored back), the
-/// same multiply then add per
-/// element (never fused), so the results are the reference's bits.
+/// same fused multiply-add per
+/// element, so the results are the reference's bits.
 /// Panics if a row is out of bounds.
 ///
 /// # Safety
@@ -388,7 +388,7 @@ pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
             for (t, &st) in s.iter().enumerate() {
                 let row = vp.add(t * stride + i);
                 for (k, a) in acc.iter_mut().enumerate() {
-                    *a = vaddq_f32(*a, vmulq_n_f32(vld1q_f32(row.add(4 * k)), st));
+                    *a = vfmaq_n_f32(*a, vld1q_f32(row.add(4 * k)), st);
                 }
             }
             for (k, a) in acc.iter().enumerate() {
@@ -399,7 +399,7 @@ pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
         while i + 4 <= n {
             let mut a = vld1q_f32(op.add(i));
             for (t, &st) in s.iter().enumerate() {
-                a = vaddq_f32(a, vmulq_n_f32(vld1q_f32(vp.add(t * stride + i)), st));
+                a = vfmaq_n_f32(a, vld1q_f32(vp.add(t * stride + i)), st);
             }
             vst1q_f32(op.add(i), a);
             i += 4;

@@ -291,7 +291,7 @@ pub mod x86 {
             scratch.b.resize(blocks, BTile([0; 512]));
             for (i, bt) in scratch.b.iter_mut().enumerate() {
                 ask_l2(next, i);
-                unpack(tile.as_ptr(), blocks, i, table, bt);
+                unpack(tile.as_ptr(), blocks, i, table, bt as *mut BTile);
             }
             let mut t0 = 0;
             for p in passes {
@@ -310,20 +310,21 @@ pub mod x86 {
     }
 
     /// Block `b` of the tile at `base` (of `blocks` blocks) as its B tile
-    /// into `out`: the codes' nibbles looked up in `table`.
+    /// into `out`, every byte written: the codes' nibbles looked up in
+    /// `table`. (`out` may be uninitialised: it is only written.)
     ///
     /// # Safety
-    /// `b < blocks` of a whole tile at `base`; the caller's target
-    /// features.
+    /// `b < blocks` of a whole tile at `base`; `out` valid for writing one
+    /// B tile; the caller's target features.
     #[inline(always)]
-    unsafe fn unpack(base: *const u8, blocks: usize, b: usize, table: __m512i, out: &mut BTile) {
+    unsafe fn unpack(base: *const u8, blocks: usize, b: usize, table: __m512i, out: *mut BTile) {
         // SAFETY: block `b`'s 256 bytes of codes lie in the tile
         // (`codes_at`, b < blocks: caller); a B tile holds 512 bytes,
-        // 64-byte aligned. The rest is register arithmetic.
+        // 64-byte aligned (`out`: caller). The rest is register arithmetic.
         unsafe {
             let nibble = _mm512_set1_epi8(0x0f);
             let c = base.add(codes_at(blocks, b)) as *const __m512i;
-            let o = out.0.as_mut_ptr() as *mut __m512i;
+            let o = out.cast::<__m512i>();
             for j in 0..4 {
                 let w = _mm512_loadu_si512(c.add(j));
                 let lo = _mm512_and_si512(w, nibble);
@@ -415,10 +416,15 @@ pub mod x86 {
         debug_assert!(INLINE || b.len() == blocks);
         let base = tile.as_ptr();
         let cfg = TileConfig::new(T);
-        let mut sums = Sums([[[0; TILE_ROWS]; TOKENS]; DEPTH]);
+        // Neither the sums nor the ring is read before it is written (a
+        // slot's sums by `tilestored`, a ring tile by `unpack`), so neither
+        // is zeroed: 8 KiB of stores a pass, 1.1% of a 512-token prefill
+        // (docs/benchmarks.md).
+        let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
+        let sums = sums.as_mut_ptr().cast::<[[i32; TILE_ROWS]; TOKENS]>();
         let mut order = (0..LANES).flat_map(|l| (l..blocks).step_by(LANES));
         let mut ahead = order.clone();
-        let mut ring = [BTile([0; 512]); RING];
+        let mut ring = [const { std::mem::MaybeUninit::<BTile>::uninit() }; RING];
         let mut unpacked = 0usize;
         // The next block of `ahead` into the ring (INLINE).
         macro_rules! unpack_ahead {
@@ -427,7 +433,7 @@ pub mod x86 {
                     ask_l2(next, blk);
                     // (Used inside the unsafe block below: blk < blocks of
                     // the caller's whole tile.)
-                    unpack(base, blocks, blk, table, &mut ring[unpacked % RING]);
+                    unpack(base, blocks, blk, table, ring[unpacked % RING].as_mut_ptr());
                     unpacked += 1;
                 }
             };
@@ -435,9 +441,11 @@ pub mod x86 {
         // SAFETY: `ldtilecfg` reads the 64-byte aligned configuration;
         // a tile load reads the `T × 32` quants at `blk × T × 32` (blk <
         // blocks) of the packed tokens (`blocks × T × 32` bytes) or the 512
-        // bytes of B tile `blk`; a tile store
-        // writes `T ≤ 16` rows of 64 bytes into a slot of `sums` (16
-        // rows); the tile's scales are read within it (`scales_at`, blk <
+        // bytes of B tile `blk` (a ring tile only after `unpack` wrote it:
+        // LEAD tiles ahead, RING > LEAD); a tile store writes `T ≤ 16`
+        // rows of 64 bytes into a slot of `sums` (16 rows), and the
+        // epilogue reads that slot's first `T` rows only after the store;
+        // the tile's scales are read within it (`scales_at`, blk <
         // blocks), the tokens' at `blk × T + t`; the configuration is
         // released before returning. The rest is register arithmetic
         // under this function's target features, AMX being present and
@@ -464,11 +472,11 @@ pub mod x86 {
                     let q = x.quants.as_ptr().add(blk * T * 32);
                     let w = if INLINE {
                         unpack_ahead!();
-                        ring[issued % RING].0.as_ptr()
+                        ring[issued % RING].as_ptr().cast::<i8>()
                     } else {
                         b[blk].0.as_ptr()
                     };
-                    let o = sums.0[slot].as_mut_ptr();
+                    let o = sums.add(slot).cast::<[i32; TILE_ROWS]>();
                     match slot {
                         0 => product!("tmm0", "tmm4", "tmm6", q, 32usize, w, o),
                         1 => product!("tmm1", "tmm5", "tmm7", q, 32usize, w, o),
@@ -490,7 +498,7 @@ pub mod x86 {
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
                     base.add(scales_at(blocks, blk)) as *const __m256i
                 ));
-                let c = sums.0[slot].as_ptr();
+                let c = sums.add(slot).cast::<[i32; TILE_ROWS]>().cast_const();
                 for t in 0..T {
                     let s = _mm512_cvtepi32_ps(_mm512_load_si512(c.add(t) as *const __m512i));
                     let d = _mm512_mul_ps(dw, _mm512_set1_ps(sc.add(blk * T + t).read()));

@@ -78,16 +78,18 @@ pub fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `o += Σ_t s[t] · v_t` over rows `v_t = v[t·stride..t·stride + o.len()]`,
-/// each element accumulated onto its value in `o`, in row order, with a
-/// separate multiply and add (attention's weighted sum of values; the
-/// vector kernels do the same per lane, so they agree bit for bit). On a
+/// each element accumulated onto its value in `o`, in row order, with one
+/// fused multiply-add (`f32::mul_add`; attention's weighted sum of values;
+/// the vector kernels do the same per lane, so they agree bit for bit).
+/// Fused, a 512-bit kernel issues one instruction per 16 products where a
+/// separate multiply and add took two (docs/benchmarks.md). On a
 /// zeroed `o` it is the weighted sum; called on consecutive blocks of rows,
 /// it continues each element's chain and gives one call's bits.
 pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
     for (t, &st) in s.iter().enumerate() {
         let row = &v[t * stride..t * stride + o.len()];
         for (oo, vv) in o.iter_mut().zip(row) {
-            *oo += st * vv;
+            *oo = st.mul_add(*vv, *oo);
         }
     }
 }

@@ -902,7 +902,7 @@ pub unsafe fn dot_q4_0(w: &[u8], x: &[f32]) -> f32 {
 
 /// [`super::scalar::weighted_rows`] with 8 lanes: 64 outputs at a time held
 /// in registers over every row (loaded from `o`, stored back), the same
-/// multiply then add per element.
+/// fused multiply-add per element.
 ///
 /// # Safety
 /// Requires AVX; `v.len() >= (s.len() - 1) · stride + o.len()` when `s` is
@@ -926,7 +926,7 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
                 let w = _mm256_set1_ps(st);
                 let row = vp.add(t * stride + i);
                 for (k, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(w, _mm256_loadu_ps(row.add(8 * k))));
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *a);
                 }
             }
             for (k, a) in acc.iter().enumerate() {
@@ -938,7 +938,7 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
             let mut a = _mm256_loadu_ps(o.as_ptr().add(i));
             for (t, &st) in s.iter().enumerate() {
                 let row = vp.add(t * stride + i);
-                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(st), _mm256_loadu_ps(row)));
+                a = _mm256_fmadd_ps(_mm256_set1_ps(st), _mm256_loadu_ps(row), a);
             }
             _mm256_storeu_ps(o.as_mut_ptr().add(i), a);
             i += 8;
@@ -1087,9 +1087,8 @@ unsafe fn dot_four_by_four_avx512(q: *const f32, d: usize, keys: [*const f32; 4]
 /// heads of a KV group): head `j` accumulates `s[j·s_stride..][..rows]`
 /// onto `o[j·n..(j + 1)·n]` (`n = o.len() / g`). Four heads at a time
 /// share every load of a value row (64 columns: sixteen sums in
-/// registers); each element is still `o + s·v` with the product and the
-/// sum rounded apart, rows in order, so every head gets the bits it gets
-/// alone. Heads past the last four, and rows whose length is not a
+/// registers); each element is still `o + s·v` in one fused multiply-add
+/// per row, rows in order, so every head gets the bits it gets alone. Heads past the last four, and rows whose length is not a
 /// multiple of 16, go through [`weighted_rows_avx512`].
 ///
 /// # Safety
@@ -1172,7 +1171,7 @@ unsafe fn group_columns<const C: usize>(
             for (j, aj) in acc.iter_mut().enumerate() {
                 let wt = _mm512_set1_ps(*w.add(j * s_stride + t));
                 for (a, vc) in aj.iter_mut().zip(&vs) {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wt, *vc));
+                    *a = _mm512_fmadd_ps(wt, *vc, *a);
                 }
             }
         }
@@ -1185,8 +1184,8 @@ unsafe fn group_columns<const C: usize>(
 }
 
 /// [`weighted_rows`] 16 lanes at a time: each element is still `o + s·v`
-/// with the product and the sum rounded apart, rows in order, so the
-/// bits are [`super::scalar::weighted_rows`]'s.
+/// in one fused multiply-add per row, rows in order, so the bits are
+/// [`super::scalar::weighted_rows`]'s.
 ///
 /// # Safety
 /// As [`weighted_rows`], and AVX-512 F.
@@ -1209,7 +1208,7 @@ pub unsafe fn weighted_rows_avx512(o: &mut [f32], s: &[f32], v: &[f32], stride: 
                 let w = _mm512_set1_ps(st);
                 let row = vp.add(t * stride + i);
                 for (k, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, _mm512_loadu_ps(row.add(16 * k))));
+                    *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(row.add(16 * k)), *a);
                 }
             }
             for (k, a) in acc.iter().enumerate() {
@@ -1221,7 +1220,7 @@ pub unsafe fn weighted_rows_avx512(o: &mut [f32], s: &[f32], v: &[f32], stride: 
             let mut a = _mm512_loadu_ps(o.as_ptr().add(i));
             for (t, &st) in s.iter().enumerate() {
                 let row = vp.add(t * stride + i);
-                a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(st), _mm512_loadu_ps(row)));
+                a = _mm512_fmadd_ps(_mm512_set1_ps(st), _mm512_loadu_ps(row), a);
             }
             _mm512_storeu_ps(o.as_mut_ptr().add(i), a);
             i += 16;
