@@ -56,8 +56,14 @@ impl Q8Activation {
     pub fn quantize_from(&mut self, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if crate::kernels::kernels().vector_quantize {
-            // SAFETY: `vector_quantize` is set only where AVX2 was detected.
-            unsafe { avx2::quantize(self, x) };
+            if quantize_avx512::available() {
+                // SAFETY: AVX-512 F/BW/VL checked by `available`.
+                unsafe { quantize_avx512::quantize(self, x) };
+            } else {
+                // SAFETY: `vector_quantize` is set only where AVX2 was
+                // detected.
+                unsafe { avx2::quantize(self, x) };
+            }
             return;
         }
         self.quantize_scalar(x);
@@ -106,12 +112,19 @@ impl Q8Activation {
     /// [`Self::finish_block`] with the sum of the block's quants given.
     #[inline(always)]
     fn record_block(&mut self, d: f32, start: usize, sum: i32) {
-        self.scales.push(d);
-        self.bsums8.push(8 * sum);
         let low: i32 = self.quants[start..start + 16]
             .iter()
             .map(|&q| q as i32)
             .sum();
+        self.record_block_halves(d, start, sum, low);
+    }
+
+    /// [`Self::record_block`] with the sum of the block's first 16 quants
+    /// given too.
+    #[inline(always)]
+    fn record_block_halves(&mut self, d: f32, start: usize, sum: i32, low: i32) {
+        self.scales.push(d);
+        self.bsums8.push(8 * sum);
         // Both within ±16·127: exact in i16.
         self.bsums16.push(low as i16);
         self.bsums16.push((sum - low) as i16);
@@ -391,6 +404,97 @@ pub mod avx2 {
             for t in 0..N {
                 out[t] = finish(even[t], odd[t]);
             }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod quantize_avx512 {
+    //! [`super::Q8Activation::quantize_scalar`] with 16 lanes: a block is two
+    //! registers, where AVX2 takes four, and its quants are narrowed to bytes
+    //! by one conversion per register. The operations on each element are
+    //! the AVX2 quantizer's (the same maximum, scale, and rounding half away
+    //! from zero as `trunc(x) ± (|x − trunc(x)| ≥ ½)`), so are the results.
+
+    use std::arch::x86_64::*;
+
+    use super::Q8Activation;
+    use crate::quant::QK;
+
+    /// Whether this CPU runs [`quantize`]: AVX-512 F, BW and VL.
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    }
+
+    /// See the module docs.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL ([`available`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub unsafe fn quantize(a: &mut Q8Activation, x: &[f32]) {
+        a.clear(x.len());
+        let sign = _mm512_set1_ps(-0.0);
+        let half = _mm512_set1_ps(0.5);
+        let one = _mm512_set1_ps(1.0);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+        // Bitwise operations on floats go through the integer forms
+        // (AVX-512 F alone; the float forms need DQ).
+        let sign_bits = _mm512_castps_si512(sign);
+        let (one_bits, not_sign) = (_mm512_castps_si512(one), magnitude);
+        for block in x.chunks_exact(QK) {
+            // SAFETY: k·16 + 16 <= 32 = block.len().
+            let v: [__m512; 2] =
+                std::array::from_fn(|k| unsafe { _mm512_loadu_ps(block.as_ptr().add(k * 16)) });
+            // The maximum of |v| skipping NaNs, as in the AVX2 quantizer:
+            // `max_ps` gives its second operand where either is NaN, and
+            // the running maximum never is NaN; the lanes' maximum is exact
+            // in any order.
+            let mut m = _mm512_setzero_ps();
+            for vk in v {
+                let abs = _mm512_and_si512(_mm512_castps_si512(vk), magnitude);
+                m = _mm512_max_ps(_mm512_castsi512_ps(abs), m);
+            }
+            let amax = _mm512_reduce_max_ps(m);
+            let (d, id) = super::scale_of(amax);
+            let vid = _mm512_set1_ps(id);
+            let mut ints = [_mm512_setzero_si512(); 2];
+            for (out, vk) in ints.iter_mut().zip(v) {
+                let xv = _mm512_mul_ps(vk, vid);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(xv);
+                let d = _mm512_castps_si512(_mm512_sub_ps(xv, t));
+                let frac = _mm512_castsi512_ps(_mm512_and_si512(d, not_sign));
+                let away = _mm512_castsi512_ps(_mm512_or_si512(
+                    _mm512_and_si512(_mm512_castps_si512(xv), sign_bits),
+                    one_bits,
+                ));
+                let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), away);
+                let r = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, up), lo), hi);
+                // NaN lanes to 0, as Rust's saturating `as i8` makes them.
+                let r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(xv, xv), r);
+                *out = _mm512_cvttps_epi32(r);
+            }
+            // Sums of the 32-bit lanes (exact: |q| ≤ 127).
+            let low = _mm512_reduce_add_epi32(ints[0]);
+            let sum = low + _mm512_reduce_add_epi32(ints[1]);
+            let start = a.quants.len();
+            let mut q = [0i8; QK];
+            // SAFETY: `q` has 32 bytes; each conversion gives 16 (every
+            // value within ±127, so truncating to bytes is exact).
+            unsafe {
+                _mm_storeu_si128(
+                    q.as_mut_ptr() as *mut __m128i,
+                    _mm512_cvtepi32_epi8(ints[0]),
+                );
+                _mm_storeu_si128(
+                    q.as_mut_ptr().add(16) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(ints[1]),
+                );
+            }
+            a.quants.extend_from_slice(&q);
+            a.record_block_halves(d, start, sum, low);
         }
     }
 }
@@ -769,7 +873,7 @@ pub(crate) mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_quantizer_equals_the_scalar_one() {
+    fn avx2_and_avx512_quantizers_equal_the_scalar_one() {
         if !(is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c"))
@@ -805,18 +909,33 @@ pub(crate) mod tests {
         nans[17] = -3.0;
         inputs.push(nans);
         inputs.push(vec![f32::NAN; QK]);
+        let mut avx512_checked = 0;
         for x in &inputs {
             let mut want = Q8Activation::default();
             want.quantize_scalar(x);
             let mut got = Q8Activation::default();
             // SAFETY: features checked above.
             unsafe { avx2::quantize(&mut got, x) };
-            assert_eq!(got.quants, want.quants);
-            assert_eq!(got.bsums8, want.bsums8);
-            assert_eq!(got.bsums16, want.bsums16);
-            assert_eq!(got.split, want.split);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got.scales), bits(&want.scales));
+            let same = |got: &Q8Activation, name: &str| {
+                assert_eq!(got.quants, want.quants, "{name}");
+                assert_eq!(got.bsums8, want.bsums8, "{name}");
+                assert_eq!(got.bsums16, want.bsums16, "{name}");
+                assert_eq!(got.split, want.split, "{name}");
+                assert_eq!(bits(&got.scales), bits(&want.scales), "{name}");
+            };
+            same(&got, "AVX2");
+            if quantize_avx512::available() {
+                // Into the AVX2 result's buffers: reused, as the
+                // per-thread scratch reuses them.
+                // SAFETY: AVX-512 F/BW/VL checked by `available`.
+                unsafe { quantize_avx512::quantize(&mut got, x) };
+                same(&got, "AVX-512");
+                avx512_checked += 1;
+            }
+        }
+        if quantize_avx512::available() {
+            assert_eq!(avx512_checked, inputs.len());
         }
     }
 
