@@ -179,8 +179,8 @@ thread_local! {
         std::cell::RefCell::new(ExpertScratch::default());
 }
 
-/// [`q8_group_rows`] for a group of many experts (a prompt's layer): one
-/// pool task per expert, the largest first, computing its gate and up,
+/// [`q8_group_rows`] for a group of many experts (a prompt's layer, or a
+/// decode's 8 experts on 2 threads): one pool task per expert, the largest first, computing its gate and up,
 /// SwiGLU and the down product's quantization, and its down product, so
 /// that the gate and up results stay in the core's cache and the layer
 /// takes one pool job instead of three. The same kernels and
@@ -394,15 +394,27 @@ pub(crate) fn moe_rows(
     };
     let mut apply = |group: ExpertGroup| -> Result<()> {
         if n == 1 && group.len() > 1 {
-            // One token: every expert of the group takes the same input,
-            // so the group runs as two pool jobs (every gate and up, then
-            // every down) instead of two per expert; each product is the
-            // one `mlp_rows` computes.
+            // One token: every expert of the group takes the same input.
+            // Enough experts for every thread (a decode's 8 on 2 threads)
+            // run a pool task each, gate to down ([`q8_group_by_expert`]):
+            // one job where the row split takes two, and 2–3.5 points of
+            // the roofline more in a warm decode (docs/benchmarks.md).
+            // Fewer run as two pool jobs (every gate and up, then every
+            // down) instead of two per expert. Each product is the one
+            // `mlp_rows` computes either way.
             let users = group
                 .iter()
                 .map(|(e, _)| accept(*e).cloned())
                 .collect::<Result<Vec<_>>>()?;
-            let ys = mlp_group(pool, &group, h);
+            let ys = if group.len() >= EXPERT_TASKS_PER_THREAD * pool.threads() {
+                q8_group_rows(pool, &group, &users, h, hidden, &mut hq)
+            } else {
+                None
+            };
+            let ys = match ys {
+                Some(ys) => ys,
+                None => mlp_group(pool, &group, h),
+            };
             for (us, y) in users.iter().zip(ys) {
                 keep(us, y);
             }
@@ -603,6 +615,57 @@ mod tests {
                 got.iter().map(|y| bits(y)).collect::<Vec<_>>(),
                 by_expert.iter().map(|y| bits(y)).collect::<Vec<_>>()
             );
+        }
+    }
+
+    /// One token through a decode's 8 experts: a task per expert (what
+    /// `moe_rows` runs where the experts are at least 4 per thread) gives
+    /// the bits of the two row-split jobs (`mlp_group`), on 1 to 3
+    /// threads, for tiled Q4_0 and Q8_0 experts.
+    #[test]
+    fn one_token_by_expert_gives_the_two_job_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(92);
+        let (hidden, inter) = (256, 192);
+        let group: ExpertGroup = (0..8)
+            .map(|e| {
+                let tile = q4_0_tiles_run_here() && e % 2 == 0;
+                let m = |rng: &mut rand_chacha::ChaCha8Rng, rows, cols| {
+                    if tile {
+                        tiled(&q4_matrix(rng, rows, cols))
+                    } else {
+                        q8_0_matrix(rng, rows, cols)
+                    }
+                };
+                let w = MlpWeights {
+                    gate: m(&mut rng, inter, hidden),
+                    up: m(&mut rng, inter, hidden),
+                    down: m(&mut rng, hidden, inter),
+                };
+                (10 + 3 * e, Arc::new(w))
+            })
+            .collect();
+        let h = rand_vec(&mut rng, hidden);
+        let users: Vec<Vec<(usize, usize)>> = (0..8).map(|slot| vec![(0, slot)]).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let want: Vec<Vec<u32>> = mlp_group(&Pool::new(1).unwrap(), &group, &h)
+            .iter()
+            .map(|y| bits(y))
+            .collect();
+        assert!(
+            want.iter()
+                .all(|y| y.iter().any(|&b| f32::from_bits(b) != 0.0))
+        );
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let mut hq = Vec::new();
+            let got = q8_group_rows(&pool, &group, &users, &h, hidden, &mut hq).unwrap();
+            let got: Vec<Vec<u32>> = got.iter().map(|y| bits(y)).collect();
+            assert_eq!(got, want, "{threads} threads");
+            let two_jobs: Vec<Vec<u32>> = mlp_group(&pool, &group, &h)
+                .iter()
+                .map(|y| bits(y))
+                .collect();
+            assert_eq!(two_jobs, want, "{threads} threads, two jobs");
         }
     }
 }
