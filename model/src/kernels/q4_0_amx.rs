@@ -169,7 +169,10 @@ pub mod x86 {
     //! The tile registers are used only between this module's `ldtilecfg`
     //! and `tilerelease`, within one call: the compiler never allocates
     //! them (nothing else in the program uses AMX), so their contents
-    //! survive from one `asm!` block to the next.
+    //! survive from one `asm!` block to the next. A call configures them
+    //! again only where a pass's token count differs from the pass
+    //! before: an `ldtilecfg` costs about 180 cycles (docs/benchmarks.md),
+    //! a pass of a 768-column tile about 3,000.
 
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -278,34 +281,53 @@ pub mod x86 {
             "passes packed for the tile, an output for each token"
         );
         let table = if NL { nl_table() } else { q4_0_table() };
+        // The tile registers' configuration: for passes of `rows` tokens.
+        let mut rows = 0;
+        let mut configure = |n: usize| {
+            if n != rows {
+                let cfg = TileConfig::new(n);
+                // SAFETY: `ldtilecfg` reads the 64-byte aligned
+                // configuration; AMX is present and permitted (caller).
+                unsafe {
+                    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly))
+                };
+                rows = n;
+            }
+        };
         // SAFETY: the caller's contract; every pass was checked above, and
-        // `scratch` holds `blocks` B tiles where the passes read it.
+        // `scratch` holds `blocks` B tiles where the passes read it; each
+        // pass runs with the registers configured for its token count,
+        // released before returning.
         unsafe {
             if let [p] = passes {
                 // One pass: each block unpacked just ahead of its product,
                 // into a few B tiles that stay in L1 (the whole tile's, 32
                 // KiB at 2048 columns, pushed the tokens out: 2.55 against
                 // 1.9 ns per block and token at 768 columns).
-                return by_tokens::<true>(tile, blocks, table, &[], p, out, next);
+                configure(p.n);
+                by_tokens::<true>(tile, blocks, table, &[], p, out, next);
+            } else {
+                scratch.b.resize(blocks, BTile([0; 512]));
+                for (i, bt) in scratch.b.iter_mut().enumerate() {
+                    ask_l2(next, i);
+                    unpack(tile.as_ptr(), blocks, i, table, bt as *mut BTile);
+                }
+                let mut t0 = 0;
+                for p in passes {
+                    configure(p.n);
+                    by_tokens::<false>(
+                        tile,
+                        blocks,
+                        table,
+                        &scratch.b,
+                        p,
+                        &mut out[t0..t0 + p.n],
+                        &[],
+                    );
+                    t0 += p.n;
+                }
             }
-            scratch.b.resize(blocks, BTile([0; 512]));
-            for (i, bt) in scratch.b.iter_mut().enumerate() {
-                ask_l2(next, i);
-                unpack(tile.as_ptr(), blocks, i, table, bt as *mut BTile);
-            }
-            let mut t0 = 0;
-            for p in passes {
-                by_tokens::<false>(
-                    tile,
-                    blocks,
-                    table,
-                    &scratch.b,
-                    p,
-                    &mut out[t0..t0 + p.n],
-                    &[],
-                );
-                t0 += p.n;
-            }
+            asm!("tilerelease", options(nostack, nomem));
         }
     }
 
@@ -398,9 +420,10 @@ pub mod x86 {
     /// one fused multiply-add into the lane; the lanes added as `tree4`.
     ///
     /// # Safety
-    /// AMX present and permitted and this function's target features; a
-    /// whole tile of `blocks` blocks, `b.len() == blocks` unless `INLINE`,
-    /// `x` packed for `blocks` blocks with `T` tokens, `out.len() >= T`.
+    /// AMX present and permitted and this function's target features, the
+    /// tile registers configured by `TileConfig::new(T)`; a whole tile of
+    /// `blocks` blocks, `b.len() == blocks` unless `INLINE`, `x` packed
+    /// for `blocks` blocks with `T` tokens, `out.len() >= T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes the sums, the scales and acc
     unsafe fn pass<const T: usize, const INLINE: bool>(
@@ -415,7 +438,6 @@ pub mod x86 {
         debug_assert!(x.n == T && out.len() >= T && x.blocks == blocks);
         debug_assert!(INLINE || b.len() == blocks);
         let base = tile.as_ptr();
-        let cfg = TileConfig::new(T);
         // Neither the sums nor the ring is read before it is written (a
         // slot's sums by `tilestored`, a ring tile by `unpack`), so neither
         // is zeroed: 8 KiB of stores a pass, 1.1% of a 512-token prefill
@@ -438,27 +460,29 @@ pub mod x86 {
                 }
             };
         }
-        // SAFETY: `ldtilecfg` reads the 64-byte aligned configuration;
-        // a tile load reads the `T × 32` quants at `blk × T × 32` (blk <
+        // SAFETY: a tile load reads the `T × 32` quants at `blk × T × 32` (blk <
         // blocks) of the packed tokens (`blocks × T × 32` bytes) or the 512
         // bytes of B tile `blk` (a ring tile only after `unpack` wrote it:
         // LEAD tiles ahead, RING > LEAD); a tile store writes `T ≤ 16`
         // rows of 64 bytes into a slot of `sums` (16 rows), and the
         // epilogue reads that slot's first `T` rows only after the store;
         // the tile's scales are read within it (`scales_at`, blk <
-        // blocks), the tokens' at `blk × T + t`; the configuration is
-        // released before returning. The rest is register arithmetic
-        // under this function's target features, AMX being present and
-        // permitted (caller).
+        // blocks), the tokens' at `blk × T + t`; a lane's accumulators are
+        // read only after they are written (lanes `0..=lane`, every one of
+        // them visited in order) or zeroed. The rest is register
+        // arithmetic under this function's target features, AMX being
+        // present, permitted and configured for `T` tokens (caller).
         unsafe {
-            asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
             if INLINE {
                 for _ in 0..LEAD {
                     unpack_ahead!();
                 }
             }
             let sc = x.scales.as_ptr();
-            let mut lanes = [[_mm512_setzero_ps(); T]; LANES];
+            // Written as each lane's blocks end (not zeroed first: 4 KiB
+            // of stores a pass at 16 tokens).
+            let mut lanes = std::mem::MaybeUninit::<[[__m512; T]; LANES]>::uninit();
+            let lanes = lanes.as_mut_ptr().cast::<[__m512; T]>();
             let mut acc = [_mm512_setzero_ps(); T];
             let mut lane = 0;
             // The block of each product in flight, by slot.
@@ -491,7 +515,7 @@ pub mod x86 {
                 let slot = done % DEPTH;
                 let blk = pending[slot];
                 if blk % LANES != lane {
-                    lanes[lane] = acc;
+                    lanes.add(lane).write(acc);
                     acc = [_mm512_setzero_ps(); T];
                     lane = blk % LANES;
                 }
@@ -506,8 +530,12 @@ pub mod x86 {
                 }
                 done += 1;
             }
-            lanes[lane] = acc;
-            asm!("tilerelease", options(nostack, nomem));
+            lanes.add(lane).write(acc);
+            // Lanes without blocks (fewer than four blocks) add zeros.
+            for l in lane + 1..LANES {
+                lanes.add(l).write([_mm512_setzero_ps(); T]);
+            }
+            let lanes = &*lanes.cast::<[[__m512; T]; LANES]>();
             for (t, o) in out.iter_mut().enumerate().take(T) {
                 let v = _mm512_add_ps(
                     _mm512_add_ps(lanes[0][t], lanes[2][t]),
