@@ -60,7 +60,8 @@
 //! expert matrices (81 MiB, read from memory), each tile against `N`
 //! tokens in the passes `tile_passes` makes, one thread; with and without
 //! asking L2 for the next tile during a tile's first pass, against the
-//! same work on one tile that stays in L1.
+//! same work on one tile that stays in L1; where the CPU has AMX, the AMX
+//! kernel the same three ways, in the passes a prompt gives it.
 //!
 //! `-- --attention` times one decode step's attention over one layer's KV
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
@@ -761,6 +762,65 @@ fn expert_tiles(rng: &mut impl Rng, tokens: usize) {
     }
     for (mode, ns) in modes.iter().zip(best) {
         println!("  {mode}: {ns:.3} ns per block and token (best of 5)");
+    }
+    // AMX: the passes `tiled_rows` gives it (full passes of 16, a rest of
+    // at least AMX_MIN_TOKENS), the tokens packed once per activation set.
+    let Some(amx) = k.amx_q4_0_tiles else {
+        return;
+    };
+    use colibri_model::kernels::{AMX_MIN_TOKENS, q4_0_amx};
+    let (full, rest) = (tokens / q4_0_amx::TOKENS, tokens % q4_0_amx::TOKENS);
+    let mut plan = vec![q4_0_amx::TOKENS; full];
+    if rest >= AMX_MIN_TOKENS {
+        plan.push(rest);
+    }
+    let n: usize = plan.iter().sum();
+    if n == 0 {
+        return;
+    }
+    let sets: Vec<Vec<q4_0_amx::Tokens>> = (0..4)
+        .map(|s| {
+            let xs: Vec<&Q8Activation> = acts[s * tokens..][..n].iter().collect();
+            let mut t0 = 0;
+            plan.iter()
+                .map(|&size| {
+                    let mut p = q4_0_amx::Tokens::default();
+                    p.pack(&xs[t0..t0 + size], blocks);
+                    t0 += size;
+                    p
+                })
+                .collect()
+        })
+        .collect();
+    let mut scratch = q4_0_amx::Scratch::default();
+    let mut out = vec![[0.0f32; 16]; n];
+    let mut best = [f64::INFINITY; 3];
+    for _ in 0..5 {
+        for (mode, best) in best.iter_mut().enumerate() {
+            let t0 = Instant::now();
+            for (e, w) in experts.iter().enumerate() {
+                for i in 0..rows / 16 {
+                    let t = if mode == 0 {
+                        &experts[0][..tb]
+                    } else {
+                        &w[i * tb..][..tb]
+                    };
+                    let next = match w.get((i + 1) * tb..(i + 2) * tb) {
+                        Some(n) if mode == 2 => n,
+                        _ => &[][..],
+                    };
+                    amx(t, blocks, &sets[e % 4], &mut scratch, &mut out, next);
+                    std::hint::black_box(&out);
+                }
+            }
+            let ns = t0.elapsed().as_secs_f64() * 1e9 / (count * rows / 16 * blocks * n) as f64;
+            *best = best.min(ns);
+        }
+    }
+    for (mode, ns) in modes.iter().zip(best) {
+        println!(
+            "  AMX, {n} tokens in passes {plan:?}, {mode}: {ns:.3} ns per block and token (best of 5)"
+        );
     }
 }
 
