@@ -919,7 +919,8 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     }
     let l = &run.read_latency_us;
     println!(
-        "read latency p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us ({} reads)",
+        "expert read latency, requested to usable (all its matrices' reads, the queue, \
+         tiling): p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us ({} experts)",
         l.p50_us, l.p90_us, l.p99_us, l.max_us, l.reads
     );
     match &run.prefetcher {

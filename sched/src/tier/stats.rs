@@ -261,7 +261,9 @@ impl TierStats {
     }
 }
 
-/// Read latency percentiles in microseconds.
+/// Expert read latency percentiles in microseconds: from an expert's
+/// request to its bytes being usable, so all of its matrices' reads, the
+/// time queued behind other reads and its tiling (`reads` counts experts).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct LatencySummary {
     pub reads: u64,
