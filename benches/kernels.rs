@@ -32,8 +32,9 @@
 //! the downs). Many short matrices, not one long one: what the hardware
 //! prefetchers see in a real decode. GB/s of expert weights against a
 //! read pass measured after each stretch; `--prefetch P,...` compares the
-//! tile kernels' prefetch settings (`4096/l2`, `1536/l1`, `0`; default:
-//! the default against none), slices of layers taking turns.
+//! tile kernels' prefetch settings (`4096/l2`, `1536/l1`,
+//! `4096/l2+1152/l1`, `0`; default: the default against none), slices of
+//! layers taking turns.
 //!
 //! `-- --more-tokens` times the row kernels of Q4_1, Q5_0, Q5_1, IQ4_NL,
 //! Q2_K, Q3_K and IQ4_XS (`dot_more_q8`, one token) against their

@@ -31,7 +31,7 @@
 //! per block, the same product of scales, the same fused multiply-add into
 //! lane `b mod 4` and the same final reduction); the tests compare them.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::Q8Activation;
 use crate::quant::Q4_0_BLOCK_BYTES;
@@ -57,64 +57,58 @@ pub enum PrefetchLevel {
 }
 
 /// How a one-token tile kernel asks for the tile's bytes ahead of the
-/// block it multiplies: `bytes` ahead (0: not at all), into `level`. A
-/// decode streams many short tiled matrices (an expert's rows split among
-/// the threads: ~110 KiB per task), too short for the hardware prefetchers
-/// to ramp up. Written `BYTES/l1` or `BYTES/l2` (`0` for none).
+/// block it multiplies: `l2` bytes ahead into L2 and `l1` bytes ahead into
+/// L1 (0: not at all). A decode streams many short tiled matrices (an
+/// expert's rows split among the threads: ~110 KiB per task), too short
+/// for the hardware prefetchers to ramp up. Written `BYTES/l2`,
+/// `BYTES/l1`, both joined by `+` (`4096/l2+1152/l1`), or `0` for none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TilePrefetch {
-    pub bytes: usize,
-    pub level: PrefetchLevel,
+    pub l2: usize,
+    pub l1: usize,
 }
 
-/// The default: 4 KiB ahead into L2. Experts' GB/s in `cargo bench --bench
-/// kernels -- --experts 640` (distances interleaved in one run;
-/// docs/benchmarks.md, "Decode tiles asked of L2"), against the earlier
-/// 1.5 KiB into L1: Xeon (the H200 host) AVX-512 +6–8% with 2 threads,
-/// +4% with 8; its AVX2 kernel +12% and +7%; Zen 4 AVX-512 +3–9% with 2
-/// threads (four runs), −15% to +10% with 1; Zen 4's AVX2 kernel
-/// unchanged. Zen 3, where 1.5 KiB into L1 had been chosen (+12–15%
-/// against none), was not measured with it. Asked into L1, a line in
-/// flight holds one of the core's few L1 miss buffers as a demand miss
-/// does; asked into L2 it does not, so more lines are in flight.
-pub const DEFAULT_PREFETCH: TilePrefetch = TilePrefetch {
-    bytes: 4096,
-    level: PrefetchLevel::L2,
-};
+/// The default: 4 KiB ahead into L2, and the lines that request brought
+/// to L2 asked into L1 1152 bytes (four blocks) ahead.
+///
+/// Alone, 4 KiB into L2 beat the earlier 1.5 KiB into L1 in `cargo bench
+/// --bench kernels -- --experts 640` (docs/benchmarks.md, "Decode tiles
+/// asked of L2"): Xeon (the H200 host) AVX-512 +6–8% with 2 threads, +4%
+/// with 8; its AVX2 kernel +12% and +7%; Zen 4 AVX-512 +3–9% with 2
+/// threads. Asked into L1, a line in flight from memory holds one of the
+/// core's few L1 miss buffers as a demand miss does; asked into L2 it does
+/// not, so more lines are in flight. The request into L1 on top, for lines
+/// already on their way to L2, then spares the kernel's loads L2's
+/// latency: on the AMX Xeon VM the expert products went from 26.1 to 27.2
+/// GB/s and a warm decode from 79.5–82.3% to 84.2–88.7% of the read pass's
+/// bound (docs/benchmarks.md, "The decode's tiles asked of L1 as well").
+pub const DEFAULT_PREFETCH: TilePrefetch = TilePrefetch { l2: 4096, l1: 1152 };
 
 impl TilePrefetch {
     /// None at all.
-    pub const NONE: TilePrefetch = TilePrefetch {
-        bytes: 0,
-        level: PrefetchLevel::L1,
-    };
+    pub const NONE: TilePrefetch = TilePrefetch { l2: 0, l1: 0 };
 
-    const fn encode(self) -> usize {
-        self.bytes << 1
-            | match self.level {
-                PrefetchLevel::L1 => 0,
-                PrefetchLevel::L2 => 1,
-            }
+    /// Both distances in one word, for [`PREFETCH`] (each below 2³²:
+    /// [`set_prefetch`] and the parser keep them so).
+    const fn encode(self) -> u64 {
+        (self.l2 as u64) | (self.l1 as u64) << 32
     }
 
-    const fn decode(v: usize) -> TilePrefetch {
+    const fn decode(v: u64) -> TilePrefetch {
         TilePrefetch {
-            bytes: v >> 1,
-            level: if v & 1 == 0 {
-                PrefetchLevel::L1
-            } else {
-                PrefetchLevel::L2
-            },
+            l2: (v & 0xffff_ffff) as usize,
+            l1: (v >> 32) as usize,
         }
     }
 }
 
 impl std::fmt::Display for TilePrefetch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.bytes, self.level) {
-            (0, _) => write!(f, "0"),
-            (b, PrefetchLevel::L1) => write!(f, "{b}/l1"),
-            (b, PrefetchLevel::L2) => write!(f, "{b}/l2"),
+        match (self.l2, self.l1) {
+            (0, 0) => write!(f, "0"),
+            (b, 0) => write!(f, "{b}/l2"),
+            (0, b) => write!(f, "{b}/l1"),
+            (b2, b1) => write!(f, "{b2}/l2+{b1}/l1"),
         }
     }
 }
@@ -123,31 +117,62 @@ impl std::str::FromStr for TilePrefetch {
     type Err = String;
 
     fn from_str(s: &str) -> Result<TilePrefetch, String> {
-        let bad = || format!("a tile prefetch is BYTES/l1, BYTES/l2 or 0, not {s:?}");
-        let (bytes, level) = match s.split_once('/') {
-            None if s == "0" => return Ok(TilePrefetch::NONE),
-            None => return Err(bad()),
-            Some((b, "l1")) => (b, PrefetchLevel::L1),
-            Some((b, "l2")) => (b, PrefetchLevel::L2),
-            Some(_) => return Err(bad()),
-        };
-        let bytes = bytes.parse().map_err(|_| bad())?;
-        Ok(TilePrefetch { bytes, level })
+        let bad =
+            || format!("a tile prefetch is BYTES/l2, BYTES/l1, both joined by + or 0, not {s:?}");
+        if s == "0" {
+            return Ok(TilePrefetch::NONE);
+        }
+        let mut p = TilePrefetch::NONE;
+        for part in s.split('+') {
+            let (bytes, level) = part.split_once('/').ok_or_else(bad)?;
+            let bytes: u32 = bytes.parse().map_err(|_| bad())?;
+            let slot = match level {
+                "l2" => &mut p.l2,
+                "l1" => &mut p.l1,
+                _ => return Err(bad()),
+            };
+            // Each level once, and at a distance.
+            if *slot != 0 || bytes == 0 {
+                return Err(bad());
+            }
+            *slot = bytes as usize;
+        }
+        Ok(p)
     }
 }
 
-static PREFETCH: AtomicUsize = AtomicUsize::new(DEFAULT_PREFETCH.encode());
+static PREFETCH: AtomicU64 = AtomicU64::new(DEFAULT_PREFETCH.encode());
 
 /// Sets how the one-token tile kernels prefetch, for every thread; the
 /// products' bits do not depend on it. `cargo bench --bench kernels --
 /// --experts N --prefetch P,...` compares settings.
+///
+/// # Panics
+/// If a distance is 2³² bytes or more.
 pub fn set_prefetch(p: TilePrefetch) {
+    assert!(
+        u32::try_from(p.l2).is_ok() && u32::try_from(p.l1).is_ok(),
+        "prefetch distances below 4 GiB"
+    );
     PREFETCH.store(p.encode(), Ordering::Relaxed);
 }
 
 /// What [`set_prefetch`] set ([`DEFAULT_PREFETCH`] unless changed).
 pub fn prefetch() -> TilePrefetch {
     TilePrefetch::decode(PREFETCH.load(Ordering::Relaxed))
+}
+
+/// Asks for block `c`'s bytes ahead as `pf` says (`c`: where the block's
+/// codes start).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ask_ahead(c: *const u8, pf: TilePrefetch) {
+    if pf.l2 != 0 {
+        ask_block(c.wrapping_add(pf.l2) as *const i8, PrefetchLevel::L2);
+    }
+    if pf.l1 != 0 {
+        ask_block(c.wrapping_add(pf.l1) as *const i8, PrefetchLevel::L1);
+    }
 }
 
 /// Asks for the five cache lines from `at` (one block's 288 bytes of a
@@ -440,14 +465,12 @@ pub mod avx2 {
             let pf = super::prefetch();
             let step = |b: usize, acc: &mut [__m256; 2]| {
                 let c = base.add(codes_at(blocks, b));
-                // The 288 bytes of a block `pf.bytes` on: this tile's, the
-                // next tile's of the same rows task, or (at the end of the
-                // task's rows) bytes it never reads. A prefetch is only a
-                // hint and never faults, and `wrapping_add` keeps the
-                // address arithmetic defined past the slice.
-                if pf.bytes != 0 {
-                    super::ask_block(c.wrapping_add(pf.bytes) as *const i8, pf.level);
-                }
+                // The 288 bytes of a block `pf`'s distances on: this
+                // tile's, the next tile's of the same rows task, or (at the
+                // end of the task's rows) bytes it never reads. A prefetch
+                // is only a hint and never faults, and `wrapping_add` keeps
+                // the address arithmetic defined past the slice.
+                super::ask_ahead(c, pf);
                 let qb = q.add(b * 8);
                 let zero = _mm256_set1_epi32(*x.bsums8.get_unchecked(b));
                 let xd = _mm256_set1_ps(*x.scales.get_unchecked(b));
@@ -735,12 +758,9 @@ pub mod avx512 {
             let pf = super::prefetch();
             let step = |b: usize, acc: &mut __m512| {
                 let c = base.add(codes_at(blocks, b)) as *const __m512i;
-                // As in the AVX2 kernel: ask for the bytes `pf.bytes` on (a
-                // hint that never faults; `wrapping_add` keeps the address
-                // arithmetic defined past the slice).
-                if pf.bytes != 0 {
-                    super::ask_block((c as *const i8).wrapping_add(pf.bytes), pf.level);
-                }
+                // As in the AVX2 kernel: ask for the bytes `pf`'s distances
+                // on (hints that never fault).
+                super::ask_ahead(c as *const u8, pf);
                 let qb = q.add(b * 8);
                 // Low nibbles pair with the block's first 16 quants, high
                 // ones (in place, 16×) with its last 16; two chains halve
@@ -1285,18 +1305,13 @@ pub(crate) mod tests {
                 for (&(name, dot), pf) in levels.iter().flat_map(|l| {
                     [
                         TilePrefetch::NONE,
-                        TilePrefetch {
-                            bytes: 64,
-                            level: PrefetchLevel::L1,
-                        },
-                        TilePrefetch {
-                            bytes: 1536,
-                            level: PrefetchLevel::L1,
-                        },
+                        TilePrefetch { l2: 0, l1: 64 },
+                        TilePrefetch { l2: 0, l1: 1536 },
                         DEFAULT_PREFETCH,
+                        TilePrefetch { l2: 1 << 20, l1: 0 },
                         TilePrefetch {
-                            bytes: 1 << 20,
-                            level: PrefetchLevel::L2,
+                            l2: 1 << 20,
+                            l1: 1 << 16,
                         },
                     ]
                     .map(|pf| (l, pf))
@@ -1325,16 +1340,34 @@ pub(crate) mod tests {
         for p in [
             TilePrefetch::NONE,
             DEFAULT_PREFETCH,
-            TilePrefetch {
-                bytes: 1536,
-                level: PrefetchLevel::L1,
-            },
+            TilePrefetch { l2: 0, l1: 1536 },
+            TilePrefetch { l2: 8192, l1: 0 },
         ] {
             assert_eq!(p.to_string().parse::<TilePrefetch>(), Ok(p));
             assert_eq!(TilePrefetch::decode(p.encode()), p);
         }
-        assert_eq!(DEFAULT_PREFETCH.to_string(), "4096/l2");
-        for bad in ["", "4096", "4096/l3", "x/l1", "/l2"] {
+        assert_eq!(DEFAULT_PREFETCH.to_string(), "4096/l2+1152/l1");
+        assert_eq!(
+            "1152/l1+4096/l2".parse::<TilePrefetch>(),
+            Ok(DEFAULT_PREFETCH)
+        );
+        let big = TilePrefetch {
+            l2: u32::MAX as usize,
+            l1: 7,
+        };
+        assert_eq!(TilePrefetch::decode(big.encode()), big);
+        for bad in [
+            "",
+            "4096",
+            "4096/l3",
+            "x/l1",
+            "/l2",
+            "0/l2",
+            "4096/l2+",
+            "4096/l2+0",
+            "4096/l2+8/l2",
+            "4294967296/l2",
+        ] {
             assert!(bad.parse::<TilePrefetch>().is_err(), "{bad:?}");
         }
     }
