@@ -368,12 +368,22 @@ unsafe fn rows4<H: Half16, const CHAINS: usize>(
     }
 }
 
+/// How far ahead of the group it multiplies the one-token quads kernel
+/// asks L1 for bytes, where [`super::quads16::prefetch_ahead`] (farther)
+/// asks L2: the far request alone into L1 (as before) held the core's few
+/// L1 miss buffers for lines from memory. `cargo bench --bench kernels --
+/// --quads --threads 2`, one token, on the AMX Xeon VM: quads at 0.69
+/// (bf16) and 0.63 (f16) of the row-major kernel's GB/s with 8 KiB into
+/// L1 alone, 0.81–0.83 and 0.89–0.90 with 8 KiB into L2 and 1 KiB into L1
+/// (docs/benchmarks.md).
+const NEAR_L1: usize = 1024;
+
 /// [`rows4`] over rows in quads ([`super::quads16`]; `w` starts at a quad
 /// boundary, `n` a multiple of 16): every row's result has the bits of
 /// the one-row kernel, whose chains and steps each row runs in the same
-/// order; the bytes are read in order, a prefetch
-/// [`super::quads16::prefetch_ahead`] bytes ahead. The last `out.len() % 4` rows
-/// (row-major) take `one`.
+/// order; the bytes are read in order, asked of L2
+/// [`super::quads16::prefetch_ahead`] bytes ahead and of L1 [`NEAR_L1`]
+/// bytes ahead. The last `out.len() % 4` rows (row-major) take `one`.
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; `w.len() == out.len() × x.len()`,
@@ -404,9 +414,14 @@ unsafe fn quads4<H: Half16, const CHAINS: usize>(
             for g in 0..n / 16 {
                 let gp = qp.add(64 * g);
                 if pf != 0 {
+                    // Far into L2, then near into L1 (lines the far request
+                    // already sent for).
                     let ahead = (gp as *const i8).wrapping_add(pf);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                    _mm_prefetch::<_MM_HINT_T1>(ahead);
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64));
+                    let near = (gp as *const i8).wrapping_add(pf.min(NEAR_L1));
+                    _mm_prefetch::<_MM_HINT_T0>(near);
+                    _mm_prefetch::<_MM_HINT_T0>(near.wrapping_add(64));
                 }
                 let x0 = _mm256_loadu_ps(xp.add(16 * g));
                 let x1 = _mm256_loadu_ps(xp.add(16 * g + 8));
