@@ -22,7 +22,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// How far ahead of the group it multiplies a quads kernel asks for the
-/// quad's bytes by default (`prefetcht0`, x86). One token, quads against
+/// quad's bytes by default (`prefetcht0`, x86; the one-token kernel asks
+/// L2 at this distance and L1 nearer, see `x86::NEAR_L1`). Measured when
+/// every request went to L1: one token, quads against
 /// row-major fours, per-round ratios' medians (`cargo bench --bench
 /// kernels -- --quads --prefetch D,...`, docs/benchmarks.md "Quads of
 /// 16-bit rows"): Zen 3 (AVX2, 2 threads) ×1.08–1.11 at 1 KiB, ×1.03–1.06
