@@ -296,6 +296,8 @@ struct BandwidthMark {
 /// either side of them.
 #[derive(Serialize)]
 struct BandwidthWindow {
+    /// Tokens generated before it began.
+    first: usize,
     tokens: usize,
     tok_s: f64,
     gb_s: f64,
@@ -309,6 +311,7 @@ fn bandwidth_windows(marks: &[BandwidthMark]) -> Vec<BandwidthWindow> {
             let tokens = w[1].generated - w[0].generated;
             let secs = w[1].began.duration_since(w[0].ended).as_secs_f64();
             BandwidthWindow {
+                first: w[0].generated,
                 tokens,
                 tok_s: tokens as f64 / secs.max(1e-9),
                 gb_s: (w[0].gb_s + w[1].gb_s) / 2.0,
@@ -569,17 +572,29 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
     let per_token = decode_bytes_per_token(&engine.model.weights, tier.layout());
     let per_token_f = per_token.max(1) as f64;
     let roofline = bandwidth_gb_s * 1e9 / per_token_f;
+    // The KV cache a decode step reads besides the weights: the weights'
+    // bound leaves it out, and after a long prompt it is a few percent of
+    // the bytes (a second bound counts it).
+    let kv = |tokens: std::ops::RangeInclusive<usize>| {
+        kv_bytes_per_token(&engine.model.spec, run.prompt_tokens, tokens)
+    };
+    let kv_per_token = kv(2..=run.tokens);
+    let roofline_kv = bandwidth_gb_s * 1e9 / (per_token_f + kv_per_token);
     let windows = bandwidth_windows(marks);
-    let mut ratios: Vec<f64> = windows
-        .iter()
-        .map(|w| w.tok_s / (w.gb_s * 1e9 / per_token_f))
-        .collect();
-    ratios.sort_by(f64::total_cmp);
-    let median = ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN);
-    let (lowest, highest) = (
-        ratios.first().copied().unwrap_or(f64::NAN),
-        ratios.last().copied().unwrap_or(f64::NAN),
-    );
+    let spread = |bytes: &dyn Fn(&BandwidthWindow) -> f64| {
+        let mut ratios: Vec<f64> = windows
+            .iter()
+            .map(|w| w.tok_s / (w.gb_s * 1e9 / bytes(w)))
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        (
+            ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN),
+            ratios.first().copied().unwrap_or(f64::NAN),
+            ratios.last().copied().unwrap_or(f64::NAN),
+        )
+    };
+    let (median, lowest, highest) = spread(&|_| per_token_f);
+    let (median_kv, _, _) = spread(&|w| per_token_f + kv(w.first + 1..=w.first + w.tokens));
     let (bw_low, bw_high) = marks.iter().fold((f64::MAX, 0.0f64), |(lo, hi), m| {
         (lo.min(m.gb_s), hi.max(m.gb_s))
     });
@@ -602,6 +617,10 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "memory_read_gb_s_range": [bw_low, bw_high],
             "roofline_tok_s": roofline,
             "tok_s_of_roofline": run.tok_s / roofline,
+            "kv_bytes_per_token": kv_per_token,
+            "roofline_with_kv_tok_s": roofline_kv,
+            "tok_s_of_roofline_with_kv": run.tok_s / roofline_kv,
+            "window_of_roofline_with_kv_median": median_kv,
             "windows": windows,
             "window_of_roofline_median": median,
             "window_of_roofline_range": [lowest, highest],
@@ -660,7 +679,32 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         highest * 100.0,
         windows.len()
     );
+    println!(
+        "with the KV cache the decode reads ({} per token in the mean, f32, positions {}–{}): \
+         bound {:.2} tok/s; measured {:.1}% of it, windows' median {:.1}%",
+        ByteSize(kv_per_token as u64),
+        run.prompt_tokens,
+        (run.prompt_tokens + run.tokens).saturating_sub(2),
+        roofline_kv,
+        run.tok_s / roofline_kv * 100.0,
+        median_kv * 100.0
+    );
     Ok(())
+}
+
+/// The mean KV cache bytes read by the decode steps that produced
+/// generated tokens `tokens` (1-based; the first ends the prefill, so
+/// token `g ≥ 2` came from the step at position `prompt + g − 2`).
+fn kv_bytes_per_token(
+    spec: &colibri_model::ModelSpec,
+    prompt: usize,
+    tokens: std::ops::RangeInclusive<usize>,
+) -> f64 {
+    let steps: Vec<u64> = tokens
+        .filter(|&g| g >= 2)
+        .map(|g| spec.kv_bytes_read_at(prompt + g - 2))
+        .collect();
+    steps.iter().sum::<u64>() as f64 / steps.len().max(1) as f64
 }
 
 fn name(predictor: Option<Predictor>) -> &'static str {

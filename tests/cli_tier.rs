@@ -227,6 +227,18 @@ fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
     let per_token = v["weight_bytes_per_token"].as_f64().unwrap();
     assert!((roof - bw * 1e9 / per_token).abs() <= 1e-6 * roof, "{v}");
     assert!((v["tok_s_of_roofline"].as_f64().unwrap() - tok_s / roof).abs() < 1e-9);
+    // The second bound adds the KV cache the decode steps read: after the
+    // 16-token prompt, 5 steps at positions 16–20 read 17–21 positions,
+    // 19 in the mean, each 2 KV heads × 24 × (key, value) × f32 in each
+    // of the 3 layers (the fixture's config.json).
+    let kv = v["kv_bytes_per_token"].as_f64().unwrap();
+    assert_eq!(kv, (19 * 2 * 24 * 2 * 4 * 3) as f64, "{v}");
+    let roof_kv = v["roofline_with_kv_tok_s"].as_f64().unwrap();
+    assert!(
+        (roof_kv - bw * 1e9 / (per_token + kv)).abs() <= 1e-6 * roof_kv,
+        "{v}"
+    );
+    assert!((v["tok_s_of_roofline_with_kv"].as_f64().unwrap() - tok_s / roof_kv).abs() < 1e-9);
     // The default prompt (16 tokens) and its prefill rate against the
     // decode's.
     assert_eq!(v["prompt_tokens"], 16);

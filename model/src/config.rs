@@ -671,4 +671,28 @@ impl ModelSpec {
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
+
+    /// Bytes of the CPU tier's KV cache (f32) that one token at position
+    /// `pos` reads over every layer: the keys and values (MLA: latents and
+    /// rotary keys) of positions `0..=pos`, a sliding layer's last
+    /// `window` of them.
+    pub fn kv_bytes_read_at(&self, pos: usize) -> u64 {
+        let per_position = 4 * match &self.attention {
+            AttentionSpec::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => 2 * num_kv_heads * head_dim,
+            AttentionSpec::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => kv_lora_rank + qk_rope_head_dim,
+        } as u64;
+        self.layers
+            .iter()
+            .map(|l| l.sliding_window.map_or(pos + 1, |w| (pos + 1).min(w)) as u64)
+            .sum::<u64>()
+            * per_position
+    }
 }
