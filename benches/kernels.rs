@@ -68,7 +68,10 @@
 //! cache (Qwen3-30B-A3B's 32 query heads on 4 KV heads of 128) at several
 //! context lengths: a task per query head, each re-reading its KV head's
 //! keys and values, against a task per KV head (`attend_heads` with the
-//! group), which reads them once. GB/s counts the cache's bytes once.
+//! group), which reads them once; and the grouped tasks again with the
+//! cache flushed from every cache level first (`cold`), as a decode step
+//! finds it once the weights have streamed through. GB/s counts the
+//! cache's bytes once.
 
 use std::time::Instant;
 
@@ -635,8 +638,8 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
     println!("kernels: {}, threads: {threads}", kernels().name);
     println!("memory read bandwidth ({mib} MiB, {threads} threads): {bw:.2} GB/s\n");
     println!(
-        "{:>8} {:>10} {:>12} {:>9} {:>12} {:>9}",
-        "context", "MB", "per head ms", "GB/s", "grouped ms", "GB/s"
+        "{:>8} {:>10} {:>12} {:>9} {:>12} {:>9} {:>12} {:>9}",
+        "context", "MB", "per head ms", "GB/s", "grouped ms", "GB/s", "cold ms", "GB/s"
     );
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
     for len in [1000usize, 4000, 16000] {
@@ -669,28 +672,50 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
             });
             (t.elapsed().as_secs_f64(), out)
         };
-        let (mut one, mut grouped) = (Vec::new(), Vec::new());
+        let (mut one, mut grouped, mut cold) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..5 {
             let (a, x) = run(1);
             let (b, y) = run(group);
             assert!(x == y, "grouping changed a result");
             one.push(a);
             grouped.push(b);
+            // As a decode finds a layer's cache: in memory only (the
+            // weights streamed since have evicted it).
+            evict(&keys);
+            evict(&values);
+            let (c, z) = run(group);
+            assert!(z == y, "a cold cache changed a result");
+            cold.push(c);
         }
         let med = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let (a, b) = (med(&mut one), med(&mut grouped));
+        let (a, b, c) = (med(&mut one), med(&mut grouped), med(&mut cold));
         println!(
-            "{len:>8} {:>10.1} {:>12.3} {:>9.2} {:>12.3} {:>9.2}",
+            "{len:>8} {:>10.1} {:>12.3} {:>9.2} {:>12.3} {:>9.2} {:>12.3} {:>9.2}",
             bytes / 1e6,
             a * 1e3,
             bytes / a / 1e9,
             b * 1e3,
-            bytes / b / 1e9
+            bytes / b / 1e9,
+            c * 1e3,
+            bytes / c / 1e9
         );
     }
+}
+
+/// Writes `data`'s cache lines back and drops them from every cache level
+/// (x86; elsewhere a no-op, so "cold" equals the grouped figure there).
+fn evict(data: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(16) {
+        // SAFETY: `clflush` of an address inside `data`: it only moves the
+        // line out of the caches.
+        unsafe { std::arch::x86_64::_mm_clflush(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
 }
 
 /// `--expert-tiles N`: see the module notes.

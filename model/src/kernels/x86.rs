@@ -63,6 +63,33 @@ pub unsafe fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize,
     unsafe { rows_group::<false>(qs, g, k, stride, out) }
 }
 
+/// How far ahead of the row it reads a decode's attention asks L2 for
+/// the KV cache's rows, in bytes of the rows' data: 32 rows of 128
+/// floats. The cache comes from memory, the weights streamed since having
+/// evicted it, and the hardware's streams alone read it at 12.2–13.3 GB/s
+/// where this distance gives 14.5–17.4 (`cargo bench --bench kernels --
+/// --attention`, "cold", the AMX Xeon VM; 8 to 64 rows were within the
+/// spread of runs), a 2048-position decode 6–7% faster
+/// (docs/benchmarks.md).
+const KV_AHEAD_BYTES: usize = 16 << 10;
+
+/// Rows of `floats` floats [`KV_AHEAD_BYTES`] ahead.
+fn kv_ahead_rows(floats: usize) -> usize {
+    (KV_AHEAD_BYTES / (4 * floats.max(1))).max(1)
+}
+
+/// Asks L2 for the cache lines of `len` floats at `p` (a hint).
+#[inline(always)]
+fn ask_l2_floats(p: *const f32, len: usize) {
+    let lead = p as usize % 64;
+    let first = p.cast::<i8>().wrapping_sub(lead);
+    for at in (0..lead + 4 * len).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults, whatever the
+        // address; `wrapping_*` keeps the pointer arithmetic defined.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(first.wrapping_add(at)) };
+    }
+}
+
 /// The body of [`dot_f32_rows_group`] (`WIDE`: four queries through
 /// [`dot_four_avx512`], else [`dot_four`]), inlined into each.
 ///
@@ -78,6 +105,16 @@ unsafe fn rows_group<const WIDE: bool>(
 ) {
     let d = qs.len() / g.max(1);
     let rows = out.len() / g.max(1);
+    // The first queries' pass over a row asks for the row
+    // [`KV_AHEAD_BYTES`] on (within `k`, which may run past `rows`).
+    let ahead = kv_ahead_rows(d);
+    let ask = |t: usize, n: usize| {
+        for r in t + ahead..t + ahead + n {
+            if r * stride + d <= k.len() {
+                ask_l2_floats(k.as_ptr().wrapping_add(r * stride), d);
+            }
+        }
+    };
     let mut j0 = 0;
     while j0 < g {
         let m = (g - j0).min(4);
@@ -87,6 +124,9 @@ unsafe fn rows_group<const WIDE: bool>(
         let mut t0 = 0;
         if WIDE && m == 4 && d >= 16 && d.is_multiple_of(16) {
             while t0 + 4 <= rows {
+                if j0 == 0 {
+                    ask(t0, 4);
+                }
                 // SAFETY: rows t0..t0 + 4 lie in k (caller); queries j0..j0
                 // + 4 in qs; out has g · rows entries, so each query's four
                 // results at (j0 + jj) · rows + t0 are in it.
@@ -104,6 +144,9 @@ unsafe fn rows_group<const WIDE: bool>(
             }
         }
         for t in t0..rows {
+            if j0 == 0 {
+                ask(t, 1);
+            }
             // SAFETY: row t lies in k (caller); queries j0..j0 + m in qs.
             unsafe {
                 let kr = k.get_unchecked(t * stride..t * stride + d);
@@ -1131,13 +1174,22 @@ pub unsafe fn weighted_rows_group_avx512(
             unsafe {
                 let op = o.as_mut_ptr().add(j0 * n);
                 let wp = sp.add(j0 * s_stride);
+                // The first heads' first columns ask for whole rows
+                // [`KV_AHEAD_BYTES`] on, among the `avail` rows of `v`.
+                let avail = match v.len().checked_sub(n) {
+                    Some(rest) => rest / v_stride.max(1) + 1,
+                    None => 0,
+                };
+                let ask = (j0 == 0).then_some((kv_ahead_rows(n), avail));
                 let mut i = 0;
                 while i + 64 <= n {
-                    group_columns::<4>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride);
+                    let a = if i == 0 { ask } else { None };
+                    group_columns::<4>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride, a);
                     i += 64;
                 }
                 while i + 16 <= n {
-                    group_columns::<1>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride);
+                    let a = if i == 0 { ask } else { None };
+                    group_columns::<1>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride, a);
                     i += 16;
                 }
             }
@@ -1163,6 +1215,7 @@ pub unsafe fn weighted_rows_group_avx512(
 /// # Safety
 /// As there, for these columns; AVX-512 F.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn group_columns<const C: usize>(
     o: *mut f32,
     n: usize,
@@ -1171,6 +1224,7 @@ unsafe fn group_columns<const C: usize>(
     rows: usize,
     v: *const f32,
     v_stride: usize,
+    ask: Option<(usize, usize)>,
 ) {
     // SAFETY: the caller's bounds.
     unsafe {
@@ -1182,6 +1236,11 @@ unsafe fn group_columns<const C: usize>(
         }
         for t in 0..rows {
             let row = v.add(t * v_stride);
+            if let Some((ahead, avail)) = ask
+                && t + ahead < avail
+            {
+                ask_l2_floats(v.wrapping_add((t + ahead) * v_stride), n);
+            }
             let vs: [__m512; C] = core::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)));
             for (j, aj) in acc.iter_mut().enumerate() {
                 let wt = _mm512_set1_ps(*w.add(j * s_stride + t));
