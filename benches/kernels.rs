@@ -668,6 +668,7 @@ fn attention(pool: &Pool, mib: usize, threads: usize) {
                     len,
                     scale,
                     o,
+                    true,
                 );
             });
             (t.elapsed().as_secs_f64(), out)

@@ -82,6 +82,9 @@ const ROW_BLOCK: usize = 64;
 /// sum of the values; scores and sums one block of rows at a time. Each
 /// head gets the bits it gets alone: the grouped dot equals a dot per head,
 /// and `weighted_rows` continues each element's sum across blocks.
+/// `ahead`: the rows come from memory (a decode step's; a prompt's rows
+/// were just written), so the grouped kernels ask for rows ahead of those
+/// they read (hints: the same bits either way).
 ///
 /// Public for `benches/kernels.rs -- --attention`.
 #[allow(clippy::too_many_arguments)]
@@ -94,10 +97,11 @@ pub fn attend_heads(
     len: usize,
     scale: f32,
     o: &mut [f32],
+    ahead: bool,
 ) {
     SCRATCH.with_borrow_mut(|(scores, blk, rows)| {
         attend_heads_in(
-            qs, hd, keys, values, stride, len, scale, o, scores, blk, rows,
+            qs, hd, keys, values, stride, len, scale, o, scores, blk, rows, ahead,
         )
     })
 }
@@ -125,6 +129,7 @@ fn attend_heads_in(
     scores: &mut Vec<f32>,
     blk: &mut Vec<f32>,
     rows: &mut Vec<f32>,
+    ahead: bool,
 ) {
     let k = kernels::kernels();
     let per = qs.len() / hd;
@@ -153,7 +158,14 @@ fn attend_heads_in(
             blk.resize(per * ROW_BLOCK, 0.0);
             for t0 in (0..len).step_by(ROW_BLOCK) {
                 let b = (len - t0).min(ROW_BLOCK);
-                f(qs, per, &keys[t0 * stride..], stride, &mut blk[..per * b]);
+                f(
+                    qs,
+                    per,
+                    &keys[t0 * stride..],
+                    stride,
+                    &mut blk[..per * b],
+                    ahead,
+                );
                 for (j, s) in scores.chunks_exact_mut(len).enumerate() {
                     s[t0..t0 + b].copy_from_slice(&blk[j * b..(j + 1) * b]);
                 }
@@ -184,6 +196,7 @@ fn attend_heads_in(
                     b,
                     &values[t0 * stride..],
                     stride,
+                    ahead,
                 );
             }
         }
@@ -285,6 +298,13 @@ pub(crate) fn attention(
             let window = model.spec.layers[layer].sliding_window;
             let group = nh / nkv;
             let per = heads_per_task(n, nh, group, pool.threads());
+            // A sequence's rows in this batch: one (a decode step) reads a
+            // cache the weights have evicted since; several (a prompt's
+            // chunk) mostly rows they just wrote.
+            let mut fed = vec![0usize; caches.len()];
+            for r in rows {
+                fed[r.seq] += 1;
+            }
             let caches: &[&mut KvCache] = caches;
             let out = pool.zeroed_chunks(n * nh * hd, per * hd, |idx, o| {
                 let (i, h0) = (idx / (nh / per), idx % (nh / per) * per);
@@ -308,6 +328,7 @@ pub(crate) fn attention(
                     ri.pos + 1 - first,
                     scale,
                     o,
+                    fed[ri.seq] == 1,
                 );
             });
             Ok(linear_rows(pool, &w.o, &out, n))
@@ -426,7 +447,17 @@ mod tests {
                     let qs = rand_vec(&mut rng, group * hd);
                     let scale = (hd as f32).powf(-0.5);
                     let mut together = vec![0.0f32; group * hd];
-                    attend_heads(&qs, hd, &keys, &values, stride, len, scale, &mut together);
+                    attend_heads(
+                        &qs,
+                        hd,
+                        &keys,
+                        &values,
+                        stride,
+                        len,
+                        scale,
+                        &mut together,
+                        len % 2 == 0,
+                    );
                     assert!(together.iter().all(|x| x.is_finite()));
                     assert!(together.iter().any(|&x| x != 0.0));
                     for h in 0..group {

@@ -107,13 +107,16 @@ pub fn passes_of(n: usize, most: usize) -> impl Iterator<Item = usize> {
     (0..passes).map(move |p| base + usize::from(p < extra))
 }
 
-/// `(qs, g, k, stride, out)`: `g` queries against the same rows (see
-/// [`KernelSet::dot_f32_rows_group`]).
-pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32]);
+/// `(qs, g, k, stride, out, ahead)`: `g` queries against the same rows
+/// (see [`KernelSet::dot_f32_rows_group`]); `ahead`: the rows come from
+/// memory, so the kernel asks for those ahead of the ones it reads (a
+/// decode's KV cache; a prompt's rows were just written).
+pub type GroupDot = fn(&[f32], usize, &[f32], usize, &mut [f32], bool);
 
-/// `(o, g, s, s_stride, rows, v, v_stride)`: `weighted_rows` for `g`
-/// heads over the same value rows (see [`KernelSet::weighted_rows_group`]).
-pub type GroupWeighted = fn(&mut [f32], usize, &[f32], usize, usize, &[f32], usize);
+/// `(o, g, s, s_stride, rows, v, v_stride, ahead)`: `weighted_rows` for
+/// `g` heads over the same value rows (see
+/// [`KernelSet::weighted_rows_group`]); `ahead` as [`GroupDot`]'s.
+pub type GroupWeighted = fn(&mut [f32], usize, &[f32], usize, usize, &[f32], usize, bool);
 
 /// The dot kernels chosen for this CPU.
 #[derive(Clone, Copy)]
@@ -451,9 +454,16 @@ mod avx2_wrappers {
         unsafe { super::x86::dot_f32_rows(q, k, stride, out) }
     }
     /// Also checks the lengths its safety contract asks for.
-    pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+    pub fn dot_f32_rows_group(
+        qs: &[f32],
+        g: usize,
+        k: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        ahead: bool,
+    ) {
         super::check_rows_group(qs, g, k, stride, out);
-        unsafe { super::x86::dot_f32_rows_group(qs, g, k, stride, out) }
+        unsafe { super::x86::dot_f32_rows_group(qs, g, k, stride, out, ahead) }
     }
     /// Also checks the rows' extent, which the kernel's contract asks for.
     pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
@@ -849,9 +859,16 @@ mod avx512_wrappers {
         unsafe { super::q8act::avx512::dot_q8_0_q8_pair(w0, w1, xs, out) }
     }
     /// Also checks the lengths its safety contract asks for.
-    pub fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+    pub fn dot_f32_rows_group(
+        qs: &[f32],
+        g: usize,
+        k: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        ahead: bool,
+    ) {
         super::check_rows_group(qs, g, k, stride, out);
-        unsafe { super::x86::dot_f32_rows_group_avx512(qs, g, k, stride, out) }
+        unsafe { super::x86::dot_f32_rows_group_avx512(qs, g, k, stride, out, ahead) }
     }
     /// Also checks the rows' extent, which the kernel's contract asks for.
     pub fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) {
@@ -861,6 +878,7 @@ mod avx512_wrappers {
         unsafe { super::x86::weighted_rows_avx512(o, s, v, stride) }
     }
     /// Also checks the extents its safety contract asks for.
+    #[allow(clippy::too_many_arguments)]
     pub fn weighted_rows_group(
         o: &mut [f32],
         g: usize,
@@ -869,6 +887,7 @@ mod avx512_wrappers {
         rows: usize,
         v: &[f32],
         v_stride: usize,
+        ahead: bool,
     ) {
         assert!(g > 0 && o.len().is_multiple_of(g), "g whole heads");
         assert!(
@@ -881,7 +900,9 @@ mod avx512_wrappers {
                 "value rows in bounds"
             );
         }
-        unsafe { super::x86::weighted_rows_group_avx512(o, g, s, s_stride, rows, v, v_stride) }
+        unsafe {
+            super::x86::weighted_rows_group_avx512(o, g, s, s_stride, rows, v, v_stride, ahead)
+        }
     }
     /// Also checks the tiles' width and the output's length, which the
     /// kernel's safety contract asks for.
@@ -3165,7 +3186,7 @@ pub(crate) mod tests {
                         let qs = rand_vec(&mut rng, g * d);
                         let keys = rand_vec(&mut rng, rows.max(1) * stride);
                         let mut out = vec![f32::NAN; g * rows];
-                        f(&qs, g, &keys, stride, &mut out);
+                        f(&qs, g, &keys, stride, &mut out, rows % 2 == 1);
                         for j in 0..g {
                             for t in 0..rows {
                                 let want = (k.dot_f32)(
@@ -3221,7 +3242,7 @@ pub(crate) mod tests {
                         }
                         let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                         let mut got = start.clone();
-                        f(&mut got, g, &s, s_stride, rows, &v, v_stride);
+                        f(&mut got, g, &s, s_stride, rows, &v, v_stride, rows % 2 == 1);
                         assert_eq!(
                             bits(&got),
                             bits(&want),
@@ -3231,7 +3252,7 @@ pub(crate) mod tests {
                         // In two blocks of rows: one call's bits.
                         let cut = rows / 2;
                         let mut parts = start.clone();
-                        f(&mut parts, g, &s, s_stride, cut, &v, v_stride);
+                        f(&mut parts, g, &s, s_stride, cut, &v, v_stride, true);
                         let rest = &v[(cut * v_stride).min(v.len())..];
                         f(
                             &mut parts,
@@ -3241,6 +3262,7 @@ pub(crate) mod tests {
                             rows - cut,
                             rest,
                             v_stride,
+                            false,
                         );
                         assert_eq!(bits(&parts), bits(&want), "{} n={n} g={g} cut", k.name);
                         checked += 1;

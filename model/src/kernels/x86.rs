@@ -58,9 +58,22 @@ pub unsafe fn dot_f32_rows(q: &[f32], k: &[f32], stride: usize, out: &mut [f32])
 /// Requires AVX2 and FMA; `qs.len() == g · d`, `out.len() == g · rows`,
 /// `k.len() >= (rows - 1) · stride + d` when `rows > 0`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_f32_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &mut [f32]) {
+pub unsafe fn dot_f32_rows_group(
+    qs: &[f32],
+    g: usize,
+    k: &[f32],
+    stride: usize,
+    out: &mut [f32],
+    ahead: bool,
+) {
     // SAFETY: forwarded contract.
-    unsafe { rows_group::<false>(qs, g, k, stride, out) }
+    unsafe {
+        if ahead {
+            rows_group::<false, true>(qs, g, k, stride, out)
+        } else {
+            rows_group::<false, false>(qs, g, k, stride, out)
+        }
+    }
 }
 
 /// How far ahead of the row it reads a decode's attention asks L2 for
@@ -96,7 +109,7 @@ fn ask_l2_floats(p: *const f32, len: usize) {
 /// # Safety
 /// As [`dot_f32_rows_group`], and AVX-512 F when `WIDE`.
 #[inline(always)]
-unsafe fn rows_group<const WIDE: bool>(
+unsafe fn rows_group<const WIDE: bool, const AHEAD: bool>(
     qs: &[f32],
     g: usize,
     k: &[f32],
@@ -105,11 +118,14 @@ unsafe fn rows_group<const WIDE: bool>(
 ) {
     let d = qs.len() / g.max(1);
     let rows = out.len() / g.max(1);
-    // The first queries' pass over a row asks for the row
+    // With `AHEAD`, the first queries' pass over a row asks for the row
     // [`KV_AHEAD_BYTES`] on (within `k`, which may run past `rows`).
-    let ahead = kv_ahead_rows(d);
+    let far = kv_ahead_rows(d);
     let ask = |t: usize, n: usize| {
-        for r in t + ahead..t + ahead + n {
+        if !AHEAD {
+            return;
+        }
+        for r in t + far..t + far + n {
             if r * stride + d <= k.len() {
                 ask_l2_floats(k.as_ptr().wrapping_add(r * stride), d);
             }
@@ -1023,9 +1039,16 @@ pub unsafe fn dot_f32_rows_group_avx512(
     k: &[f32],
     stride: usize,
     out: &mut [f32],
+    ahead: bool,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { rows_group::<true>(qs, g, k, stride, out) }
+    unsafe {
+        if ahead {
+            rows_group::<true, true>(qs, g, k, stride, out)
+        } else {
+            rows_group::<true, false>(qs, g, k, stride, out)
+        }
+    }
 }
 
 /// [`dot_four`] with one 512-bit accumulator per query (see
@@ -1153,6 +1176,7 @@ unsafe fn dot_four_by_four_avx512(q: *const f32, d: usize, keys: [*const f32; 4]
 /// AVX-512 F; `o.len()` a multiple of `g`; `s.len() >= (g − 1) · s_stride
 /// + rows`; `v.len() >= (rows − 1) · v_stride + n` when `rows > 0`.
 #[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn weighted_rows_group_avx512(
     o: &mut [f32],
     g: usize,
@@ -1161,6 +1185,7 @@ pub unsafe fn weighted_rows_group_avx512(
     rows: usize,
     v: &[f32],
     v_stride: usize,
+    ahead: bool,
 ) {
     let n = o.len() / g.max(1);
     let (vp, sp) = (v.as_ptr(), s.as_ptr());
@@ -1174,22 +1199,31 @@ pub unsafe fn weighted_rows_group_avx512(
             unsafe {
                 let op = o.as_mut_ptr().add(j0 * n);
                 let wp = sp.add(j0 * s_stride);
-                // The first heads' first columns ask for whole rows
-                // [`KV_AHEAD_BYTES`] on, among the `avail` rows of `v`.
+                // With `ahead`, the first heads' first columns ask for
+                // whole rows [`KV_AHEAD_BYTES`] on, among the `avail` rows
+                // of `v`.
                 let avail = match v.len().checked_sub(n) {
                     Some(rest) => rest / v_stride.max(1) + 1,
                     None => 0,
                 };
-                let ask = (j0 == 0).then_some((kv_ahead_rows(n), avail));
+                let ask = (kv_ahead_rows(n), avail);
                 let mut i = 0;
                 while i + 64 <= n {
-                    let a = if i == 0 { ask } else { None };
-                    group_columns::<4>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride, a);
+                    let (o, v) = (op.add(i), vp.add(i));
+                    if ahead && j0 == 0 && i == 0 {
+                        group_columns::<4, true>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    } else {
+                        group_columns::<4, false>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    }
                     i += 64;
                 }
                 while i + 16 <= n {
-                    let a = if i == 0 { ask } else { None };
-                    group_columns::<1>(op.add(i), n, wp, s_stride, rows, vp.add(i), v_stride, a);
+                    let (o, v) = (op.add(i), vp.add(i));
+                    if ahead && j0 == 0 && i == 0 {
+                        group_columns::<1, true>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    } else {
+                        group_columns::<1, false>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    }
                     i += 16;
                 }
             }
@@ -1210,13 +1244,15 @@ pub unsafe fn weighted_rows_group_avx512(
 }
 
 /// Four heads' `16·C` columns at `o` (heads `n` apart), over `rows` value
-/// rows: see [`weighted_rows_group_avx512`].
+/// rows: see [`weighted_rows_group_avx512`]. `ASK`: before each row, ask
+/// L2 for the whole row (`n` floats at `v`, the first columns) `ahead`
+/// rows on, while that row is one of `v`'s `avail`.
 ///
 /// # Safety
 /// As there, for these columns; AVX-512 F.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn group_columns<const C: usize>(
+unsafe fn group_columns<const C: usize, const ASK: bool>(
     o: *mut f32,
     n: usize,
     w: *const f32,
@@ -1224,7 +1260,7 @@ unsafe fn group_columns<const C: usize>(
     rows: usize,
     v: *const f32,
     v_stride: usize,
-    ask: Option<(usize, usize)>,
+    (ahead, avail): (usize, usize),
 ) {
     // SAFETY: the caller's bounds.
     unsafe {
@@ -1236,9 +1272,7 @@ unsafe fn group_columns<const C: usize>(
         }
         for t in 0..rows {
             let row = v.add(t * v_stride);
-            if let Some((ahead, avail)) = ask
-                && t + ahead < avail
-            {
+            if ASK && t + ahead < avail {
                 ask_l2_floats(v.wrapping_add((t + ahead) * v_stride), n);
             }
             let vs: [__m512; C] = core::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)));
