@@ -79,10 +79,10 @@ pub unsafe fn dot_f32_rows_group(
 /// How far ahead of the row it reads a decode's attention asks L2 for
 /// the KV cache's rows, in bytes of the rows' data: 32 rows of 128
 /// floats. The cache comes from memory, the weights streamed since having
-/// evicted it, and the hardware's streams alone read it at 12.2–13.3 GB/s
-/// where this distance gives 14.5–17.4 (`cargo bench --bench kernels --
-/// --attention`, "cold", the AMX Xeon VM; 8 to 64 rows were within the
-/// spread of runs), a 2048-position decode 6–7% faster
+/// evicted it, and the hardware's streams alone read it at 12.2–13.9 GB/s
+/// where this distance gives 13.3–15.8 (`cargo bench --bench kernels --
+/// --attention`, "cold", the AMX Xeon VM; 16 to 64 rows were alike within
+/// the spread of runs), a 2048-position decode 5–9% faster
 /// (docs/benchmarks.md).
 const KV_AHEAD_BYTES: usize = 16 << 10;
 
