@@ -345,6 +345,30 @@ fn check_quads16_cols(xs: &[&[f32]]) {
     );
 }
 
+/// What the grouped weighted sums' safety contract asks of their arguments.
+#[cfg(target_arch = "x86_64")]
+fn check_weighted_rows_group(
+    o: &[f32],
+    g: usize,
+    s: &[f32],
+    s_stride: usize,
+    rows: usize,
+    v: &[f32],
+    v_stride: usize,
+) {
+    assert!(g > 0 && o.len().is_multiple_of(g), "g whole heads");
+    assert!(
+        s.len() >= (g - 1) * s_stride + rows,
+        "every head's weights in bounds"
+    );
+    if let Some(last) = rows.checked_sub(1) {
+        assert!(
+            v.len() >= last * v_stride + o.len() / g,
+            "value rows in bounds"
+        );
+    }
+}
+
 /// What `dot_f32_rows_group`'s safety contract asks of its arguments.
 #[cfg(target_arch = "x86_64")]
 fn check_rows_group(qs: &[f32], g: usize, k: &[f32], stride: usize, out: &[f32]) {
@@ -471,6 +495,21 @@ mod avx2_wrappers {
             assert!(v.len() >= last * stride + o.len(), "value rows in bounds");
         }
         unsafe { super::x86::weighted_rows(o, s, v, stride) }
+    }
+    /// Also checks the extents its safety contract asks for.
+    #[allow(clippy::too_many_arguments)]
+    pub fn weighted_rows_group(
+        o: &mut [f32],
+        g: usize,
+        s: &[f32],
+        s_stride: usize,
+        rows: usize,
+        v: &[f32],
+        v_stride: usize,
+        ahead: bool,
+    ) {
+        super::check_weighted_rows_group(o, g, s, s_stride, rows, v, v_stride);
+        unsafe { super::x86::weighted_rows_group_avx2(o, g, s, s_stride, rows, v, v_stride, ahead) }
     }
     pub fn dot_q8_0_q8(w: &[u8], x: &super::Q8Activation) -> f32 {
         unsafe { super::q8act::avx2::dot_q8_0_q8(w, x) }
@@ -733,7 +772,7 @@ pub const AVX2: KernelSet = KernelSet {
     dot_f32_rows: avx2_wrappers::dot_f32_rows,
     dot_f32_rows_group: Some(avx2_wrappers::dot_f32_rows_group),
     weighted_rows: avx2_wrappers::weighted_rows,
-    weighted_rows_group: None,
+    weighted_rows_group: Some(avx2_wrappers::weighted_rows_group),
     dot_q8_0_q8: avx2_wrappers::dot_q8_0_q8,
     dot_q4_0_q8: avx2_wrappers::dot_q4_0_q8,
     dot_q6_k_q8: avx2_wrappers::dot_q6_k_q8,
@@ -889,17 +928,7 @@ mod avx512_wrappers {
         v_stride: usize,
         ahead: bool,
     ) {
-        assert!(g > 0 && o.len().is_multiple_of(g), "g whole heads");
-        assert!(
-            s.len() >= (g - 1) * s_stride + rows,
-            "every head's weights in bounds"
-        );
-        if let Some(last) = rows.checked_sub(1) {
-            assert!(
-                v.len() >= last * v_stride + o.len() / g,
-                "value rows in bounds"
-            );
-        }
+        super::check_weighted_rows_group(o, g, s, s_stride, rows, v, v_stride);
         unsafe {
             super::x86::weighted_rows_group_avx512(o, g, s, s_stride, rows, v, v_stride, ahead)
         }

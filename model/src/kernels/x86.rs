@@ -1023,6 +1023,125 @@ pub unsafe fn weighted_rows(o: &mut [f32], s: &[f32], v: &[f32], stride: usize) 
     }
 }
 
+/// [`weighted_rows`] for `g` heads over the same value rows, as
+/// [`weighted_rows_group_avx512`] with 256-bit registers: four heads at a
+/// time share every load of a value row (16 columns: eight sums in
+/// registers); each element is still `o + s·v` in one fused multiply-add
+/// per row, rows in order, so every head gets the bits [`weighted_rows`]
+/// gives it alone. Heads past the last four, and rows whose length is not
+/// a multiple of 8, go through [`weighted_rows`]. `ahead`: the first four
+/// heads ask L2 for whole rows [`KV_AHEAD_BYTES`] on.
+///
+/// # Safety
+/// AVX2 and FMA; the extents of [`weighted_rows_group_avx512`].
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn weighted_rows_group_avx2(
+    o: &mut [f32],
+    g: usize,
+    s: &[f32],
+    s_stride: usize,
+    rows: usize,
+    v: &[f32],
+    v_stride: usize,
+    ahead: bool,
+) {
+    let n = o.len() / g.max(1);
+    let (vp, sp) = (v.as_ptr(), s.as_ptr());
+    let mut j0 = 0;
+    if n.is_multiple_of(8) {
+        let avail = match v.len().checked_sub(n) {
+            Some(rest) => rest / v_stride.max(1) + 1,
+            None => 0,
+        };
+        let ask = (kv_ahead_rows(n), avail);
+        while j0 + 4 <= g {
+            // SAFETY: as in `weighted_rows_group_avx512`, for 8·C columns.
+            unsafe {
+                let op = o.as_mut_ptr().add(j0 * n);
+                let wp = sp.add(j0 * s_stride);
+                let mut i = 0;
+                while i + 16 <= n {
+                    let (o, v) = (op.add(i), vp.add(i));
+                    if ahead && j0 == 0 && i == 0 {
+                        group_columns_avx2::<2, true>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    } else {
+                        group_columns_avx2::<2, false>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    }
+                    i += 16;
+                }
+                while i + 8 <= n {
+                    let (o, v) = (op.add(i), vp.add(i));
+                    if ahead && j0 == 0 && i == 0 {
+                        group_columns_avx2::<1, true>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    } else {
+                        group_columns_avx2::<1, false>(o, n, wp, s_stride, rows, v, v_stride, ask);
+                    }
+                    i += 8;
+                }
+            }
+            j0 += 4;
+        }
+    }
+    for j in j0..g {
+        // SAFETY: forwarded contract, one head.
+        unsafe {
+            weighted_rows(
+                &mut o[j * n..(j + 1) * n],
+                &s[j * s_stride..j * s_stride + rows],
+                v,
+                v_stride,
+            )
+        }
+    }
+}
+
+/// Four heads' `8·C` columns at `o` (heads `n` apart), over `rows` value
+/// rows: see [`weighted_rows_group_avx2`]; `ASK` as [`group_columns`]'s.
+///
+/// # Safety
+/// As there, for these columns; AVX2 and FMA.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_columns_avx2<const C: usize, const ASK: bool>(
+    o: *mut f32,
+    n: usize,
+    w: *const f32,
+    s_stride: usize,
+    rows: usize,
+    v: *const f32,
+    v_stride: usize,
+    (ahead, avail): (usize, usize),
+) {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); C]; 4];
+        for (j, aj) in acc.iter_mut().enumerate() {
+            for (c, a) in aj.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(o.add(j * n + 8 * c));
+            }
+        }
+        for t in 0..rows {
+            let row = v.add(t * v_stride);
+            if ASK && t + ahead < avail {
+                ask_l2_floats(v.wrapping_add((t + ahead) * v_stride), n);
+            }
+            let vs: [__m256; C] = core::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let wt = _mm256_set1_ps(*w.add(j * s_stride + t));
+                for (a, vc) in aj.iter_mut().zip(&vs) {
+                    *a = _mm256_fmadd_ps(wt, *vc, *a);
+                }
+            }
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            for (c, a) in aj.iter().enumerate() {
+                _mm256_storeu_ps(o.add(j * n + 8 * c), *a);
+            }
+        }
+    }
+}
+
 /// [`dot_f32_rows_group`] with 512-bit accumulators. One register holds
 /// what the AVX2 kernel keeps in two: lanes 0–7 are its `a0` (elements
 /// `i..i + 8` of each 16-element step), lanes 8–15 its `a1`, each lane the
