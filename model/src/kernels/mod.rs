@@ -24,6 +24,7 @@ pub mod q4_k;
 pub mod q6_k;
 pub mod q8act;
 pub mod quads16;
+pub mod read_pass;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -1771,9 +1772,9 @@ fn whole_units(w: &QMatrix, chunk: usize) -> usize {
 
 /// GB/s of a parallel read-only pass over `bytes` bytes of memory on
 /// `pool`'s threads (best of five passes after one warm-up): the memory
-/// bandwidth a decode that streams weights from RAM can reach, measured
-/// the way the kernels read (every thread summing its own chunks). Use a
-/// size well above the last-level cache.
+/// bandwidth a decode that streams weights from RAM can reach, every
+/// thread summing its own chunks as fast as the CPU reads
+/// ([`read_pass`]). Use a size well above the last-level cache.
 pub fn read_bandwidth(pool: &Pool, bytes: usize) -> f64 {
     BandwidthProbe::new(bytes).measure(pool, 5)
 }
@@ -1816,13 +1817,13 @@ impl BandwidthProbe {
     /// GB/s of the best of `passes` passes after one warm-up pass.
     pub fn measure(&self, pool: &Pool, passes: usize) -> f64 {
         let buf = self.words();
-        // Integer adds vectorize (float sums would be latency-bound), so
-        // this measures how fast the cores pull bytes from memory.
+        // Integer adds (float sums would be latency-bound) with the
+        // widest loads, the bytes asked ahead ([`read_pass`]): how fast the
+        // cores can pull bytes from memory.
         let chunk = 1 << 16;
         let pass = || {
             pool.map_collect(buf.len().div_ceil(chunk), |i| {
-                let c = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
-                c.iter().fold(0u32, |a, &b| a.wrapping_add(b))
+                read_pass::sum_words(&buf[i * chunk..((i + 1) * chunk).min(buf.len())])
             })
             .into_iter()
             .fold(0u32, u32::wrapping_add)
