@@ -6,6 +6,7 @@
 mod bench_io;
 mod common;
 mod convert;
+mod malloc;
 mod perplexity;
 mod plan;
 mod run;
@@ -48,6 +49,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    malloc::tune();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
