@@ -36,6 +36,10 @@
 //! `4096/l2+1152/l1`, `0`; default: the default against none), slices of
 //! layers taking turns.
 //!
+//! `-- --pool` times the thread pool's job round trip: jobs of empty
+//! tasks (one per thread, and 128), and jobs of 128 in-cache sums against
+//! the same sums on one thread divided by the thread count.
+//!
 //! `-- --more-tokens` times the row kernels of Q4_1, Q5_0, Q5_1, IQ4_NL,
 //! Q2_K, Q3_K and IQ4_XS (`dot_more_q8`, one token) against their
 //! several-token form (`dot_more_q8_multi`, 1 to 4 tokens per call) on 32
@@ -457,6 +461,49 @@ fn compare_quads(pool: &Pool, mib: usize, rng: &mut impl Rng) {
     println!("read pass after: {bw:.2} GB/s");
 }
 
+/// What one pool job costs beyond its tasks: the round trip of jobs whose
+/// tasks do nothing (one per thread, and 128 as a decode's products take),
+/// and of jobs of 128 tasks that each read 64 KiB already in cache, against
+/// the same reads on the calling thread alone divided by the thread count.
+fn pool_jobs(pool: &Pool, threads: usize) {
+    let jobs = 20_000usize;
+    println!("pool: {threads} threads, {jobs} jobs per figure");
+    let time = |tasks: usize, f: &(dyn Fn(usize) + Sync)| -> f64 {
+        for _ in 0..jobs / 10 {
+            pool.run(tasks, f);
+        }
+        let t = Instant::now();
+        for _ in 0..jobs {
+            pool.run(tasks, f);
+        }
+        t.elapsed().as_secs_f64() / jobs as f64 * 1e6
+    };
+    for tasks in [threads, 128] {
+        let us = time(tasks, &|i| {
+            std::hint::black_box(i);
+        });
+        println!("  {tasks:>4} empty tasks: {us:6.2} µs per job");
+    }
+    // Each thread's own 64 KiB (in L2), summed by every task it claims.
+    let words = 64 << 10 >> 3;
+    let data: Vec<u64> = (0..(words * 128) as u64).collect();
+    let sum = |i: usize| -> u64 { data[i * words..(i + 1) * words].iter().sum() };
+    let us = time(128, &|i| {
+        std::hint::black_box(sum(i));
+    });
+    let t = Instant::now();
+    for _ in 0..200 {
+        for i in 0..128 {
+            std::hint::black_box(sum(i));
+        }
+    }
+    let alone = t.elapsed().as_secs_f64() / 200.0 * 1e6;
+    println!(
+        "  128 tasks of 64 KiB sums: {us:6.2} µs per job; alone {alone:.1} µs, / {threads} = {:.2} µs",
+        alone / threads as f64
+    );
+}
+
 fn main() {
     let threads = arg(
         "--threads",
@@ -518,6 +565,10 @@ fn main() {
     }
     if args.iter().any(|a| a == "--attention") {
         attention(&pool, mib, threads);
+        return;
+    }
+    if args.iter().any(|a| a == "--pool") {
+        pool_jobs(&pool, threads);
         return;
     }
     if args.iter().any(|a| a == "--experts") {

@@ -25,20 +25,49 @@ pub const SPIN: Duration = Duration::from_micros(200);
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
     tasks: usize,
-    next: AtomicUsize,
-    finished: AtomicUsize,
+    /// The next task to claim, on its own cache line: every thread takes
+    /// it once per task, and the publisher's polling of `finished` would
+    /// otherwise pull the line away between the claims.
+    next: CacheLine<AtomicUsize>,
+    /// Tasks run, added once per thread as it leaves the job.
+    finished: CacheLine<AtomicUsize>,
+    /// The first panic of a task, resumed on the publisher's thread once
+    /// no thread is inside the job any more.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    panicked: AtomicBool,
 }
 
+/// A value alone on its cache line (two lines: the adjacent-line
+/// prefetcher pairs them).
+#[repr(align(128))]
+struct CacheLine<T>(T);
+
 impl Job<'_> {
-    /// Claims and runs tasks until none is left.
+    /// Claims and runs tasks until none is left, then counts them done. A
+    /// task that panics ends the job: the panic is kept for the publisher,
+    /// and no thread claims a task after it.
     fn work(&self) {
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.tasks {
-                return;
+        let mut done = 0;
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            loop {
+                let i = self.next.0.fetch_add(1, Ordering::Relaxed);
+                if i >= self.tasks {
+                    break;
+                }
+                (self.f)(i);
+                done += 1;
             }
-            (self.f)(i);
-            self.finished.fetch_add(1, Ordering::Release);
+        }));
+        if let Err(payload) = run {
+            // Every index claimed so far is below `tasks`, so none is
+            // claimed twice.
+            self.next.0.store(self.tasks, Ordering::Relaxed);
+            let mut first = self.panic.lock().unwrap_or_else(|p| p.into_inner());
+            first.get_or_insert(payload);
+            self.panicked.store(true, Ordering::Release);
+        }
+        if done > 0 {
+            self.finished.0.fetch_add(done, Ordering::Release);
         }
     }
 }
@@ -143,8 +172,10 @@ impl Pool {
         let job = Job {
             f,
             tasks,
-            next: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
+            next: CacheLine(AtomicUsize::new(0)),
+            finished: CacheLine(AtomicUsize::new(0)),
+            panic: Mutex::new(None),
+            panicked: AtomicBool::new(false),
         };
         let sh = &*self.shared;
         sh.job
@@ -156,7 +187,9 @@ impl Pool {
         }
         job.work();
         let mut spins = 0u32;
-        while job.finished.load(Ordering::Acquire) < tasks {
+        while job.finished.0.load(Ordering::Acquire) < tasks
+            && !job.panicked.load(Ordering::Acquire)
+        {
             // A worker holding the last task may have been preempted.
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) {
@@ -172,6 +205,12 @@ impl Pool {
             std::hint::spin_loop();
         }
         drop(guard);
+        // No thread is inside the job: a task's panic goes on here, on
+        // the caller's thread, as if the caller had run the task.
+        let panic = job.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(payload) = panic {
+            std::panic::resume_unwind(payload);
+        }
     }
 
     /// Splits `data` into chunks of `chunk` elements (the last may be
@@ -505,6 +544,38 @@ mod tests {
             .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), 200 * 33 * 34 / 2);
+        }
+    }
+
+    /// A task's panic reaches the caller with its own message, whichever
+    /// thread ran the task, after every thread has left the job (whose
+    /// state lives on the caller's stack), and the pool keeps working.
+    #[test]
+    fn a_panicking_task_panics_the_caller_and_leaves_the_pool_usable() {
+        let pool = Pool::new(4).unwrap();
+        for round in 0..40usize {
+            let bad = round % 37;
+            let ran = AtomicUsize::new(0);
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(37, &|i| {
+                    if i == bad {
+                        panic!("task {i} failed");
+                    }
+                    ran.fetch_add(1, Ordering::Relaxed);
+                });
+            }));
+            let payload = caught.expect_err("the job panicked");
+            let msg = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .unwrap_or_default();
+            assert_eq!(msg, format!("task {bad} failed"));
+            assert!(ran.load(Ordering::Relaxed) < 37);
+            let sum = AtomicUsize::new(0);
+            pool.run(50, &|i| {
+                sum.fetch_add(i, Ordering::Relaxed);
+            });
+            assert_eq!(sum.load(Ordering::Relaxed), 50 * 49 / 2, "round {round}");
         }
     }
 
