@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::forward::{Model, RowInfo};
 use crate::kernels::pool::Parts;
 use crate::kernels::{self, KernelSet, Pool, dot_row, matmul, matmul_shared_input};
-use crate::kv::{KvCache, LayerCache};
+use crate::kv::{KvCache, KvRows, LayerCache};
 use crate::ops::{rms_norm_inplace, softmax_inplace};
 use crate::rope::Angles;
 use crate::weights::{AttnWeights, Linear, MlaQuery};
@@ -270,8 +270,8 @@ fn weighted_into(
 struct SplitRow<'a> {
     q: &'a [f32],
     angles: &'a Angles,
-    keys: &'a [Vec<f32>],
-    values: &'a [Vec<f32>],
+    keys: &'a [KvRows],
+    values: &'a [KvRows],
     first: usize,
     len: usize,
     /// Whether the rows come from memory ([`attend_heads`]'s `ahead`).
@@ -503,8 +503,8 @@ pub(crate) fn attention(
                 if let LayerCache::Gqa { k: kc, v: vc } = &mut caches[ri.seq].layers[layer] {
                     let at = i * nkv * hd;
                     for (h, (kh, vh)) in kc.iter_mut().zip(vc.iter_mut()).enumerate() {
-                        kh.extend_from_slice(&k[at + h * hd..at + (h + 1) * hd]);
-                        vh.extend_from_slice(&v[at + h * hd..at + (h + 1) * hd]);
+                        kh.extend_from_slice(&k[at + h * hd..at + (h + 1) * hd])?;
+                        vh.extend_from_slice(&v[at + h * hd..at + (h + 1) * hd])?;
                     }
                 }
             }
@@ -618,8 +618,8 @@ pub(crate) fn attention(
                     model.rope.apply(&mut qh[dn..], &a.cos, &a.sin, &mut tmp);
                 }
                 if let LayerCache::Mla { latent, k_pe } = &mut caches[ri.seq].layers[layer] {
-                    latent.extend_from_slice(&row[..r]);
-                    k_pe.extend_from_slice(&row[r..]);
+                    latent.extend_from_slice(&row[..r])?;
+                    k_pe.extend_from_slice(&row[r..])?;
                 }
             }
             let scale = model.attn_scale;
@@ -759,14 +759,20 @@ mod tests {
                 (vec![129, 64, 9], vec![5, 0, 2]),
             ] {
                 // Per row: (keys, values), a vector per KV head.
-                type Heads = Vec<Vec<f32>>;
+                type Heads = Vec<KvRows>;
                 let caches: Vec<(Heads, Heads)> = lens
                     .iter()
                     .zip(&firsts)
                     .map(|(&len, &first)| {
                         let n = (first + len) * hd;
                         let heads = |rng: &mut rand_chacha::ChaCha8Rng| {
-                            (0..nkv).map(|_| rand_vec(rng, n)).collect::<Vec<_>>()
+                            (0..nkv)
+                                .map(|_| {
+                                    let mut rows = KvRows::new();
+                                    rows.extend_from_slice(&rand_vec(rng, n)).unwrap();
+                                    rows
+                                })
+                                .collect::<Vec<_>>()
                         };
                         (heads(&mut rng), heads(&mut rng))
                     })

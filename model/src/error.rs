@@ -75,6 +75,12 @@ pub enum ModelError {
         expert: usize,
         reason: String,
     },
+    #[error("KV cache: cannot grow to {bytes} bytes: {source}")]
+    KvMemory {
+        bytes: usize,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Invalid(String),
 }

@@ -7,13 +7,137 @@ use crate::error::{ModelError, Result};
 
 #[derive(Clone, Debug)]
 pub(crate) enum LayerCache {
-    /// `k`, `v`: one vector per KV head, `[pos][head_dim]` each, so that
-    /// the heads attending with one KV head read its keys and values as
-    /// one stream (interleaved, a long context's decode step ran ~20%
+    /// `k`, `v`: one run of rows per KV head, `[pos][head_dim]` each, so
+    /// that the heads attending with one KV head read its keys and values
+    /// as one stream (interleaved, a long context's decode step ran ~20%
     /// slower: docs/benchmarks.md).
-    Gqa { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
+    Gqa { k: Vec<KvRows>, v: Vec<KvRows> },
     /// `latent`: `[pos][kv_lora_rank]` (normed); `k_pe`: `[pos][rope_dim]` (rotated).
-    Mla { latent: Vec<f32>, k_pe: Vec<f32> },
+    Mla { latent: KvRows, k_pe: KvRows },
+}
+
+/// One stream of a KV cache (a KV head's keys, say): floats appended a
+/// position at a time, in anonymous memory that grows in place or moves
+/// by remapping its pages, never by copying them. In a `Vec`, every
+/// layer's streams reached a power of two at the same step and were all
+/// copied then: after a 2,048-token prompt, Qwen3-30B-A3B's first decode
+/// step copied 384 MB (docs/benchmarks.md). Memory is taken from the
+/// system as positions are written and given back when the cache is
+/// dropped.
+pub struct KvRows {
+    map: Option<memmap2::MmapMut>,
+    /// Floats written.
+    len: usize,
+}
+
+/// The least a [`KvRows`] maps (and what its growth rounds to).
+const KV_ROWS_MIN_BYTES: usize = 64 << 10;
+
+impl KvRows {
+    pub fn new() -> KvRows {
+        KvRows { map: None, len: 0 }
+    }
+
+    /// Floats the mapping holds.
+    pub fn capacity(&self) -> usize {
+        self.map.as_ref().map_or(0, |m| m.len() / 4)
+    }
+
+    /// Appends `x`, growing the mapping (at least doubling it) when it is
+    /// full.
+    pub fn extend_from_slice(&mut self, x: &[f32]) -> Result<()> {
+        let need = self.len + x.len();
+        if need > self.capacity() {
+            self.grow(need)?;
+        }
+        let len = self.len;
+        if let Some(m) = &mut self.map {
+            let all: &mut [f32] = bytemuck::cast_slice_mut(&mut m[..]);
+            all[len..need].copy_from_slice(x);
+        }
+        self.len = need;
+        Ok(())
+    }
+
+    /// Forgets every float from `len` on (the memory stays mapped).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    fn grow(&mut self, floats: usize) -> Result<()> {
+        let bytes = (floats * 4)
+            .max(2 * self.capacity() * 4)
+            .next_multiple_of(KV_ROWS_MIN_BYTES);
+        let failed = |source| ModelError::KvMemory { bytes, source };
+        match &mut self.map {
+            None => {
+                let m = memmap2::MmapOptions::new()
+                    .len(bytes)
+                    .map_anon()
+                    .map_err(failed)?;
+                self.map = Some(m);
+            }
+            #[cfg(target_os = "linux")]
+            Some(m) => {
+                // SAFETY: the mapping is anonymous, so there is no file
+                // whose end the new length could run past: every byte of
+                // it is memory the kernel gives (the old bytes where they
+                // were, the rest zeroed). Nothing borrows the mapping
+                // while it moves: `&mut self`.
+                unsafe { m.remap(bytes, memmap2::RemapOptions::new().may_move(true)) }
+                    .map_err(failed)?;
+            }
+            #[cfg(not(target_os = "linux"))]
+            Some(m) => {
+                let mut new = memmap2::MmapOptions::new()
+                    .len(bytes)
+                    .map_anon()
+                    .map_err(failed)?;
+                new[..m.len()].copy_from_slice(m);
+                *m = new;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for KvRows {
+    fn default() -> Self {
+        KvRows::new()
+    }
+}
+
+impl std::ops::Deref for KvRows {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match &self.map {
+            // A mapping is page-aligned and a whole number of pages long.
+            Some(m) => &bytemuck::cast_slice(&m[..])[..self.len],
+            None => &[],
+        }
+    }
+}
+
+impl Clone for KvRows {
+    /// A copy of the floats written. Panics if the system gives no memory
+    /// for it, as a `Vec`'s clone would.
+    fn clone(&self) -> Self {
+        let mut copy = KvRows::new();
+        if let Err(e) = copy.extend_from_slice(self) {
+            panic!("{e}");
+        }
+        copy
+    }
+}
+
+impl std::fmt::Debug for KvRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRows")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .finish()
+    }
 }
 
 /// Keys and values a compute tier other than the CPU keeps for a cache
@@ -57,12 +181,12 @@ impl KvCache {
         let layers = (0..spec.num_layers())
             .map(|_| match spec.attention {
                 AttentionSpec::Gqa { num_kv_heads, .. } => LayerCache::Gqa {
-                    k: vec![Vec::new(); num_kv_heads],
-                    v: vec![Vec::new(); num_kv_heads],
+                    k: (0..num_kv_heads).map(|_| KvRows::new()).collect(),
+                    v: (0..num_kv_heads).map(|_| KvRows::new()).collect(),
                 },
                 AttentionSpec::Mla { .. } => LayerCache::Mla {
-                    latent: Vec::new(),
-                    k_pe: Vec::new(),
+                    latent: KvRows::new(),
+                    k_pe: KvRows::new(),
                 },
             })
             .collect();
@@ -192,9 +316,54 @@ impl KvCache {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerCache::Gqa { k, v } => k.iter().chain(v).map(Vec::len).sum::<usize>() * 4,
+                LayerCache::Gqa { k, v } => k.iter().chain(v).map(|r| r.len()).sum::<usize>() * 4,
                 LayerCache::Mla { latent, k_pe } => (latent.len() + k_pe.len()) * 4,
             })
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows appended across many growths (each at least doubling, the
+    /// mapping moved or grown in place) read back as a `Vec` holds them;
+    /// truncation forgets the tail and appending goes on from it; a clone
+    /// holds the same floats in its own memory.
+    #[test]
+    fn rows_grow_without_losing_a_float() {
+        let mut rows = KvRows::new();
+        let mut want: Vec<f32> = Vec::new();
+        assert!(rows.is_empty() && rows.capacity() == 0);
+        let mut caps = Vec::new();
+        for pos in 0..9000usize {
+            let row: Vec<f32> = (0..24).map(|i| (pos * 24 + i) as f32 * 0.5 - 7.0).collect();
+            rows.extend_from_slice(&row).unwrap();
+            want.extend_from_slice(&row);
+            if caps.last() != Some(&rows.capacity()) {
+                caps.push(rows.capacity());
+            }
+        }
+        assert_eq!(&rows[..], &want[..]);
+        // 64 KiB, then doubling: 16384, 32768, … floats.
+        assert_eq!(caps[0], KV_ROWS_MIN_BYTES / 4);
+        assert!(caps.windows(2).all(|w| w[1] >= 2 * w[0]), "{caps:?}");
+        assert!(caps.len() >= 4, "{caps:?}");
+
+        rows.truncate(100 * 24);
+        want.truncate(100 * 24);
+        rows.extend_from_slice(&[1.5; 24]).unwrap();
+        want.extend_from_slice(&[1.5; 24]);
+        assert_eq!(&rows[..], &want[..]);
+        rows.truncate(usize::MAX);
+        assert_eq!(rows.len(), want.len());
+
+        let copy = rows.clone();
+        assert_eq!(&copy[..], &want[..]);
+        assert_ne!(copy.as_ptr(), rows.as_ptr());
+        rows.truncate(0);
+        assert!(rows.is_empty());
+        assert_eq!(copy.len(), want.len());
     }
 }
