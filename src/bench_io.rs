@@ -278,6 +278,10 @@ struct DecodeRun {
     /// --warm: the memory bandwidth measured between decode tokens.
     #[serde(skip)]
     bandwidth: Vec<BandwidthMark>,
+    /// Milliseconds from each generated token to the next (the read
+    /// passes between tokens left out): a decode step's stalls.
+    #[serde(skip)]
+    token_gaps_ms: Vec<f64>,
     /// The GPU tier's counters over the decode (None on the CPU tier).
     gpu: Option<colibri_sched::gpu::GpuStats>,
 }
@@ -441,8 +445,13 @@ fn decode_run(
         .with_context(|| format!("--idle {}: not a number of seconds", args.idle))?;
     // --idle: the prompt's end, before the pause.
     let mut prompt_end: Option<Phase> = None;
+    let mut last_token: Option<Instant> = None;
+    let mut token_gaps_ms = Vec::new();
     engine.generate(&mut seq, |_| {
         generated += 1;
+        if let Some(last) = last_token {
+            token_gaps_ms.push(last.elapsed().as_secs_f64() * 1e3);
+        }
         if first.is_none() {
             if !idle.is_zero() {
                 prompt_end = Some(snapshot());
@@ -465,6 +474,7 @@ fn decode_run(
                 ended: Instant::now(),
             });
         }
+        last_token = Some(Instant::now());
         true
     })?;
     let end = snapshot();
@@ -513,12 +523,31 @@ fn decode_run(
             _ => None,
         },
         bandwidth: marks,
+        token_gaps_ms,
         gpu: match (gpu_first, gpu_stats()) {
             (Some(a), Some(b)) => Some(b.since(&a)),
             _ => None,
         },
     };
     Ok((run, engine))
+}
+
+/// The median and the longest of a decode's gaps between tokens (0 when
+/// there was none).
+struct TokenGaps {
+    median: f64,
+    max: f64,
+}
+
+impl TokenGaps {
+    fn of(gaps_ms: &[f64]) -> TokenGaps {
+        let mut sorted = gaps_ms.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        TokenGaps {
+            median: sorted.get(sorted.len() / 2).copied().unwrap_or(0.0),
+            max: sorted.last().copied().unwrap_or(0.0),
+        }
+    }
 }
 
 /// Reads every routed expert into the RAM tier: the warm benchmark's
@@ -600,6 +629,7 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
     });
     let decode_disk = run.disk_bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
     let prefill_tok_s = run.prompt_tokens as f64 / run.ttft_s;
+    let token_ms = TokenGaps::of(&run.token_gaps_ms);
     if args.json {
         let v = json!({
             "model": dir.display().to_string(),
@@ -624,6 +654,8 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "windows": windows,
             "window_of_roofline_median": median,
             "window_of_roofline_range": [lowest, highest],
+            "token_ms_median": token_ms.median,
+            "token_ms_max": token_ms.max,
             "ram_hit_rate": run.ram_hit_rate,
             "decode_disk_bytes": decode_disk,
             "time": run.time,
@@ -651,6 +683,10 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         run.tok_s,
         run.ram_hit_rate * 100.0,
         ByteSize(decode_disk as u64)
+    );
+    println!(
+        "from token to token: median {:.1} ms, longest {:.1} ms",
+        token_ms.median, token_ms.max
     );
     println!(
         "memory read bandwidth {:.2} GB/s (mean of {} passes between tokens, {:.2}–{:.2}; \
@@ -793,6 +829,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
     let bytes_per_token = run.disk_bytes_per_token;
     let bound_tok_s = (bytes_per_token > 0.0).then(|| raw_mb_s * 1e6 / bytes_per_token);
     let tok_s = run.tok_s;
+    let token_ms = TokenGaps::of(&run.token_gaps_ms);
     let plan = tier.plan().clone();
     let measured_depth = tier.measured_depth().cloned();
     let o_direct = files.all_direct();
@@ -861,6 +898,8 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         });
         // Beside the rest (one json! of all of it nests too deep).
         v["idle"] = json!({ "seconds": args.idle, "tier": run.idle });
+        v["token_ms_median"] = json!(token_ms.median);
+        v["token_ms_max"] = json!(token_ms.max);
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -915,6 +954,10 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         ByteSize(bytes_per_token as u64),
         run.disk_read_mb_s,
         run.ram_hit_rate * 100.0
+    );
+    println!(
+        "from token to token: median {:.1} ms, longest {:.1} ms",
+        token_ms.median, token_ms.max
     );
     if let Some(k) = run.kernel_decode_bytes {
         let counted = bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
