@@ -4,9 +4,12 @@
 //! latent and the shared rotary key.
 //!
 //! Projections run over every row of the batch at once; the attention
-//! itself runs per (row, heads of one KV head) in parallel. Each (row,
-//! head) is computed by the same arithmetic whatever the batch and the
-//! grouping, so neither batching nor the thread count changes a result.
+//! itself runs per (row, heads of one KV head) in parallel, or, for a long
+//! context on more threads than (row, KV head) pairs, over blocks of
+//! positions and slices of the value columns ([`attend_split`]). Each
+//! (row, head) is computed by the same arithmetic whatever the batch, the
+//! grouping and the cut, so neither batching nor the thread count changes
+//! a result.
 
 use crate::config::{AttentionSpec, QkNorm};
 use crate::error::Result;
