@@ -73,6 +73,24 @@ fn plan_prints_where_everything_lives() {
     assert!(err.contains("invalid size `12XB`"), "{err}");
 }
 
+/// `token_ms_median` and `token_ms_max` of a `bench-io` report: the gaps
+/// between tokens, in milliseconds, add up to the decode whose rate is
+/// `tok_s`, so their mean is `1000 / tok_s`: the longest is at least that
+/// and at most the whole decode, and the median at most twice it (half
+/// the gaps or more are at least the median).
+fn check_token_gaps(v: &serde_json::Value) {
+    let (median, max, tok_s) = (
+        v["token_ms_median"].as_f64().unwrap(),
+        v["token_ms_max"].as_f64().unwrap(),
+        v["tok_s"].as_f64().unwrap(),
+    );
+    let gaps = v["tokens"].as_f64().unwrap() - 1.0;
+    let mean = 1e3 / tok_s;
+    assert!(median > 0.0 && median <= max, "{v}");
+    assert!(max >= 0.95 * mean && max <= 1.01 * gaps * mean, "{v}");
+    assert!(median <= 2.0 * mean * 1.01, "{v}");
+}
+
 #[test]
 fn bench_io_model_reports_decode_against_the_raw_disk() {
     let cache = tempfile::tempdir().unwrap();
@@ -116,6 +134,7 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
         v["compute"], "cpu",
         "bench-io runs on the CPU tier unless told"
     );
+    check_token_gaps(&v);
     assert!(v["tok_s"].as_f64().unwrap() > 0.0);
     // Nothing cached: every decode selection was read.
     assert_eq!(v["ram_hit_rate"].as_f64().unwrap(), 0.0);
@@ -251,6 +270,7 @@ fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
         "{v}"
     );
     assert!((v["prefill_over_decode"].as_f64().unwrap() - prefill / tok_s).abs() <= 1e-9 * prefill);
+    check_token_gaps(&v);
 
     // A budget that cannot hold every expert is refused, saying so.
     let out = colibri(
