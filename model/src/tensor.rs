@@ -50,23 +50,49 @@ pub fn huge_pages_wanted() -> bool {
 /// transparent huge pages ([`huge_pages_wanted`]): the home of weights that
 /// colibri copies out of the checkpoint to keep in RAM (repacked Q4_0
 /// tiles) and of the bandwidth probe that bounds them.
+///
+/// A storage of at least [`HUGE_PAGE`] bytes starts on a huge page's
+/// boundary: the kernel backs only the whole, aligned 2 MiB stretches of a
+/// mapping with huge pages, so an unaligned 4.7 MB matrix got one huge page
+/// and 2.7 MB of small ones.
 pub struct AnonStorage {
     map: memmap2::MmapMut,
+    /// Where the bytes start in `map` (the padding before is never touched,
+    /// so it costs address space, not memory).
+    start: usize,
     len: usize,
 }
+
+/// A transparent huge page on x86-64 (and arm64 with 4 KiB pages).
+pub const HUGE_PAGE: usize = 2 << 20;
 
 impl AnonStorage {
     /// `len` zero bytes (a mapping of at least one byte, so `len` may be 0).
     pub fn zeroed(len: usize) -> Result<Self> {
-        let map = memmap2::MmapMut::map_anon(len.max(1))
-            .map_err(|e| ModelError::Invalid(format!("mapping {len} bytes of memory: {e}")))?;
+        let huge = cfg!(target_os = "linux") && huge_pages_wanted();
+        let pad = if huge && len >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            0
+        };
+        let map = len
+            .max(1)
+            .checked_add(pad)
+            .ok_or_else(|| ModelError::Invalid(format!("{len} bytes of memory")))
+            .and_then(|n| {
+                memmap2::MmapMut::map_anon(n)
+                    .map_err(|e| ModelError::Invalid(format!("mapping {len} bytes of memory: {e}")))
+            })?;
+        // A mapping starts on a page, so the offset to the next huge page
+        // is below `HUGE_PAGE` (0 without padding: `min`).
+        let start = map.as_ptr().align_offset(HUGE_PAGE).min(pad);
         #[cfg(target_os = "linux")]
-        if huge_pages_wanted() {
+        if huge {
             // A hint: where the kernel has no huge page the memory is
             // ordinary pages, so a failure changes nothing but speed.
             let _ = map.advise(memmap2::Advice::HugePage);
         }
-        Ok(AnonStorage { map, len })
+        Ok(AnonStorage { map, start, len })
     }
 
     /// A copy of `src`.
@@ -77,13 +103,13 @@ impl AnonStorage {
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        &mut self.map[self.start..self.start + self.len]
     }
 }
 
 impl ByteStorage for AnonStorage {
     fn bytes(&self) -> &[u8] {
-        &self.map[..self.len]
+        &self.map[self.start..self.start + self.len]
     }
 }
 
@@ -540,6 +566,26 @@ mod tests {
         zeros.bytes_mut()[4096] = 9;
         assert_eq!(zeros.bytes()[4096], 9);
         assert_eq!(zeros.bytes().len(), 4097);
+    }
+
+    /// Huge pages back only whole, aligned 2 MiB stretches of a mapping, so
+    /// a storage that can hold one starts on one.
+    #[test]
+    fn a_storage_of_a_huge_page_or_more_starts_on_one() {
+        for len in [HUGE_PAGE, HUGE_PAGE + 1, 5 * HUGE_PAGE / 2 + 4097] {
+            let mut s = AnonStorage::zeroed(len).unwrap();
+            assert_eq!(s.bytes().len(), len);
+            if cfg!(target_os = "linux") && huge_pages_wanted() {
+                let at = s.bytes().as_ptr() as usize;
+                assert_eq!(at % HUGE_PAGE, 0, "{len} bytes at {at:#x}");
+            }
+            // Every byte is the storage's own: written at both ends.
+            let b = s.bytes_mut();
+            b[0] = 1;
+            b[len - 1] = 2;
+            assert_eq!((s.bytes()[0], s.bytes()[len - 1]), (1, 2));
+            assert!(s.bytes()[1..len - 1].iter().all(|&x| x == 0));
+        }
     }
 
     #[test]

@@ -198,6 +198,19 @@ fn an_engine_with_dense_cpu_layouts_computes_the_same_bits() {
             colibri_model::weights::AttnWeights::Gqa(a) => &a.q.w,
             _ => panic!("a GQA fixture"),
         };
+        if here {
+            // One storage for every rewritten matrix (one huge-page
+            // mapping, not a mapping per matrix).
+            let o_last = match &w.layers[w.layers.len() - 1].attn {
+                colibri_model::weights::AttnWeights::Gqa(a) => &a.o.w,
+                _ => panic!("a GQA fixture"),
+            };
+            assert!(
+                colibri_model::tensor::Bytes::common_span([q.data(), o_last.data()]).is_some(),
+                "{}: the first layer's q and the last one's o in one storage",
+                path.display()
+            );
+        }
         match q.format {
             WeightFormat::Q4_0 => assert_eq!(q.is_tiled(), here),
             WeightFormat::Bf16 => {
