@@ -51,10 +51,20 @@ fn plan_prints_where_everything_lives() {
     assert_eq!(plan["expected"]["basis"], "uniform_routing");
     assert_eq!(plan["layers"].as_array().unwrap().len(), 2);
     assert!(v["io"]["backend"].is_string());
+    // Where the threads would run, and which reader described the machine.
+    let reader = if cfg!(feature = "hwloc") {
+        "hwloc"
+    } else {
+        "sysfs"
+    };
+    let placement = &v["placement"];
+    assert_eq!(placement["topology"], reader);
+    assert!(!placement["compute_cpus"].as_array().unwrap().is_empty());
 
     let out = colibri(&["plan", "-m", m, "--ram-budget", "1.5G"], cache.path());
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
+    let from = format!("(topology from {reader})");
     for needle in [
         "dense weights",
         "KV cache reserve",
@@ -63,6 +73,8 @@ fn plan_prints_where_everything_lives() {
         "experts per MoE layer",
         "uniform routing assumed",
         "I/O:",
+        "compute threads on cpus",
+        &from,
     ] {
         assert!(text.contains(needle), "{needle} missing:\n{text}");
     }

@@ -18,6 +18,18 @@ python3 -m venv .venv
 tools/fetch_tokenizer_wheels.sh target/tokenizer-wheels
 # NVRTC (runs without a GPU): CI compiles every CUDA kernel for sm_80..sm_90.
 tools/fetch_nvrtc.sh target/nvrtc
+# hwloc's library and headers: tools/check.sh builds and tests the
+# topology reader of `--features hwloc` against the sysfs one with them.
+if ! pkg-config --exists hwloc 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        # hwlocality links hwloc's static dependencies too (libudev).
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            libhwloc-dev libudev-dev pkg-config >/dev/null; } \
+            || echo "setup: WARNING: installing libhwloc-dev failed; tools/check.sh will not test the hwloc topology reader"
+    else
+        echo "setup: not root or no apt-get: libhwloc-dev not installed, so tools/check.sh will not test the hwloc topology reader"
+    fi
+fi
 # qemu-user, the aarch64 cross toolchain and rustup target: tools/check.sh
 # cross-tests the NEON kernels with them (tools/neon_check.sh).
 if { command -v qemu-aarch64 && command -v aarch64-linux-gnu-gcc; } >/dev/null \

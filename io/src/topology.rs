@@ -1,13 +1,20 @@
-//! The machine's CPU and memory topology, read from sysfs: NUMA nodes, the
-//! physical cores of each, and which node a drive hangs off. The engine
-//! uses it to place the reader thread near the drive and the compute
-//! threads on physical cores near the memory that holds the weights.
+//! The machine's CPU and memory topology: NUMA nodes, the physical cores
+//! of each, and which node a drive hangs off. The engine uses it to place
+//! the reader thread near the drive and the compute threads on physical
+//! cores near the memory that holds the weights.
 //!
-//! Everything is read through a root directory (`/` normally) so tests can
-//! run against a simulated sysfs tree of any shape.
+//! Built with the `hwloc` feature, the description comes from the hwloc C
+//! library (through the `hwlocality` binding), and sysfs is the fallback
+//! where hwloc fails; otherwise it is read from sysfs. The sysfs reader
+//! goes through a root directory (`/` normally) so tests can run against a
+//! simulated tree of any shape; the hwloc reader takes hwloc's synthetic
+//! descriptions for the same purpose.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+#[cfg(feature = "hwloc")]
+pub mod hwloc;
 
 /// One logical CPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,7 +38,31 @@ pub struct Node {
 pub struct Topology {
     pub cpus: Vec<Cpu>,
     pub nodes: Vec<Node>,
+    /// Which reader gave this description.
+    pub source: TopologySource,
+    /// The NUMA node of each storage device hwloc placed under a single
+    /// node, by the kernel's name (`nvme0n1`); empty from sysfs, where
+    /// [`Topology::block_device_node`] walks the device's directory.
+    block_nodes: BTreeMap<String, usize>,
     root: PathBuf,
+}
+
+/// Which reader described a [`Topology`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TopologySource {
+    #[default]
+    Sysfs,
+    Hwloc,
+}
+
+impl std::fmt::Display for TopologySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TopologySource::Sysfs => "sysfs",
+            TopologySource::Hwloc => "hwloc",
+        })
+    }
 }
 
 /// Parses a kernel cpu list such as `0-3,8,10-11`.
@@ -61,8 +92,14 @@ fn read_trim(p: &Path) -> Option<String> {
 }
 
 impl Topology {
-    /// This machine's topology.
+    /// This machine's topology: hwloc's where this build has it and hwloc
+    /// describes the machine, else sysfs's.
     pub fn detect() -> Topology {
+        #[cfg(feature = "hwloc")]
+        match hwloc::this_machine() {
+            Ok(t) => return t,
+            Err(e) => tracing::warn!("{e}; reading the topology from sysfs"),
+        }
         Topology::from_root(Path::new("/"))
     }
 
@@ -140,6 +177,8 @@ impl Topology {
         Topology {
             cpus,
             nodes,
+            source: TopologySource::Sysfs,
+            block_nodes: BTreeMap::new(),
             root: root.to_path_buf(),
         }
     }
@@ -160,8 +199,8 @@ impl Topology {
         out
     }
 
-    /// The NUMA node the block device holding `path` is attached to (via
-    /// the device's `numa_node` in sysfs), if the machine says.
+    /// The NUMA node the block device holding `path` is attached to, if
+    /// the machine says.
     pub fn drive_node(&self, path: &Path) -> Option<usize> {
         use std::os::unix::fs::MetadataExt;
         let dev = std::fs::metadata(path).ok()?.dev();
@@ -170,11 +209,22 @@ impl Topology {
         self.block_device_node(maj, min)
     }
 
-    /// The NUMA node of block device `major:minor`: the nearest ancestor of
-    /// its sysfs directory that states a non-negative `numa_node`.
+    /// The NUMA node of block device `major:minor`: where hwloc placed the
+    /// device (a partition, its disk) under one node, else the nearest
+    /// ancestor of its sysfs directory that states a non-negative
+    /// `numa_node`.
     pub fn block_device_node(&self, major: u32, minor: u32) -> Option<usize> {
         let link = self.root.join(format!("sys/dev/block/{major}:{minor}"));
         let mut dir = std::fs::canonicalize(&link).ok()?;
+        // The device's name, then its disk's (`nvme0n1p1`, `nvme0n1`).
+        let named = dir
+            .iter()
+            .rev()
+            .take(2)
+            .find_map(|n| self.block_nodes.get(n.to_str()?));
+        if let Some(&node) = named {
+            return Some(node);
+        }
         loop {
             if let Some(v) = read_trim(&dir.join("numa_node")).and_then(|s| s.parse::<i64>().ok())
                 && v >= 0
@@ -232,6 +282,7 @@ impl Topology {
             _ => Vec::new(),
         };
         Placement {
+            topology: self.source,
             compute_node,
             compute_cpus: cores,
             drive_node: drive,
@@ -245,6 +296,8 @@ impl Topology {
 /// (threads run wherever the OS puts them).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Placement {
+    /// Which reader described the machine.
+    pub topology: TopologySource,
     /// The node whose memory holds the weights (multi-node hosts only).
     pub compute_node: Option<usize>,
     /// One CPU per compute thread, physical cores first.
@@ -258,7 +311,7 @@ pub struct Placement {
 impl Placement {
     pub fn render(&self) -> String {
         format!(
-            "placement: {} compute threads on cpus {:?}{}; reader {}{}",
+            "placement: {} compute threads on cpus {:?}{}; reader {}{} (topology from {})",
             self.compute_cpus.len(),
             self.compute_cpus,
             self.compute_node.map_or(String::new(), |n| format!(
@@ -271,6 +324,7 @@ impl Placement {
             },
             self.drive_node
                 .map_or(String::new(), |n| format!(" (the drive is on node {n})")),
+            self.topology,
         )
     }
 }
@@ -447,5 +501,81 @@ mod tests {
         assert!(!topo.cpus.is_empty());
         assert!(!topo.physical_cores(None).is_empty());
         pin_current_thread(&topo.physical_cores(None)).unwrap();
+        let expected = if cfg!(feature = "hwloc") {
+            TopologySource::Hwloc
+        } else {
+            TopologySource::Sysfs
+        };
+        assert_eq!(topo.source, expected);
+        assert!(
+            topo.placement(None, 0)
+                .render()
+                .ends_with(&format!("(topology from {expected})"))
+        );
+    }
+
+    /// hwloc and the sysfs reader, two independent readings of this
+    /// machine, agree on every CPU (package, core, node), every node's CPUs
+    /// and memory, the placement, and the node of the drive under the
+    /// temporary directory where sysfs states one.
+    #[cfg(feature = "hwloc")]
+    #[test]
+    fn hwloc_and_sysfs_describe_this_machine_alike() {
+        let h = hwloc::this_machine().unwrap();
+        let s = Topology::from_root(Path::new("/"));
+        assert_eq!(h.source, TopologySource::Hwloc);
+        assert_eq!(h.cpus, s.cpus);
+        assert_eq!(h.nodes.len(), s.nodes.len());
+        for (a, b) in h.nodes.iter().zip(&s.nodes) {
+            assert_eq!((a.id, &a.cpus), (b.id, &b.cpus));
+            // hwloc leaves out memory reserved for huge pages; sysfs's
+            // MemTotal counts it.
+            if b.mem_total > 0 {
+                assert!(
+                    a.mem_total <= b.mem_total && a.mem_total >= b.mem_total / 2,
+                    "node {}: hwloc {} bytes, sysfs {}",
+                    a.id,
+                    a.mem_total,
+                    b.mem_total
+                );
+            }
+        }
+        for threads in [0, 1, h.cpus.len() + 1] {
+            let (mut a, b) = (h.placement(Some(0), threads), s.placement(Some(0), threads));
+            a.topology = b.topology;
+            assert_eq!(a, b, "{threads} threads");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        if let Some(n) = s.drive_node(dir.path()) {
+            assert_eq!(h.drive_node(dir.path()), Some(n));
+        }
+    }
+
+    /// The simulated host of the sysfs test, as an hwloc synthetic
+    /// description: two packages of four cores with two threads each, a
+    /// node per package.
+    #[cfg(feature = "hwloc")]
+    #[test]
+    fn a_synthetic_two_node_host_places_threads_on_physical_cores() {
+        let topo = hwloc::synthetic("pack:2 [numa(memory=16GB)] core:4 pu:2").unwrap();
+        assert_eq!(topo.source, TopologySource::Hwloc);
+        assert_eq!(topo.nodes.len(), 2);
+        assert_eq!(topo.nodes[1].cpus, (8..16).collect::<Vec<_>>());
+        // hwloc's GB is 10⁹ bytes.
+        assert!(topo.nodes.iter().all(|n| n.mem_total == 16_000_000_000));
+        assert_eq!(topo.cpus.len(), 16);
+        assert_eq!(topo.physical_cores(Some(0)), vec![0, 2, 4, 6]);
+        assert_eq!(topo.physical_cores(Some(1)), vec![8, 10, 12, 14]);
+        assert_eq!(topo.physical_cores(None).len(), 8);
+        // The same memory on both nodes: the weights go to the first.
+        let p = topo.placement(Some(1), 0);
+        assert_eq!(p.compute_node, Some(0));
+        assert_eq!(p.compute_cpus, vec![0, 2, 4, 6], "physical cores only");
+        assert_eq!(p.reader_cpus, (8..16).collect::<Vec<_>>(), "near the drive");
+        let p = topo.placement(Some(1), 6);
+        assert_eq!(p.compute_cpus.len(), 6, "siblings after the cores");
+        assert!(p.compute_cpus.starts_with(&[0, 2, 4, 6]));
+        assert!(p.multi_node && p.render().contains("node 0"));
+        assert!(hwloc::synthetic("pack:two").is_err());
     }
 }
