@@ -93,14 +93,39 @@ fn read_trim(p: &Path) -> Option<String> {
 
 impl Topology {
     /// This machine's topology: hwloc's where this build has it and hwloc
-    /// describes the machine, else sysfs's.
+    /// describes the machine, else sysfs's; restricted to the CPUs this
+    /// thread may run on (`taskset`, a container's CPU set), which the
+    /// threads it starts inherit.
     pub fn detect() -> Topology {
+        let mut t = Self::unrestricted();
+        if let Some(allowed) = allowed_cpus() {
+            t.keep_cpus(&allowed);
+        }
+        t
+    }
+
+    fn unrestricted() -> Topology {
         #[cfg(feature = "hwloc")]
         match hwloc::this_machine() {
             Ok(t) => return t,
             Err(e) => tracing::warn!("{e}; reading the topology from sysfs"),
         }
         Topology::from_root(Path::new("/"))
+    }
+
+    /// Leaves out every CPU not in `allowed` (from the CPUs and from each
+    /// node's list; a node keeps its memory). Placing compute threads on
+    /// CPUs the process may not use would leave them unpinned, more of them
+    /// than CPUs, spinning against each other. An `allowed` that shares no
+    /// CPU with the description changes nothing.
+    pub fn keep_cpus(&mut self, allowed: &[usize]) {
+        if !self.cpus.iter().any(|c| allowed.contains(&c.id)) {
+            return;
+        }
+        self.cpus.retain(|c| allowed.contains(&c.id));
+        for n in &mut self.nodes {
+            n.cpus.retain(|c| allowed.contains(c));
+        }
     }
 
     /// The topology described by the sysfs tree under `root`. Missing
@@ -329,6 +354,24 @@ impl Placement {
     }
 }
 
+/// The CPUs the calling thread may run on (`sched_getaffinity`), if the
+/// kernel says.
+pub fn allowed_cpus() -> Option<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most
+    // size_of::<cpu_set_t>() bytes into it, and CPU_ISSET reads inside it
+    // for ids below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect();
+        (!cpus.is_empty()).then_some(cpus)
+    }
+}
+
 /// Pins the calling thread to `cpus` (no-op for an empty list). Failure
 /// (a container that forbids it, a CPU that went offline) is reported,
 /// never fatal: placement is a speed matter.
@@ -482,6 +525,46 @@ mod tests {
         );
         assert!(p.compute_cpus.starts_with(&[8, 9, 10, 11]));
         assert!(p.render().contains("node 1"));
+    }
+
+    /// A process allowed only some CPUs (`taskset -c 1,5,8,12` on the
+    /// simulated host: two siblings of one core on each node) places its
+    /// threads on those only: one per core, the node with the most memory
+    /// first, the reader on that node's allowed CPUs.
+    #[test]
+    fn allowed_cpus_restrict_the_placement() {
+        let t = simulated();
+        let mut topo = Topology::from_root(t.path());
+        topo.keep_cpus(&[1, 5, 8, 12]);
+        assert_eq!(topo.cpus.len(), 4);
+        assert_eq!(topo.nodes[0].cpus, vec![1, 5]);
+        assert_eq!(topo.nodes[1].mem_total, 32_000_000 * 1024, "memory kept");
+        assert_eq!(topo.physical_cores(None), vec![1, 8]);
+        let p = topo.placement(Some(1), 0);
+        assert_eq!((p.compute_node, p.compute_cpus), (Some(1), vec![8]));
+        assert_eq!(p.reader_cpus, vec![8, 12]);
+        assert_eq!(topo.placement(None, 3).compute_cpus, vec![8, 1, 5]);
+        // A mask that shares nothing with the description is ignored.
+        let whole = Topology::from_root(t.path());
+        let mut same = whole.clone();
+        same.keep_cpus(&[99]);
+        assert_eq!(same, whole);
+    }
+
+    /// A thread pinned to one CPU sees a machine of that CPU (the threads
+    /// it would start inherit its mask).
+    #[test]
+    fn this_thread_s_affinity_restricts_the_machine() {
+        let first = allowed_cpus().unwrap()[0];
+        std::thread::spawn(move || {
+            pin_current_thread(&[first]).unwrap();
+            assert_eq!(allowed_cpus(), Some(vec![first]));
+            let topo = Topology::detect();
+            assert_eq!(topo.cpus.iter().map(|c| c.id).collect::<Vec<_>>(), [first]);
+            assert_eq!(topo.placement(None, 0).compute_cpus, vec![first]);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
