@@ -73,7 +73,7 @@ fn plan_prints_where_everything_lives() {
         "experts per MoE layer",
         "uniform routing assumed",
         "I/O:",
-        "compute threads on cpus",
+        "compute thread",
         &from,
     ] {
         assert!(text.contains(needle), "{needle} missing:\n{text}");

@@ -336,8 +336,13 @@ pub struct Placement {
 impl Placement {
     pub fn render(&self) -> String {
         format!(
-            "placement: {} compute threads on cpus {:?}{}; reader {}{} (topology from {})",
+            "placement: {} compute thread{} on cpus {:?}{}; reader {}{} (topology from {})",
             self.compute_cpus.len(),
+            if self.compute_cpus.len() == 1 {
+                ""
+            } else {
+                "s"
+            },
             self.compute_cpus,
             self.compute_node.map_or(String::new(), |n| format!(
                 " (node {n}, its memory holds the weights)"
@@ -561,7 +566,10 @@ mod tests {
             assert_eq!(allowed_cpus(), Some(vec![first]));
             let topo = Topology::detect();
             assert_eq!(topo.cpus.iter().map(|c| c.id).collect::<Vec<_>>(), [first]);
-            assert_eq!(topo.placement(None, 0).compute_cpus, vec![first]);
+            let p = topo.placement(None, 0);
+            assert_eq!(p.compute_cpus, vec![first]);
+            let one = format!("placement: 1 compute thread on cpus [{first}];");
+            assert!(p.render().starts_with(&one), "{}", p.render());
         })
         .join()
         .unwrap();
