@@ -19,7 +19,18 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker keeps polling for the next job before parking.
-pub const SPIN: Duration = Duration::from_micros(200);
+///
+/// Longer than a decode ever leaves a worker between two jobs. On many
+/// cores a one-token job's slowest task can end hundreds of microseconds
+/// after the others, and the calling thread's serial work before the next
+/// job adds tens more. A worker that parks there wakes late, which makes
+/// the next job's tail longer still. On a 16-core Xeon, a 16-thread warm
+/// decode of Qwen3-30B-A3B's geometry at 200 µs parked its workers
+/// 1,400–23,000 times in 47 tokens and ran 19.0 / 39.0 / 29.2 tok/s; at
+/// 2 ms they did not park, and it ran 40.5 / 43.1 / 35.5 tok/s in the same
+/// rounds. Two threads on two cores: no change, warm or under a memory cap
+/// (docs/benchmarks.md). An idle pool still parks within 2 ms.
+pub const SPIN: Duration = Duration::from_millis(2);
 
 /// One job, on the stack of the thread that runs it.
 struct Job<'a> {
@@ -152,6 +163,12 @@ impl Pool {
 
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Workers parked (or about to park) for want of a job.
+    #[cfg(test)]
+    fn parked(&self) -> usize {
+        self.shared.sleepers.load(Ordering::SeqCst)
     }
 
     /// Runs `f(0..tasks)`, each index exactly once, on the pool's threads
@@ -518,8 +535,12 @@ mod tests {
     #[test]
     fn parked_workers_wake_and_concurrent_callers_both_finish() {
         let pool = Arc::new(Pool::new(3).unwrap());
-        // Let the workers park, then publish again.
-        std::thread::sleep(SPIN * 5);
+        // An idle pool stops polling: both workers park after SPIN.
+        let parked_by = Instant::now() + SPIN * 2 + Duration::from_secs(10);
+        while pool.parked() < 2 {
+            assert!(Instant::now() < parked_by, "idle workers never parked");
+            std::thread::sleep(SPIN);
+        }
         let sum = AtomicUsize::new(0);
         pool.run(64, &|i| {
             sum.fetch_add(i, Ordering::Relaxed);
