@@ -282,8 +282,19 @@ struct DecodeRun {
     /// passes between tokens left out): a decode step's stalls.
     #[serde(skip)]
     token_gaps_ms: Vec<f64>,
+    /// Times a compute worker parked during the decode: each costs a
+    /// wake-up at the next job (docs/benchmarks.md).
+    pool_parks: u64,
     /// The GPU tier's counters over the decode (None on the CPU tier).
     gpu: Option<colibri_sched::gpu::GpuStats>,
+}
+
+impl DecodeRun {
+    /// Compute workers' parks per decode token (the first token ends the
+    /// prefill).
+    fn parks_per_token(&self) -> f64 {
+        self.pool_parks as f64 / self.tokens.saturating_sub(1).max(1) as f64
+    }
 }
 
 /// One memory bandwidth measurement taken between two decode tokens.
@@ -447,6 +458,7 @@ fn decode_run(
     let mut prompt_end: Option<Phase> = None;
     let mut last_token: Option<Instant> = None;
     let mut token_gaps_ms = Vec::new();
+    let mut parks_first = 0;
     engine.generate(&mut seq, |_| {
         generated += 1;
         if let Some(last) = last_token {
@@ -458,6 +470,7 @@ fn decode_run(
                 std::thread::sleep(idle);
             }
             first = Some(snapshot());
+            parks_first = engine.pool.parks();
             gpu_first = gpu_stats();
             // Latencies from here on are the decode's.
             tier.read_latency(true);
@@ -524,6 +537,7 @@ fn decode_run(
         },
         bandwidth: marks,
         token_gaps_ms,
+        pool_parks: engine.pool.parks().saturating_sub(parks_first),
         gpu: match (gpu_first, gpu_stats()) {
             (Some(a), Some(b)) => Some(b.since(&a)),
             _ => None,
@@ -656,6 +670,7 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "window_of_roofline_range": [lowest, highest],
             "token_ms_median": token_ms.median,
             "token_ms_max": token_ms.max,
+            "pool_parks_per_token": run.parks_per_token(),
             "ram_hit_rate": run.ram_hit_rate,
             "decode_disk_bytes": decode_disk,
             "time": run.time,
@@ -685,8 +700,10 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         ByteSize(decode_disk as u64)
     );
     println!(
-        "from token to token: median {:.1} ms, longest {:.1} ms",
-        token_ms.median, token_ms.max
+        "from token to token: median {:.1} ms, longest {:.1} ms; compute workers parked {:.1} times a token",
+        token_ms.median,
+        token_ms.max,
+        run.parks_per_token()
     );
     println!(
         "memory read bandwidth {:.2} GB/s (mean of {} passes between tokens, {:.2}–{:.2}; \
@@ -900,6 +917,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         v["idle"] = json!({ "seconds": args.idle, "tier": run.idle });
         v["token_ms_median"] = json!(token_ms.median);
         v["token_ms_max"] = json!(token_ms.max);
+        v["pool_parks_per_token"] = json!(run.parks_per_token());
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -956,8 +974,10 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         run.ram_hit_rate * 100.0
     );
     println!(
-        "from token to token: median {:.1} ms, longest {:.1} ms",
-        token_ms.median, token_ms.max
+        "from token to token: median {:.1} ms, longest {:.1} ms; compute workers parked {:.1} times a token",
+        token_ms.median,
+        token_ms.max,
+        run.parks_per_token()
     );
     if let Some(k) = run.kernel_decode_bytes {
         let counted = bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;

@@ -89,7 +89,8 @@ fn plan_prints_where_everything_lives() {
 /// between tokens, in milliseconds, add up to the decode whose rate is
 /// `tok_s`, so their mean is `1000 / tok_s`: the longest is at least that
 /// and at most the whole decode, and the median at most twice it (half
-/// the gaps or more are at least the median).
+/// the gaps or more are at least the median). Beside them, the compute
+/// workers' parks per token: a whole count over the decode's tokens.
 fn check_token_gaps(v: &serde_json::Value) {
     let (median, max, tok_s) = (
         v["token_ms_median"].as_f64().unwrap(),
@@ -101,6 +102,8 @@ fn check_token_gaps(v: &serde_json::Value) {
     assert!(median > 0.0 && median <= max, "{v}");
     assert!(max >= 0.95 * mean && max <= 1.01 * gaps * mean, "{v}");
     assert!(median <= 2.0 * mean * 1.01, "{v}");
+    let parks = v["pool_parks_per_token"].as_f64().unwrap() * gaps;
+    assert!(parks >= 0.0 && (parks - parks.round()).abs() < 1e-6, "{v}");
 }
 
 #[test]

@@ -93,6 +93,8 @@ struct Shared {
     active: AtomicUsize,
     /// Workers parked (or about to park) on `wake`.
     sleepers: AtomicUsize,
+    /// Times a worker parked, ever.
+    parks: AtomicU64,
     shutdown: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -132,6 +134,7 @@ impl Pool {
             job: AtomicPtr::new(std::ptr::null_mut()),
             active: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
+            parks: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -169,6 +172,13 @@ impl Pool {
     #[cfg(test)]
     fn parked(&self) -> usize {
         self.shared.sleepers.load(Ordering::SeqCst)
+    }
+
+    /// How many times a worker has parked since the pool started. A decode
+    /// whose workers park between its jobs pays a wake-up for each
+    /// (`bench-io` reports them per token).
+    pub fn parks(&self) -> u64 {
+        self.shared.parks.load(Ordering::Relaxed)
     }
 
     /// Runs `f(0..tasks)`, each index exactly once, on the pool's threads
@@ -403,6 +413,7 @@ fn worker(sh: &Shared) {
             }
             let mut l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
             sh.sleepers.fetch_add(1, Ordering::SeqCst);
+            sh.parks.fetch_add(1, Ordering::Relaxed);
             while sh.epoch.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
                 l = sh.wake.wait(l).unwrap_or_else(|p| p.into_inner());
             }
@@ -541,6 +552,7 @@ mod tests {
             assert!(Instant::now() < parked_by, "idle workers never parked");
             std::thread::sleep(SPIN);
         }
+        assert!(pool.parks() >= 2, "each park is counted");
         let sum = AtomicUsize::new(0);
         pool.run(64, &|i| {
             sum.fetch_add(i, Ordering::Relaxed);
