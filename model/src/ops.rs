@@ -199,11 +199,35 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
 
 /// Indices of the `k` largest values, largest first; ties go to the lower
 /// index (a total order, so selection is deterministic).
+///
+/// A router's choice (8 of 128) in one pass that keeps the best `k` so
+/// far: most values lose one comparison against the `k`-th. Sorting every
+/// index took ~900 comparisons a row, serial work of every MoE layer of a
+/// decode (docs/benchmarks.md). Large `k` sorts, where the pass would
+/// shift `k` entries per insert.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    // Whether index `a` ranks before index `b`.
+    let before = |a: usize, b: usize| values[b].total_cmp(&values[a]).then(a.cmp(&b)).is_lt();
+    let k = k.min(values.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k > 32 {
+        let mut idx: Vec<usize> = (0..values.len()).collect();
+        idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+        idx.truncate(k);
+        return idx;
+    }
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..values.len() {
+        if best.len() == k && !before(i, best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|&b| before(b, i));
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best
 }
 
 /// `n` zeros for a buffer that is read before it is written (an
@@ -230,6 +254,45 @@ mod tests {
     #[test]
     fn top_k_orders_by_value_then_index() {
         assert_eq!(top_k(&[0.1, 0.5, 0.5, -1.0, 0.7], 3), vec![4, 1, 2]);
+        assert_eq!(top_k(&[0.1, 0.5], 5), vec![1, 0]);
+        assert!(top_k(&[0.1, 0.5], 0).is_empty());
+        assert!(top_k(&[], 3).is_empty());
+    }
+
+    /// The single pass chooses what sorting every index chooses, in its
+    /// order: on random rows with many ties, infinities, NaNs of both
+    /// signs and signed zeros, for `k` on both sides of the switch to
+    /// sorting.
+    #[test]
+    fn top_k_equals_a_full_sort() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let special = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+        ];
+        for n in [1usize, 2, 7, 64, 128, 129, 257] {
+            for k in [1usize, 2, 3, 8, 31, 32, 33, 64, 300] {
+                for _ in 0..20 {
+                    let v: Vec<f32> = (0..n)
+                        .map(|_| match rng.random_range(0..10) {
+                            0 => special[rng.random_range(0..special.len())],
+                            // Few distinct values: ties everywhere.
+                            1..=4 => rng.random_range(-3..3) as f32 * 0.5,
+                            _ => rng.random_range(-4.0f32..4.0),
+                        })
+                        .collect();
+                    let mut idx: Vec<usize> = (0..n).collect();
+                    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+                    idx.truncate(k);
+                    assert_eq!(top_k(&v, k), idx, "n {n} k {k} {v:?}");
+                }
+            }
+        }
     }
 
     #[test]
