@@ -320,6 +320,21 @@ impl QMatrix {
         data: Bytes,
         scales: Option<BlockScales>,
     ) -> Result<Self> {
+        Self::named(&name, rows, cols, format, data, scales)
+    }
+
+    /// [`new`](Self::new) with a name that is formatted only into an
+    /// error: the RAM tier wraps a decode's every expert matrix anew (24 a
+    /// layer), where formatting each name was serial work of every MoE
+    /// layer (docs/benchmarks.md).
+    pub fn named(
+        name: &dyn std::fmt::Display,
+        rows: usize,
+        cols: usize,
+        format: WeightFormat,
+        data: Bytes,
+        scales: Option<BlockScales>,
+    ) -> Result<Self> {
         let expect = rows * format.row_bytes(cols)?;
         if data.len() != expect {
             return Err(ModelError::Invalid(format!(

@@ -151,7 +151,6 @@ impl ExpertLocation {
     /// [`assemble`](Self::assemble) without the checksum: for resident
     /// sources, which verify on first use instead of at load.
     pub fn assemble_unverified(&self, parts: [Bytes; 3]) -> Result<ExpertWeights> {
-        let name = |which: &str| format!("layer {} expert {} {which}", self.layer, self.expert);
         let [g, u, d] = parts;
         let m = |loc: &MatrixLocation, b: Bytes, which: &str| -> Result<QMatrix> {
             if b.len() as u64 != loc.extent.len {
@@ -165,8 +164,12 @@ impl ExpertLocation {
                     ),
                 });
             }
-            QMatrix::new(
-                &name(which),
+            QMatrix::named(
+                &MatrixName {
+                    layer: self.layer,
+                    expert: self.expert,
+                    which,
+                },
                 loc.rows,
                 loc.cols,
                 loc.format,
@@ -179,6 +182,24 @@ impl ExpertLocation {
             up: m(&self.up, u, "up")?,
             down: m(&self.down, d, "down")?,
         })
+    }
+}
+
+/// An expert matrix's name in errors (`layer 3 expert 17 gate`), formatted
+/// only when one is.
+struct MatrixName<'a> {
+    layer: usize,
+    expert: usize,
+    which: &'a str,
+}
+
+impl std::fmt::Display for MatrixName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "layer {} expert {} {}",
+            self.layer, self.expert, self.which
+        )
     }
 }
 
