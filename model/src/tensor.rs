@@ -624,4 +624,51 @@ mod tests {
         let (one, at) = Bytes::common_span([&c]).unwrap();
         assert_eq!((one, at), (&src[300..320], [0]));
     }
+
+    /// A name given as `Display` is formatted into the errors only, and
+    /// reads as the `&str` one does.
+    #[test]
+    fn a_matrix_named_lazily_names_itself_in_errors() {
+        struct Counted<'a>(&'a std::cell::Cell<usize>);
+        impl std::fmt::Display for Counted<'_> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.0.set(self.0.get() + 1);
+                write!(f, "layer 3 expert 17 gate")
+            }
+        }
+        let formatted = std::cell::Cell::new(0);
+        let ok = QMatrix::named(
+            &Counted(&formatted),
+            2,
+            32,
+            WeightFormat::Q8_0,
+            Bytes::from_vec((0..68u8).collect()),
+            None,
+        );
+        assert!(ok.is_ok());
+        assert_eq!(formatted.get(), 0, "no name formatted without an error");
+        let short = || Bytes::from_vec((0..67u8).collect());
+        let lazy = QMatrix::named(
+            &Counted(&formatted),
+            2,
+            32,
+            WeightFormat::Q8_0,
+            short(),
+            None,
+        );
+        let eager = QMatrix::new(
+            "layer 3 expert 17 gate",
+            2,
+            32,
+            WeightFormat::Q8_0,
+            short(),
+            None,
+        );
+        let (Err(lazy), Err(eager)) = (lazy, eager) else {
+            panic!("67 bytes are not two Q8_0 rows of 32");
+        };
+        assert_eq!(formatted.get(), 1);
+        assert_eq!(lazy.to_string(), eager.to_string());
+        assert!(lazy.to_string().contains("tensor `layer 3 expert 17 gate`"));
+    }
 }
