@@ -95,6 +95,9 @@ impl Model {
         experts: &dyn ExpertSource,
         batch: &mut [SeqInput<'_>],
     ) -> Result<Vec<Vec<f32>>> {
+        // The MoE layers put off releasing their last experts
+        // (`pool::defer_drop`): none stays leased past the pass.
+        let _released = crate::kernels::pool::DeferredScope;
         let spec = &self.spec;
         let hidden = spec.hidden_size;
         let mut rows = Vec::new();

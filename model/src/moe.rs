@@ -392,7 +392,7 @@ pub(crate) fn moe_rows(
         }
         Ok(us)
     };
-    let mut apply = |group: ExpertGroup| -> Result<()> {
+    let mut compute = |group: &ExpertGroup| -> Result<()> {
         if n == 1 && group.len() > 1 {
             // One token: every expert of the group takes the same input.
             // Enough experts for every thread (a decode's 8 on 2 threads)
@@ -407,13 +407,13 @@ pub(crate) fn moe_rows(
                 .map(|(e, _)| accept(*e).cloned())
                 .collect::<Result<Vec<_>>>()?;
             let ys = if group.len() >= EXPERT_TASKS_PER_THREAD * pool.threads() {
-                q8_group_rows(pool, &group, &users, h, hidden, &mut hq)
+                q8_group_rows(pool, group, &users, h, hidden, &mut hq)
             } else {
                 None
             };
             let ys = match ys {
                 Some(ys) => ys,
-                None => mlp_group(pool, &group, h),
+                None => mlp_group(pool, group, h),
             };
             for (us, y) in users.iter().zip(ys) {
                 keep(us, y);
@@ -425,7 +425,7 @@ pub(crate) fn moe_rows(
                 .iter()
                 .map(|(e, _)| accept(*e).cloned())
                 .collect::<Result<Vec<_>>>()?;
-            if let Some(ys) = q8_group_rows(pool, &group, &users, h, hidden, &mut hq) {
+            if let Some(ys) = q8_group_rows(pool, group, &users, h, hidden, &mut hq) {
                 for (us, y) in users.iter().zip(ys) {
                     keep(us, y);
                 }
@@ -437,11 +437,30 @@ pub(crate) fn moe_rows(
             return Ok(());
         }
         for (e, ew) in group {
-            let us = accept(e)?;
-            keep(us, expert_rows(pool, &ew, h, hidden, us));
+            let us = accept(*e)?;
+            keep(us, expert_rows(pool, ew, h, hidden, us));
         }
         Ok(())
     };
+    // A decode step's serial work between jobs is what its workers wait
+    // for; a prompt's is a small share of its time.
+    let decode_step = n < 2 * pool.threads();
+    let mut undelivered = ids.len();
+    let mut apply = |group: ExpertGroup| -> Result<()> {
+        let result = compute(&group);
+        // The layer's last group (a warm decode's only one) releases its
+        // leases while the workers run the next job's last tasks. An
+        // earlier group's slots may be needed for this layer's reads
+        // still to come: those go now.
+        undelivered = undelivered.saturating_sub(group.len());
+        if undelivered == 0 && decode_step {
+            crate::kernels::pool::defer_drop(group);
+        }
+        result
+    };
+    // The previous layer's last experts, if still leased (put off as
+    // above): their slots may be needed now.
+    crate::kernels::pool::drop_deferred();
     // Before fetching: a prefetching source submits its reads of later
     // layers' predicted experts together with this layer's demand reads.
     experts.moe_input(layer, h, &logits, n);
@@ -520,6 +539,11 @@ pub(crate) fn moe_rows(
             }
         })
     };
+    if decode_step {
+        // The experts' rows the workers wrote: freed where this thread
+        // next waits.
+        crate::kernels::pool::defer_drop(outputs);
+    }
     Ok((out, routing))
 }
 

@@ -32,6 +32,58 @@ use std::time::{Duration, Instant};
 /// (docs/benchmarks.md). An idle pool still parks within 2 ms.
 pub const SPIN: Duration = Duration::from_millis(2);
 
+thread_local! {
+    /// What [`defer_drop`] was given on this thread, not dropped yet.
+    static DEFERRED: std::cell::RefCell<Vec<Box<dyn std::any::Any>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Drops `value` later on this thread: while [`Pool::run`] on this thread
+/// waits for other threads to finish a job's last tasks, else at the next
+/// [`drop_deferred`]. For values whose drop is slow serial work between
+/// jobs and whose lifetime does not matter to a few microseconds: a MoE
+/// layer's expert leases (each release takes the RAM tier's lock and
+/// reorders its eviction list) and its expert outputs, which a decode
+/// released while every worker waited for the next job
+/// (docs/benchmarks.md). Whoever defers must also call [`drop_deferred`]
+/// where the values must be gone (a forward pass's end, before fetching
+/// experts that need their slots).
+pub fn defer_drop<T: 'static>(value: T) {
+    DEFERRED.with_borrow_mut(|d| d.push(Box::new(value)));
+}
+
+/// Drops everything [`defer_drop`] holds for this thread, now.
+pub fn drop_deferred() {
+    // Taken out first: a drop that defers again cannot find the list
+    // borrowed.
+    while let Some(values) =
+        DEFERRED.with_borrow_mut(|d| (!d.is_empty()).then(|| std::mem::take(d)))
+    {
+        drop(values);
+    }
+}
+
+/// Calls [`drop_deferred`] when dropped: what a scope put off is gone
+/// when it is left, by any path.
+pub struct DeferredScope;
+
+impl Drop for DeferredScope {
+    fn drop(&mut self) {
+        drop_deferred();
+    }
+}
+
+/// Drops one deferred value; whether there was one.
+fn drop_one_deferred() -> bool {
+    match DEFERRED.with_borrow_mut(|d| d.pop()) {
+        Some(v) => {
+            drop(v);
+            true
+        }
+        None => false,
+    }
+}
+
 /// One job, on the stack of the thread that runs it.
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
@@ -217,6 +269,11 @@ impl Pool {
         while job.finished.0.load(Ordering::Acquire) < tasks
             && !job.panicked.load(Ordering::Acquire)
         {
+            // Waiting on the others' last tasks: the time for what this
+            // thread put off.
+            if drop_one_deferred() {
+                continue;
+            }
             // A worker holding the last task may have been preempted.
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) {
@@ -451,6 +508,57 @@ impl Drop for Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Records, when dropped, the thread it was dropped on.
+    struct Noted(Arc<Mutex<Vec<std::thread::ThreadId>>>);
+
+    impl Drop for Noted {
+        fn drop(&mut self) {
+            let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            d.push(std::thread::current().id());
+        }
+    }
+
+    /// A deferred value is dropped on the thread that deferred it: while
+    /// that thread waits for a worker's last task, or at `drop_deferred`,
+    /// or when a `DeferredScope` ends; never by a job that finishes
+    /// without waiting (one task runs on the caller).
+    #[test]
+    fn deferred_values_drop_on_their_thread_at_a_wait_or_a_flush() {
+        let pool = Pool::new(2).unwrap();
+        let dropped = Arc::new(Mutex::new(Vec::new()));
+        let me = std::thread::current().id();
+        defer_drop(Noted(dropped.clone()));
+        // One task: no other thread, no wait.
+        pool.run(1, &|_| {});
+        assert!(dropped.lock().unwrap().is_empty());
+        // The caller's task lasts until the worker has the other one,
+        // then the caller waits while the worker sleeps in it.
+        let worker_in = AtomicBool::new(false);
+        pool.run(2, &|_| {
+            if std::thread::current().id() == me {
+                let give_up = Instant::now() + Duration::from_secs(10);
+                while !worker_in.load(Ordering::SeqCst) && Instant::now() < give_up {
+                    std::hint::spin_loop();
+                }
+            } else {
+                worker_in.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        assert!(worker_in.load(Ordering::SeqCst), "a worker ran a task");
+        assert_eq!(*dropped.lock().unwrap(), vec![me]);
+        defer_drop(Noted(dropped.clone()));
+        defer_drop(Noted(dropped.clone()));
+        drop_deferred();
+        assert_eq!(dropped.lock().unwrap().len(), 3);
+        {
+            let _scope = DeferredScope;
+            defer_drop(Noted(dropped.clone()));
+            assert_eq!(dropped.lock().unwrap().len(), 3);
+        }
+        assert_eq!(*dropped.lock().unwrap(), vec![me; 4]);
+    }
 
     /// Tasks on several threads fill an uninitialised output in disjoint
     /// parts; it is complete exactly when every part was written, and a

@@ -387,3 +387,40 @@ fn experts_in_the_low_bit_formats_stream_with_the_oracles_bits() {
         );
     }
 }
+
+/// A forward pass releases every expert it used before it returns. The
+/// MoE layers put off their last group's release to the calling thread's
+/// next wait at a job's end (`pool::defer_drop`), which a one-thread pool
+/// never has: only the pass's own end can release them there. Turning the
+/// tiles off fails while any expert is leased.
+#[test]
+fn no_expert_stays_leased_after_a_forward_pass() {
+    if !q4_0_tiles_run_here() {
+        eprintln!("SKIP: this CPU runs no Q4_0 tile kernel, so nothing is tiled");
+        return;
+    }
+    let path = gguf("qwen3_moe.q4_0.gguf");
+    for threads in [1, 2] {
+        let (model, tier) = tier_over(&path, tiles(true, 1 << 30));
+        let engine = engine_with(model, tier.clone(), threads);
+        let mut cache = colibri_model::KvCache::new(&engine.model.spec, 64);
+        // A prompt, then one-token steps (a decode's path).
+        for tokens in [&[1u32, 5, 9][..], &[7], &[3]] {
+            engine
+                .model
+                .forward(
+                    &engine.pool,
+                    engine.experts.as_ref(),
+                    &mut [colibri_model::SeqInput {
+                        cache: &mut cache,
+                        tokens,
+                        logits: colibri_model::Logits::Last,
+                    }],
+                )
+                .unwrap();
+            tier.set_tile_q4_0(false)
+                .unwrap_or_else(|e| panic!("{threads} threads, after {tokens:?}: {e}"));
+            tier.set_tile_q4_0(true).unwrap();
+        }
+    }
+}
