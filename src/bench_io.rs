@@ -46,6 +46,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use colibri_io::bench::{AccessPattern, BenchLimit, RawBenchConfig, RawReport, raw_with};
 use colibri_io::{Backend, IoBackendChoice};
+use colibri_model::kernels::pool::PoolTimes;
 use colibri_model::sampling::SamplingParams;
 use colibri_sched::gpu::{Attached, DeviceChoice, GpuOptions};
 use colibri_sched::prefetch::{Predictor, PrefetchOptions, PrefetcherStats};
@@ -285,6 +286,10 @@ struct DecodeRun {
     /// Times a compute worker parked during the decode: each costs a
     /// wake-up at the next job (docs/benchmarks.md).
     pool_parks: u64,
+    /// The decode thread's time between its pool jobs and at their ends
+    /// (the bandwidth probe's passes left out).
+    #[serde(skip)]
+    pool_times: colibri_model::kernels::pool::PoolTimes,
     /// The GPU tier's counters over the decode (None on the CPU tier).
     gpu: Option<colibri_sched::gpu::GpuStats>,
 }
@@ -295,6 +300,30 @@ impl DecodeRun {
     fn parks_per_token(&self) -> f64 {
         self.pool_parks as f64 / self.tokens.saturating_sub(1).max(1) as f64
     }
+
+    /// Shares of the decode's time the decode thread spent alone between
+    /// its pool jobs, and waiting at their ends for other threads' last
+    /// tasks.
+    fn pool_shares(&self) -> (f64, f64) {
+        let decode_s = (self.tokens.saturating_sub(1).max(1) as f64 / self.tok_s).max(1e-9);
+        (
+            self.pool_times.between.as_secs_f64() / decode_s,
+            self.pool_times.end_wait.as_secs_f64() / decode_s,
+        )
+    }
+}
+
+/// Where the decode thread's time went around its compute jobs: on many
+/// cores, its serial work between jobs and the jobs' uneven ends, not the
+/// kernels, set the pace (docs/benchmarks.md).
+fn print_pool_shares(run: &DecodeRun) {
+    let (between, end_wait) = run.pool_shares();
+    println!(
+        "the decode thread alone between its compute jobs {:.1}% of the decode (its serial work, \
+         and any wait for a read there); waiting at the jobs' ends for other threads' last tasks {:.1}%",
+        between * 100.0,
+        end_wait * 100.0
+    );
 }
 
 /// One memory bandwidth measurement taken between two decode tokens.
@@ -459,6 +488,8 @@ fn decode_run(
     let mut last_token: Option<Instant> = None;
     let mut token_gaps_ms = Vec::new();
     let mut parks_first = 0;
+    let mut times_first = PoolTimes::default();
+    let mut probe_times = PoolTimes::default();
     engine.generate(&mut seq, |_| {
         generated += 1;
         if let Some(last) = last_token {
@@ -471,6 +502,7 @@ fn decode_run(
             }
             first = Some(snapshot());
             parks_first = engine.pool.parks();
+            times_first = engine.pool.times();
             gpu_first = gpu_stats();
             // Latencies from here on are the decode's.
             tier.read_latency(true);
@@ -479,7 +511,12 @@ fn decode_run(
             && ((generated - 1).is_multiple_of(window) || generated == args.tokens)
         {
             let began = Instant::now();
+            let before = engine.pool.times();
             let gb_s = probe.measure(&engine.pool, 3);
+            let t = engine.pool.times().since(&before);
+            probe_times.jobs += t.jobs;
+            probe_times.between += t.between;
+            probe_times.end_wait += t.end_wait;
             marks.push(BandwidthMark {
                 generated,
                 gb_s,
@@ -538,6 +575,7 @@ fn decode_run(
         bandwidth: marks,
         token_gaps_ms,
         pool_parks: engine.pool.parks().saturating_sub(parks_first),
+        pool_times: engine.pool.times().since(&times_first).since(&probe_times),
         gpu: match (gpu_first, gpu_stats()) {
             (Some(a), Some(b)) => Some(b.since(&a)),
             _ => None,
@@ -671,6 +709,8 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
             "token_ms_median": token_ms.median,
             "token_ms_max": token_ms.max,
             "pool_parks_per_token": run.parks_per_token(),
+            "pool_between_jobs_fraction": run.pool_shares().0,
+            "pool_end_wait_fraction": run.pool_shares().1,
             "ram_hit_rate": run.ram_hit_rate,
             "decode_disk_bytes": decode_disk,
             "time": run.time,
@@ -705,6 +745,7 @@ fn report_warm(args: &BenchIoArgs, dir: &Path, run: &DecodeRun, engine: &Engine)
         token_ms.max,
         run.parks_per_token()
     );
+    print_pool_shares(run);
     println!(
         "memory read bandwidth {:.2} GB/s (mean of {} passes between tokens, {:.2}–{:.2}; \
          {} threads, {}); weights read per token {}",
@@ -918,6 +959,8 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         v["token_ms_median"] = json!(token_ms.median);
         v["token_ms_max"] = json!(token_ms.max);
         v["pool_parks_per_token"] = json!(run.parks_per_token());
+        v["pool_between_jobs_fraction"] = json!(run.pool_shares().0);
+        v["pool_end_wait_fraction"] = json!(run.pool_shares().1);
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -979,6 +1022,7 @@ fn model(args: &BenchIoArgs, dir: &Path) -> Result<()> {
         token_ms.max,
         run.parks_per_token()
     );
+    print_pool_shares(&run);
     if let Some(k) = run.kernel_decode_bytes {
         let counted = bytes_per_token * (run.tokens.saturating_sub(1).max(1)) as f64;
         println!(

@@ -91,7 +91,7 @@ fn plan_prints_where_everything_lives() {
 /// and at most the whole decode, and the median at most twice it (half
 /// the gaps or more are at least the median). Beside them, the compute
 /// workers' parks per token: a whole count over the decode's tokens.
-fn check_token_gaps(v: &serde_json::Value) {
+fn check_token_gaps(v: &serde_json::Value, threads: usize) {
     let (median, max, tok_s) = (
         v["token_ms_median"].as_f64().unwrap(),
         v["token_ms_max"].as_f64().unwrap(),
@@ -104,6 +104,23 @@ fn check_token_gaps(v: &serde_json::Value) {
     assert!(median <= 2.0 * mean * 1.01, "{v}");
     let parks = v["pool_parks_per_token"].as_f64().unwrap() * gaps;
     assert!(parks >= 0.0 && (parks - parks.round()).abs() < 1e-6, "{v}");
+    // Disjoint parts of the decode thread's time; with workers, every
+    // token has serial work between its jobs (norms, routing, sampling).
+    let between = v["pool_between_jobs_fraction"].as_f64().unwrap();
+    let end_wait = v["pool_end_wait_fraction"].as_f64().unwrap();
+    assert!(
+        between >= 0.0 && end_wait >= 0.0 && between + end_wait <= 1.0,
+        "{v}"
+    );
+    if threads > 1 {
+        assert!(between > 0.0 && end_wait > 0.0, "{v}");
+    } else {
+        assert_eq!(
+            (between, end_wait),
+            (0.0, 0.0),
+            "one thread publishes no job: {v}"
+        );
+    }
 }
 
 #[test]
@@ -149,7 +166,7 @@ fn bench_io_model_reports_decode_against_the_raw_disk() {
         v["compute"], "cpu",
         "bench-io runs on the CPU tier unless told"
     );
-    check_token_gaps(&v);
+    check_token_gaps(&v, 1);
     assert!(v["tok_s"].as_f64().unwrap() > 0.0);
     // Nothing cached: every decode selection was read.
     assert_eq!(v["ram_hit_rate"].as_f64().unwrap(), 0.0);
@@ -285,7 +302,7 @@ fn bench_io_warm_reads_nothing_and_reports_the_memory_roofline() {
         "{v}"
     );
     assert!((v["prefill_over_decode"].as_f64().unwrap() - prefill / tok_s).abs() <= 1e-9 * prefill);
-    check_token_gaps(&v);
+    check_token_gaps(&v, 2);
 
     // A budget that cannot hold every expert is refused, saying so.
     let out = colibri(

@@ -73,6 +73,73 @@ impl Drop for DeferredScope {
     }
 }
 
+/// [`Pool::times`]'s sums, in nanoseconds.
+#[derive(Default)]
+struct TimeCounters {
+    jobs: AtomicU64,
+    between_ns: AtomicU64,
+    end_wait_ns: AtomicU64,
+}
+
+/// [`Pool::times`]: where the threads that publish jobs spent their time.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PoolTimes {
+    /// Jobs run on more than one thread.
+    pub jobs: u64,
+    /// From the end of one job to the start of the same thread's next, on
+    /// the same pool, where that is shorter than [`SPIN`] (longer, the
+    /// workers park anyway: the pool was idle, not waiting): the calling
+    /// thread's serial work between a decode's jobs, with any wait for an
+    /// expert read there.
+    pub between: Duration,
+    /// From the end of the calling thread's own tasks to the job's end:
+    /// waiting for other threads' last tasks.
+    pub end_wait: Duration,
+}
+
+impl PoolTimes {
+    /// What was added since `earlier`.
+    pub fn since(&self, earlier: &PoolTimes) -> PoolTimes {
+        PoolTimes {
+            jobs: self.jobs.saturating_sub(earlier.jobs),
+            between: self.between.saturating_sub(earlier.between),
+            end_wait: self.end_wait.saturating_sub(earlier.end_wait),
+        }
+    }
+}
+
+thread_local! {
+    /// When this thread's last job ended, and on which pool (its shared
+    /// state's address).
+    static LAST_END: std::cell::Cell<Option<(usize, Instant)>> = const { std::cell::Cell::new(None) };
+}
+
+impl Pool {
+    /// Adds a job's times to [`Pool::times`]: it began at `began`, and the
+    /// calling thread's own tasks ended at `mine_done`.
+    fn count_times(&self, began: Instant, mine_done: Instant) {
+        let sh = &*self.shared;
+        let c = &sh.times.0;
+        let end = Instant::now();
+        let me = sh as *const Shared as usize;
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        if let Some((pool, last)) = LAST_END.get()
+            && pool == me
+        {
+            let gap = began.saturating_duration_since(last);
+            if gap < SPIN {
+                c.between_ns.fetch_add(nanos(gap), Ordering::Relaxed);
+            }
+        }
+        LAST_END.set(Some((me, end)));
+        c.end_wait_ns.fetch_add(
+            nanos(end.saturating_duration_since(mine_done)),
+            Ordering::Relaxed,
+        );
+        c.jobs.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// Drops one deferred value; whether there was one.
 fn drop_one_deferred() -> bool {
     match DEFERRED.with_borrow_mut(|d| d.pop()) {
@@ -147,6 +214,9 @@ struct Shared {
     sleepers: AtomicUsize,
     /// Times a worker parked, ever.
     parks: AtomicU64,
+    /// What [`Pool::times`] reports, summed over the pool's life, apart
+    /// from the words the workers poll.
+    times: CacheLine<TimeCounters>,
     shutdown: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -187,6 +257,7 @@ impl Pool {
             active: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             parks: AtomicU64::new(0),
+            times: CacheLine(TimeCounters::default()),
             shutdown: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -233,6 +304,20 @@ impl Pool {
         self.shared.parks.load(Ordering::Relaxed)
     }
 
+    /// Where the threads that publish jobs spent their time, since the
+    /// pool started: alone between jobs, and waiting at a job's end for
+    /// other threads' last tasks. On many cores these, not the kernels,
+    /// set a decode's pace (docs/benchmarks.md); `bench-io` reports them.
+    pub fn times(&self) -> PoolTimes {
+        let c = &self.shared.times.0;
+        let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        PoolTimes {
+            jobs: c.jobs.load(Ordering::Relaxed),
+            between: ns(&c.between_ns),
+            end_wait: ns(&c.end_wait_ns),
+        }
+    }
+
     /// Runs `f(0..tasks)`, each index exactly once, on the pool's threads
     /// and the caller's; returns when all have run.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
@@ -248,6 +333,7 @@ impl Pool {
             (0..tasks).for_each(f);
             return;
         }
+        let began = Instant::now();
         let job = Job {
             f,
             tasks,
@@ -265,6 +351,7 @@ impl Pool {
             sh.wake.notify_all();
         }
         job.work();
+        let mine_done = Instant::now();
         let mut spins = 0u32;
         while job.finished.0.load(Ordering::Acquire) < tasks
             && !job.panicked.load(Ordering::Acquire)
@@ -288,6 +375,7 @@ impl Pool {
         while sh.active.load(Ordering::SeqCst) != 0 {
             std::hint::spin_loop();
         }
+        self.count_times(began, mine_done);
         drop(guard);
         // No thread is inside the job: a task's panic goes on here, on
         // the caller's thread, as if the caller had run the task.
@@ -517,6 +605,49 @@ mod tests {
             let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
             d.push(std::thread::current().id());
         }
+    }
+
+    /// The calling thread's gaps between jobs shorter than `SPIN` count as
+    /// time between jobs, longer ones do not; a job whose worker holds
+    /// the last task counts the caller's wait for it.
+    #[test]
+    fn times_count_gaps_between_jobs_and_waits_at_their_ends() {
+        let pool = Pool::new(2).unwrap();
+        let me = std::thread::current().id();
+        let before = pool.times();
+        let worker_in = AtomicBool::new(false);
+        pool.run(2, &|_| {
+            if std::thread::current().id() == me {
+                let give_up = Instant::now() + Duration::from_secs(10);
+                while !worker_in.load(Ordering::SeqCst) && Instant::now() < give_up {
+                    std::hint::spin_loop();
+                }
+            } else {
+                worker_in.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(30));
+            }
+        });
+        let t = pool.times().since(&before);
+        assert_eq!(t.jobs, 1);
+        assert!(t.end_wait >= Duration::from_millis(20), "{t:?}");
+        // A gap of 0.5 ms, busy: counted unless the thread was preempted
+        // past SPIN, so a few tries.
+        let counted = (0..20).any(|_| {
+            let before = pool.times();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_micros(500) {
+                std::hint::spin_loop();
+            }
+            pool.run(2, &|_| {});
+            let t = pool.times().since(&before);
+            t.jobs == 1 && t.between >= Duration::from_micros(500) && t.between < SPIN
+        });
+        assert!(counted, "a short gap between jobs counts");
+        // An idle pool's gap is not a decode's.
+        let before = pool.times();
+        std::thread::sleep(SPIN * 3);
+        pool.run(2, &|_| {});
+        assert_eq!(pool.times().since(&before).between, Duration::ZERO);
     }
 
     /// A deferred value is dropped on the thread that deferred it: while
