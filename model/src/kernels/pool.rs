@@ -607,14 +607,11 @@ mod tests {
         }
     }
 
-    /// The calling thread's gaps between jobs shorter than `SPIN` count as
-    /// time between jobs, longer ones do not; a job whose worker holds
-    /// the last task counts the caller's wait for it.
-    #[test]
-    fn times_count_gaps_between_jobs_and_waits_at_their_ends() {
-        let pool = Pool::new(2).unwrap();
+    /// Runs a two-task job on `pool` (two threads) whose calling thread
+    /// waits at the end: its task lasts until a worker has the other one,
+    /// in which the worker sleeps for `sleep`. Whether a worker ran it.
+    fn caller_waits_for_a_worker(pool: &Pool, sleep: Duration) -> bool {
         let me = std::thread::current().id();
-        let before = pool.times();
         let worker_in = AtomicBool::new(false);
         pool.run(2, &|_| {
             if std::thread::current().id() == me {
@@ -624,9 +621,20 @@ mod tests {
                 }
             } else {
                 worker_in.store(true, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(30));
+                std::thread::sleep(sleep);
             }
         });
+        worker_in.load(Ordering::SeqCst)
+    }
+
+    /// The calling thread's gaps between jobs shorter than `SPIN` count as
+    /// time between jobs, longer ones do not; a job whose worker holds
+    /// the last task counts the caller's wait for it.
+    #[test]
+    fn times_count_gaps_between_jobs_and_waits_at_their_ends() {
+        let pool = Pool::new(2).unwrap();
+        let before = pool.times();
+        assert!(caller_waits_for_a_worker(&pool, Duration::from_millis(30)));
         let t = pool.times().since(&before);
         assert_eq!(t.jobs, 1);
         assert!(t.end_wait >= Duration::from_millis(20), "{t:?}");
@@ -663,21 +671,7 @@ mod tests {
         // One task: no other thread, no wait.
         pool.run(1, &|_| {});
         assert!(dropped.lock().unwrap().is_empty());
-        // The caller's task lasts until the worker has the other one,
-        // then the caller waits while the worker sleeps in it.
-        let worker_in = AtomicBool::new(false);
-        pool.run(2, &|_| {
-            if std::thread::current().id() == me {
-                let give_up = Instant::now() + Duration::from_secs(10);
-                while !worker_in.load(Ordering::SeqCst) && Instant::now() < give_up {
-                    std::hint::spin_loop();
-                }
-            } else {
-                worker_in.store(true, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        assert!(worker_in.load(Ordering::SeqCst), "a worker ran a task");
+        assert!(caller_waits_for_a_worker(&pool, Duration::from_millis(50)));
         assert_eq!(*dropped.lock().unwrap(), vec![me]);
         defer_drop(Noted(dropped.clone()));
         defer_drop(Noted(dropped.clone()));

@@ -133,7 +133,7 @@ pub fn resident_experts(dir: &Path) -> ResidentExperts {
 }
 
 /// One sequence's forward pass over `tokens` with `cache`.
-fn forward(engine: &Engine, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Vec<f32> {
+pub fn forward(engine: &Engine, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Vec<f32> {
     engine
         .model
         .forward(

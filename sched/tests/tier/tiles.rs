@@ -406,18 +406,7 @@ fn no_expert_stays_leased_after_a_forward_pass() {
         let mut cache = colibri_model::KvCache::new(&engine.model.spec, 64);
         // A prompt, then one-token steps (a decode's path).
         for tokens in [&[1u32, 5, 9][..], &[7], &[3]] {
-            engine
-                .model
-                .forward(
-                    &engine.pool,
-                    engine.experts.as_ref(),
-                    &mut [colibri_model::SeqInput {
-                        cache: &mut cache,
-                        tokens,
-                        logits: colibri_model::Logits::Last,
-                    }],
-                )
-                .unwrap();
+            forward(&engine, &mut cache, tokens, colibri_model::Logits::Last);
             tier.set_tile_q4_0(false)
                 .unwrap_or_else(|e| panic!("{threads} threads, after {tokens:?}: {e}"));
             tier.set_tile_q4_0(true).unwrap();
