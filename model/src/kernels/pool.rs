@@ -13,7 +13,8 @@
 //! workers through the kernel on every product; measured on 2 cores, that
 //! was a fifth of a warm decode token's time (docs/benchmarks.md).
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -151,20 +152,32 @@ fn drop_one_deferred() -> bool {
     }
 }
 
-/// One job, on the stack of the thread that runs it.
-struct Job<'a> {
-    f: &'a (dyn Fn(usize) + Sync),
-    tasks: usize,
-    /// The next task to claim, on its own cache line: every thread takes
-    /// it once per task, and the publisher's polling of `finished` would
-    /// otherwise pull the line away between the claims.
-    next: CacheLine<AtomicUsize>,
-    /// Tasks run, added once per thread as it leaves the job.
-    finished: CacheLine<AtomicUsize>,
-    /// The first panic of a task, resumed on the publisher's thread once
-    /// no thread is inside the job any more.
-    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
-    panicked: AtomicBool,
+/// A job's function with its lifetime erased, so that [`Shared`] can hold
+/// it between the publisher's call and its return.
+type TaskFn = *const (dyn Fn(usize) + Sync + 'static);
+
+/// Bits of the claim word's next-task index (the low bits); the job's task
+/// count sits above them. A claim is one `fetch_add(1)` of the word, which
+/// returns the job it claimed in (its task count) with the index, so a
+/// thread that reaches the word late, even after the next job replaced
+/// it, never takes an index for a job that is not the word's.
+const INDEX_BITS: u32 = 24;
+
+/// The most tasks a job's word holds: the index field keeps room above
+/// it for the claims that find the job used up (at most one per thread
+/// per job). [`Pool::run`] folds larger jobs into ranges.
+const MAX_WORD_TASKS: usize = 1 << 22;
+
+/// The claim word of a job of `tasks` tasks, none claimed.
+fn claim_word(tasks: usize) -> u64 {
+    debug_assert!(tasks <= MAX_WORD_TASKS);
+    (tasks as u64) << INDEX_BITS
+}
+
+/// A claim word's task count and next index.
+fn claim_parts(word: u64) -> (usize, usize) {
+    let index = word & ((1 << INDEX_BITS) - 1);
+    ((word >> INDEX_BITS) as usize, index as usize)
 }
 
 /// A value alone on its cache line (two lines: the adjacent-line
@@ -172,29 +185,45 @@ struct Job<'a> {
 #[repr(align(128))]
 struct CacheLine<T>(T);
 
-impl Job<'_> {
-    /// Claims and runs tasks until none is left, then counts them done. A
-    /// task that panics ends the job: the panic is kept for the publisher,
-    /// and no thread claims a task after it.
+impl Shared {
+    /// Claims and runs the current job's tasks until none is left, then
+    /// counts them finished. Every claimed index is counted once, run or
+    /// not: after a task panics (the first panic is kept for the
+    /// publisher), the tasks still claimed are skipped.
     fn work(&self) {
+        // A used-up job: leave without writing the line every claimer
+        // writes (a late worker's claim would be its only write).
+        let (tasks, next) = claim_parts(self.claim.0.load(Ordering::Relaxed));
+        if next >= tasks {
+            return;
+        }
         let mut done = 0;
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            loop {
-                let i = self.next.0.fetch_add(1, Ordering::Relaxed);
-                if i >= self.tasks {
-                    break;
-                }
-                (self.f)(i);
-                done += 1;
+        let mut f: Option<TaskFn> = None;
+        loop {
+            let (tasks, i) = claim_parts(self.claim.0.fetch_add(1, Ordering::Acquire));
+            if i >= tasks {
+                break;
             }
-        }));
-        if let Err(payload) = run {
-            // Every index claimed so far is below `tasks`, so none is
-            // claimed twice.
-            self.next.0.store(self.tasks, Ordering::Relaxed);
-            let mut first = self.panic.lock().unwrap_or_else(|p| p.into_inner());
-            first.get_or_insert(payload);
-            self.panicked.store(true, Ordering::Release);
+            // SAFETY: a claim below the word's task count is a task of the
+            // job now published. Its publisher wrote `f` before the word
+            // (Release; this claim reads from it or a later claim, Acquire)
+            // and writes it again only once every task is counted
+            // finished, which this one is not yet. All this loop's claims
+            // are of one job: the next cannot be published while this
+            // thread holds tasks not yet counted.
+            let f = *f.get_or_insert_with(|| unsafe { *self.f.0.get() });
+            if !self.panicked.load(Ordering::Relaxed) {
+                // SAFETY: as above, the job's function outlives its tasks
+                // (its publisher returns only once all are counted).
+                let run =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*f)(i) }));
+                if let Err(payload) = run {
+                    let mut first = self.panic.lock().unwrap_or_else(|p| p.into_inner());
+                    first.get_or_insert(payload);
+                    self.panicked.store(true, Ordering::Release);
+                }
+            }
+            done += 1;
         }
         if done > 0 {
             self.finished.0.fetch_add(done, Ordering::Release);
@@ -203,24 +232,47 @@ impl Job<'_> {
 }
 
 struct Shared {
-    /// Bumped once per published job.
+    /// Bumped once per published job; the words idle workers poll, apart
+    /// from those a job's claims write.
     epoch: AtomicU64,
-    /// The job being run (type-erased `*const Job`), or null.
-    job: AtomicPtr<()>,
-    /// Workers between announcing themselves and leaving the job: the
-    /// publisher may not return (and free the job) before this is 0.
-    active: AtomicUsize,
     /// Workers parked (or about to park) on `wake`.
     sleepers: AtomicUsize,
+    shutdown: AtomicBool,
+    /// Whether a task of the current job panicked: its later tasks are
+    /// skipped.
+    panicked: AtomicBool,
+    /// The current job's task count and next index ([`claim_word`]).
+    claim: CacheLine<AtomicU64>,
+    /// The current job's tasks counted finished, added once per thread
+    /// as it leaves the job: its publisher returns when all are.
+    finished: CacheLine<AtomicUsize>,
+    /// The current job's function ([`Shared::work`] says when it is
+    /// read).
+    f: CacheLine<UnsafeCell<TaskFn>>,
+    /// The first panic of the current job's tasks, resumed on its
+    /// publisher's thread.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// Times a worker parked, ever.
     parks: AtomicU64,
     /// What [`Pool::times`] reports, summed over the pool's life, apart
     /// from the words the workers poll.
     times: CacheLine<TimeCounters>,
-    shutdown: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
 }
+
+// SAFETY: every field but `f` is Send and Sync. `f` is written only by
+// the thread publishing a job (holding `Pool::publish`) before it
+// publishes the job's claim word, while no thread holds a claim (the
+// previous job's tasks were all counted finished), and read only by
+// threads holding a claim of that job ([`Shared::work`]); it points to a
+// `Sync` function, which its publisher keeps alive until every task is
+// counted finished.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+/// What [`Shared::f`] holds before the first job.
+fn no_task(_: usize) {}
 
 /// A pool of compute threads. Work is split by task (output rows, heads)
 /// only, so the result never depends on how many threads there are.
@@ -253,12 +305,17 @@ impl Pool {
         };
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            job: AtomicPtr::new(std::ptr::null_mut()),
-            active: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            claim: CacheLine(AtomicU64::new(claim_word(0))),
+            finished: CacheLine(AtomicUsize::new(0)),
+            f: CacheLine(UnsafeCell::new(
+                &no_task as &(dyn Fn(usize) + Sync) as TaskFn,
+            )),
+            panic: Mutex::new(None),
             parks: AtomicU64::new(0),
             times: CacheLine(TimeCounters::default()),
-            shutdown: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -324,6 +381,13 @@ impl Pool {
         if tasks == 0 {
             return;
         }
+        if tasks > MAX_WORD_TASKS {
+            // More tasks than a claim word counts: ranges of them.
+            let per = tasks.div_ceil(MAX_WORD_TASKS);
+            return self.run(tasks.div_ceil(per), &|r| {
+                (r * per..tasks.min((r + 1) * per)).for_each(f);
+            });
+        }
         let guard = match self.publish.try_lock() {
             Ok(g) => Some(g),
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -334,28 +398,27 @@ impl Pool {
             return;
         }
         let began = Instant::now();
-        let job = Job {
-            f,
-            tasks,
-            next: CacheLine(AtomicUsize::new(0)),
-            finished: CacheLine(AtomicUsize::new(0)),
-            panic: Mutex::new(None),
-            panicked: AtomicBool::new(false),
-        };
         let sh = &*self.shared;
-        sh.job
-            .store(&job as *const Job<'_> as *mut (), Ordering::SeqCst);
+        // SAFETY: only the thread holding `publish` writes `f`, and no
+        // thread holds a claim: the previous job returned once all its
+        // tasks were counted finished, and a thread claims only from the
+        // word stored below. `f` outlives every task of this job: this
+        // call returns only once all of them are counted finished.
+        unsafe {
+            *sh.f.0.get() = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), TaskFn>(f);
+        }
+        sh.finished.0.store(0, Ordering::Relaxed);
+        sh.panicked.store(false, Ordering::Relaxed);
+        sh.claim.0.store(claim_word(tasks), Ordering::Release);
         sh.epoch.fetch_add(1, Ordering::SeqCst);
         if sh.sleepers.load(Ordering::SeqCst) > 0 {
             let _l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
             sh.wake.notify_all();
         }
-        job.work();
+        sh.work();
         let mine_done = Instant::now();
         let mut spins = 0u32;
-        while job.finished.0.load(Ordering::Acquire) < tasks
-            && !job.panicked.load(Ordering::Acquire)
-        {
+        while sh.finished.0.load(Ordering::Acquire) < tasks {
             // Waiting on the others' last tasks: the time for what this
             // thread put off.
             if drop_one_deferred() {
@@ -369,17 +432,12 @@ impl Pool {
                 std::hint::spin_loop();
             }
         }
-        // Retract the job, then wait for every worker that may have seen
-        // it to leave: after this, nothing refers to `job` (on our stack).
-        sh.job.store(std::ptr::null_mut(), Ordering::SeqCst);
-        while sh.active.load(Ordering::SeqCst) != 0 {
-            std::hint::spin_loop();
-        }
         self.count_times(began, mine_done);
+        // Every task is counted: no thread runs this job's function any
+        // more. A task's panic goes on here, on the caller's thread, as
+        // if the caller had run the task.
+        let panic = sh.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(guard);
-        // No thread is inside the job: a task's panic goes on here, on
-        // the caller's thread, as if the caller had run the task.
-        let panic = job.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);
         }
@@ -566,17 +624,7 @@ fn worker(sh: &Shared) {
             break;
         }
         seen = sh.epoch.load(Ordering::Acquire);
-        sh.active.fetch_add(1, Ordering::SeqCst);
-        let job = sh.job.load(Ordering::SeqCst) as *const Job<'_>;
-        if !job.is_null() {
-            // SAFETY: the publisher retracts `job` and then waits for
-            // `active` to reach 0 before the job leaves its stack; we
-            // counted ourselves in `active` before loading the pointer
-            // (both SeqCst), so either we saw null or the job is alive
-            // until we decrement below.
-            unsafe { &*job }.work();
-        }
-        sh.active.fetch_sub(1, Ordering::SeqCst);
+        sh.work();
     }
 }
 
@@ -760,6 +808,55 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
             }
         }
+    }
+
+    /// Thousands of short jobs back to back on more threads than cores
+    /// (so workers are preempted between reading a job's word and
+    /// claiming from it): every task of every job runs exactly once, by
+    /// its own job's function, and none runs after its job returned (each
+    /// job's counts are checked again once all have run).
+    #[test]
+    fn back_to_back_jobs_run_each_task_once_with_its_own_function() {
+        let pool = Pool::new(6).unwrap();
+        let jobs = 3000;
+        let counts: Vec<Vec<AtomicUsize>> = (0..jobs)
+            .map(|j| (0..2 + j % 9).map(|_| AtomicUsize::new(0)).collect())
+            .collect();
+        for (j, hits) in counts.iter().enumerate() {
+            pool.run(hits.len(), &|i| {
+                // A little work of a size that varies by task.
+                let mut x = (j * 31 + i) as u64;
+                for _ in 0..(i % 4) * 200 {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                }
+                std::hint::black_box(x);
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "job {j}"
+            );
+        }
+        for (j, hits) in counts.iter().enumerate() {
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "job {j}, after all"
+            );
+        }
+    }
+
+    /// A job of more tasks than a claim word counts runs each once.
+    #[test]
+    fn a_job_past_the_claim_words_count_runs_every_task_once() {
+        let pool = Pool::new(3).unwrap();
+        let tasks = MAX_WORD_TASKS + 77;
+        let hits: Vec<std::sync::atomic::AtomicU8> = (0..tasks)
+            .map(|_| std::sync::atomic::AtomicU8::new(0))
+            .collect();
+        pool.run(tasks, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
     }
 
     #[test]
