@@ -12,8 +12,8 @@ use crate::error::{ModelError, Result};
 use crate::experts::ExpertGroup;
 use crate::experts::ExpertSource;
 use crate::kernels::{
-    Gated, Pool, Q8Activation, gated_products, matmul, matmul_shared_input, q8_matmuls,
-    q8_matmuls_here, q8_products,
+    Gated, Pool, Q8Activation, gated_products, gated_products_summed, matmul, matmul_shared_input,
+    q8_matmuls, q8_matmuls_here, q8_products,
 };
 use crate::ops::{accumulator, sigmoid, softmax_inplace, swiglu_inplace, top_k};
 use crate::tensor::QMatrix;
@@ -66,6 +66,30 @@ fn expert_rows(
 fn mlp_group(pool: &Pool, group: &ExpertGroup, x: &[f32]) -> Vec<Vec<f32>> {
     let mlps: Vec<Gated<'_>> = group.iter().map(|(_, w)| gated(w)).collect();
     gated_products(pool, &mlps, x, swiglu_inplace)
+}
+
+/// A routed row's slots in the order the combine adds them: by expert id
+/// (transformers' order), whatever order the router chose them in.
+fn combine_order(r: &Routing) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..r.experts.len()).collect();
+    order.sort_by_key(|&s| r.experts[s]);
+    order
+}
+
+/// One token's routed experts (all of them, in `group`) through
+/// [`gated_products_summed`]: their outputs weighted and summed as the
+/// combine does, onto a zeroed accumulator; `None` where that path does
+/// not apply (the combine then takes [`mlp_group`]'s outputs).
+fn mlp_group_summed(pool: &Pool, group: &ExpertGroup, x: &[f32], r: &Routing) -> Option<Vec<f32>> {
+    let mlps: Vec<Gated<'_>> = group.iter().map(|(_, w)| gated(w)).collect();
+    let at = |e: usize| group.iter().position(|(id, _)| *id == e);
+    let sum = combine_order(r)
+        .into_iter()
+        .map(|s| Some((at(r.experts[s])?, r.weights[s])))
+        .collect::<Option<Vec<_>>>()?;
+    let mut y = accumulator(x.len());
+    gated_products_summed(pool, &mlps, x, swiglu_inplace, &sum, &mut y)?;
+    Some(y)
 }
 
 fn gated(w: &MlpWeights) -> Gated<'_> {
@@ -374,6 +398,10 @@ pub(crate) fn moe_rows(
     };
     // Rows of `h` quantized for tiled experts, once for every group.
     let mut hq: Vec<Q8Activation> = Vec::new();
+    // One token whose experts all came in one group through the two-job
+    // path: its routed experts' weighted sum, formed inside the down job
+    // (`gated_products_summed`) instead of by the combine below.
+    let mut summed: Option<Vec<f32>> = None;
     let mut done = vec![false; moe.num_experts];
     // The (row, slot) pairs of a delivered expert, checked: requested and
     // not delivered before.
@@ -413,7 +441,15 @@ pub(crate) fn moe_rows(
             };
             let ys = match ys {
                 Some(ys) => ys,
-                None => mlp_group(pool, group, h),
+                None => {
+                    if group.len() == ids.len()
+                        && let Some(y) = mlp_group_summed(pool, group, h, &routing[0])
+                    {
+                        summed = Some(y);
+                        return Ok(());
+                    }
+                    mlp_group(pool, group, h)
+                }
             };
             for (us, y) in users.iter().zip(ys) {
                 keep(us, y);
@@ -475,8 +511,9 @@ pub(crate) fn moe_rows(
 
     // Where each routed (row, slot) pair's output row is: every one was
     // delivered (checked above), so the combine below cannot miss one.
+    // Where the experts' sum was formed in their job there is none.
     let mut place = vec![(0usize, 0usize); n * k];
-    for (row, r) in routing.iter().enumerate() {
+    for (row, r) in routing.iter().enumerate().filter(|_| summed.is_none()) {
         for (s, &e) in r.experts.iter().enumerate() {
             place[row * k + s] = at[row * k + s].ok_or_else(|| ModelError::Expert {
                 layer,
@@ -501,11 +538,9 @@ pub(crate) fn moe_rows(
         None => None,
     };
     // A row's experts in id order, then the shared expert.
-    let combine = |row: usize, y: &mut [f32]| {
+    let routed = |row: usize, y: &mut [f32]| {
         let r = &routing[row];
-        let mut order: Vec<usize> = (0..r.experts.len()).collect();
-        order.sort_by_key(|&s| r.experts[s]);
-        for s in order {
+        for s in combine_order(r) {
             let wgt = r.weights[s];
             let (b, j) = place[row * k + s];
             let src = &outputs[b][j * hidden..(j + 1) * hidden];
@@ -513,6 +548,8 @@ pub(crate) fn moe_rows(
                 *yv += sv * wgt;
             }
         }
+    };
+    let add_shared = |row: usize, y: &mut [f32]| {
         if let Some((s, gates)) = &shared {
             let gate = gates.as_ref().map(|g| sigmoid(g[row]));
             for (yv, sv) in y.iter_mut().zip(&s[row * hidden..(row + 1) * hidden]) {
@@ -523,7 +560,14 @@ pub(crate) fn moe_rows(
             }
         }
     };
-    let out = if n < 2 * pool.threads() {
+    let combine = |row: usize, y: &mut [f32]| {
+        routed(row, y);
+        add_shared(row, y);
+    };
+    let out = if let Some(mut y) = summed {
+        add_shared(0, &mut y);
+        y
+    } else if n < 2 * pool.threads() {
         let mut out = accumulator(n * hidden);
         for (row, y) in out.chunks_exact_mut(hidden).enumerate() {
             combine(row, y);
@@ -553,8 +597,8 @@ mod tests {
     use crate::format::WeightFormat;
     use crate::kernels::q4_0_tiles_run_here;
     use crate::kernels::tests::{q4_matrix, rand_vec, tiled};
-    use rand::SeedableRng;
     use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
     use std::sync::Arc;
 
     fn q8_0_matrix(rng: &mut impl rand::Rng, rows: usize, cols: usize) -> QMatrix {
@@ -639,6 +683,73 @@ mod tests {
                 got.iter().map(|y| bits(y)).collect::<Vec<_>>(),
                 by_expert.iter().map(|y| bits(y)).collect::<Vec<_>>()
             );
+        }
+    }
+
+    /// One token's 8 experts, all in one group, through the two jobs with
+    /// the weighted sum formed in the down job (what `moe_rows` runs where
+    /// the experts are fewer than 4 per thread) give the bits of the
+    /// combine over each expert's own output, on 1 to 3 threads.
+    #[test]
+    fn one_token_summed_in_the_down_job_gives_the_combine_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(93);
+        let (hidden, inter) = (256, 192);
+        let tile = q4_0_tiles_run_here();
+        let m = |rng: &mut rand_chacha::ChaCha8Rng, rows, cols| {
+            if tile {
+                tiled(&q4_matrix(rng, rows, cols))
+            } else {
+                q8_0_matrix(rng, rows, cols)
+            }
+        };
+        // Delivered in one order, routed in another, combined by id.
+        let ids = [40, 3, 17, 8, 120, 55, 9, 71];
+        let group: ExpertGroup = ids
+            .iter()
+            .map(|&e| {
+                let w = MlpWeights {
+                    gate: m(&mut rng, inter, hidden),
+                    up: m(&mut rng, inter, hidden),
+                    down: m(&mut rng, hidden, inter),
+                };
+                (e, Arc::new(w))
+            })
+            .collect();
+        let mut experts = ids.to_vec();
+        experts.shuffle(&mut rng);
+        let weights: Vec<f32> = (0..8).map(|_| rng.random_range(0.01f32..0.5)).collect();
+        let r = Routing { experts, weights };
+        let h = rand_vec(&mut rng, hidden);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        // The combine's sum over each expert's own output.
+        let outs = mlp_group(&Pool::new(1).unwrap(), &group, &h);
+        let mut want = accumulator(hidden);
+        for s in combine_order(&r) {
+            let at = ids.iter().position(|&e| e == r.experts[s]).unwrap();
+            for (y, v) in want.iter_mut().zip(&outs[at]) {
+                *y += v * r.weights[s];
+            }
+        }
+        assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            let got = mlp_group_summed(&pool, &group, &h, &r).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{threads} threads");
+        }
+        // A routed expert missing from the group, or down matrices of two
+        // layouts: not summed in the job (the combine does it).
+        let mut other = r.clone();
+        other.experts[0] = 1000;
+        assert!(mlp_group_summed(&Pool::new(2).unwrap(), &group, &h, &other).is_none());
+        if tile {
+            let mut mixed = group.clone();
+            let w = MlpWeights {
+                gate: m(&mut rng, inter, hidden),
+                up: m(&mut rng, inter, hidden),
+                down: q8_0_matrix(&mut rng, hidden, inter),
+            };
+            mixed[5] = (mixed[5].0, Arc::new(w));
+            assert!(mlp_group_summed(&Pool::new(2).unwrap(), &mixed, &h, &r).is_none());
         }
     }
 

@@ -14,6 +14,13 @@
 //! in a warm decode on 2 cores, with the other core waiting
 //! (docs/benchmarks.md).
 //!
+//! A decode that wants only the outputs' weighted sum (the MoE combine)
+//! forms it in the down job ([`gated_products_summed`]): each task takes
+//! the same rows of every down matrix and adds them up in the combine's
+//! order, so the calling thread neither waits for nor reads the rows the
+//! other cores wrote (11 µs a layer of its serial work on 16 cores,
+//! docs/benchmarks.md).
+//!
 //! The bits are those of separate products: every row is one call of the
 //! same kernel ([`super::rows_into`]) on the same prepared input, `act`
 //! sees the same two values, and each down input is quantized once, whole,
@@ -42,6 +49,85 @@ pub fn gated_products(
     x: &[f32],
     act: impl Fn(&mut [f32], &[f32]) + Sync,
 ) -> Vec<Vec<f32>> {
+    let k = kernels();
+    let (acts, down_q8) = gate_up_job(pool, mlps, x, act);
+    let inputs = down_inputs(mlps, &acts, down_q8);
+    let ws: Vec<&QMatrix> = mlps.iter().map(|m| m.down).collect();
+    let xs: Vec<&Input<'_>> = inputs.iter().collect();
+    let mut ys: Vec<Vec<f32>> = mlps.iter().map(|m| vec![0.0f32; m.down.rows]).collect();
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
+    prepared_matvecs(pool, k, &ws, &xs, &mut outs);
+    ys
+}
+
+/// [`gated_products`] whose outputs are wanted only weighted and summed:
+/// `y[r] += w · down_i(…)[r]` for each `(i, w)` of `sum`, in that order
+/// (a decode's routed experts in the MoE combine's order, onto its zeroed
+/// accumulator). The down products and the sum run in one pool job whose
+/// tasks each take the same rows of every down matrix, so no thread reads
+/// rows another core wrote and no MLP's output is kept. Each element gets
+/// the operations, in the order, of the sum over [`gated_products`]'
+/// outputs, so the bits are the same. `None` (nothing computed) where the
+/// down matrices do not share one row layout or length, or `y` is not
+/// that long.
+pub fn gated_products_summed(
+    pool: &Pool,
+    mlps: &[Gated<'_>],
+    x: &[f32],
+    act: impl Fn(&mut [f32], &[f32]) + Sync,
+    sum: &[(usize, f32)],
+    y: &mut [f32],
+) -> Option<()> {
+    let first = mlps.first()?.down;
+    let layout = |w: &QMatrix| {
+        (
+            w.rows,
+            w.format,
+            w.is_tiled(),
+            w.is_quads(),
+            w.is_k_panels(),
+        )
+    };
+    if y.len() != first.rows
+        || mlps.iter().any(|m| layout(m.down) != layout(first))
+        || sum.iter().any(|&(i, _)| i >= mlps.len())
+    {
+        return None;
+    }
+    let k = kernels();
+    let (acts, down_q8) = gate_up_job(pool, mlps, x, act);
+    let inputs = down_inputs(mlps, &acts, down_q8);
+    let chunk = pool.vec_task_rows(first);
+    pool.for_each_chunk_mut(y, chunk, |c, ys| {
+        let r0 = c * chunk;
+        let mut stack = [0.0f32; MAX_VEC_TASK_ROWS];
+        let mut heap = Vec::new();
+        let d = if ys.len() <= MAX_VEC_TASK_ROWS {
+            &mut stack[..ys.len()]
+        } else {
+            heap.resize(ys.len(), 0.0);
+            &mut heap[..]
+        };
+        for &(i, w) in sum {
+            rows_into(k, mlps[i].down, &inputs[i], r0, d);
+            for (yv, dv) in ys.iter_mut().zip(d.iter()) {
+                *yv += dv * w;
+            }
+        }
+    });
+    Some(())
+}
+
+/// The activation of each MLP (`act(gate x, up x)`) in one pool job, and
+/// where its down matrix takes 8-bit inputs, the activation quantized by
+/// the task that finished it.
+#[allow(clippy::type_complexity)]
+fn gate_up_job(
+    pool: &Pool,
+    mlps: &[Gated<'_>],
+    x: &[f32],
+    act: impl Fn(&mut [f32], &[f32]) + Sync,
+) -> (Vec<Vec<f32>>, Vec<OnceLock<Q8Activation>>) {
     for m in mlps {
         assert!(
             m.gate.cols == x.len() && m.up.cols == x.len(),
@@ -110,9 +196,20 @@ pub fn gated_products(
         .into_iter()
         .map(|a| a.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect();
-    let inputs: Vec<Input<'_>> = down_q8
+    (acts, down_q8)
+}
+
+/// Each MLP's down input: the job's quantized activation, else the
+/// activation prepared as the down matrix takes it.
+fn down_inputs<'a>(
+    mlps: &[Gated<'_>],
+    acts: &'a [Vec<f32>],
+    down_q8: Vec<OnceLock<Q8Activation>>,
+) -> Vec<Input<'a>> {
+    let k = kernels();
+    down_q8
         .into_iter()
-        .zip(&acts)
+        .zip(acts)
         .zip(mlps)
         .map(|((q, a), m)| match q.into_inner() {
             Some(q) => Input::Q8(q),
@@ -120,13 +217,7 @@ pub fn gated_products(
             // (or the MLP had no rows).
             None => Input::prepare(k, m.down, a),
         })
-        .collect();
-    let ws: Vec<&QMatrix> = mlps.iter().map(|m| m.down).collect();
-    let xs: Vec<&Input<'_>> = inputs.iter().collect();
-    let mut ys: Vec<Vec<f32>> = mlps.iter().map(|m| vec![0.0f32; m.down.rows]).collect();
-    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
-    prepared_matvecs(pool, k, &ws, &xs, &mut outs);
-    ys
+        .collect()
 }
 
 /// The activation's lock; poisoned only if a task panicked while holding

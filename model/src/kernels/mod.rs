@@ -29,7 +29,7 @@ pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
-pub use gated::{Gated, gated_products};
+pub use gated::{Gated, gated_products, gated_products_summed};
 pub use pool::Pool;
 pub use q4_0::{Q8Tiles, RowScratch};
 pub use q8act::Q8Activation;
