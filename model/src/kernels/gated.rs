@@ -26,8 +26,9 @@
 //! sees the same two values, and each down input is quantized once, whole,
 //! as [`super::matvec`] quantizes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use super::{Input, MAX_VEC_TASK_ROWS, Pool, Q8Activation, kernels, prepared_matvecs, rows_into};
 use crate::tensor::QMatrix;
@@ -57,6 +58,9 @@ pub fn gated_products(
     let mut ys: Vec<Vec<f32>> = mlps.iter().map(|m| vec![0.0f32; m.down.rows]).collect();
     let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
     prepared_matvecs(pool, k, &ws, &xs, &mut outs);
+    drop(xs);
+    let q8 = quantized_inputs(inputs);
+    recycle(acts, q8);
     ys
 }
 
@@ -115,19 +119,54 @@ pub fn gated_products_summed(
             }
         }
     });
+    let q8 = quantized_inputs(inputs);
+    recycle(acts, q8);
     Some(())
+}
+
+thread_local! {
+    /// The activations and quantized down inputs of this thread's last
+    /// call, for the next call to overwrite. Made afresh, each call zeroed
+    /// an activation per MLP, and freed here the down inputs the workers
+    /// had quantized (into their own malloc arenas): on a decode's calling
+    /// thread, while the workers waited (docs/benchmarks.md).
+    static REUSE: RefCell<(Vec<Vec<f32>>, Vec<Q8Activation>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Buffers [`REUSE`] keeps of each kind, at most (a call takes one per
+/// MLP: a decode's routed experts).
+const REUSE_MAX: usize = 32;
+
+/// The quantized vectors among `inputs`.
+fn quantized_inputs(inputs: Vec<Input<'_>>) -> Vec<Q8Activation> {
+    inputs
+        .into_iter()
+        .filter_map(|x| match x {
+            Input::Q8(q) => Some(q),
+            Input::F32(_) => None,
+        })
+        .collect()
+}
+
+/// Gives a call's activations and quantized down inputs back to
+/// [`REUSE`].
+fn recycle(acts: Vec<Vec<f32>>, q8: Vec<Q8Activation>) {
+    REUSE.with_borrow_mut(|(a, q)| {
+        a.extend(acts.into_iter().take(REUSE_MAX.saturating_sub(a.len())));
+        q.extend(q8.into_iter().take(REUSE_MAX.saturating_sub(q.len())));
+    });
 }
 
 /// The activation of each MLP (`act(gate x, up x)`) in one pool job, and
 /// where its down matrix takes 8-bit inputs, the activation quantized by
 /// the task that finished it.
-#[allow(clippy::type_complexity)]
 fn gate_up_job(
     pool: &Pool,
     mlps: &[Gated<'_>],
     x: &[f32],
     act: impl Fn(&mut [f32], &[f32]) + Sync,
-) -> (Vec<Vec<f32>>, Vec<OnceLock<Q8Activation>>) {
+) -> (Vec<Vec<f32>>, Vec<Option<Q8Activation>>) {
     for m in mlps {
         assert!(
             m.gate.cols == x.len() && m.up.cols == x.len(),
@@ -137,12 +176,20 @@ fn gate_up_job(
         assert_eq!(m.down.cols, m.gate.rows, "down product input length");
     }
     let k = kernels();
+    // Last call's buffers where there are: every activation row is
+    // written by a task below before anything reads it, and a vector is
+    // quantized whole (`quantize_from` resets it).
+    let (mut spare_acts, mut spare_q8) = REUSE.with_borrow_mut(std::mem::take);
     // x prepared once per input kind (as it is, or quantized).
     let (plain, quantized) = (
         Input::F32(x),
         mlps.iter()
             .any(|m| Input::quantizes(k, m.gate) || Input::quantizes(k, m.up))
-            .then(|| Input::Q8(Q8Activation::quantize(x))),
+            .then(|| {
+                let mut q = spare_q8.pop().unwrap_or_default();
+                q.quantize_from(x);
+                Input::Q8(q)
+            }),
     );
     let input = |w: &QMatrix| match &quantized {
         Some(q) if Input::quantizes(k, w) => q,
@@ -163,9 +210,18 @@ fn gate_up_job(
     }
     let acts: Vec<Mutex<Vec<f32>>> = mlps
         .iter()
-        .map(|m| Mutex::new(vec![0.0f32; m.gate.rows]))
+        .map(|m| {
+            let mut a = spare_acts.pop().unwrap_or_default();
+            a.resize(m.gate.rows, 0.0);
+            Mutex::new(a)
+        })
         .collect();
-    let down_q8: Vec<OnceLock<Q8Activation>> = mlps.iter().map(|_| OnceLock::new()).collect();
+    let down_q8: Vec<Mutex<Q8Activation>> = mlps
+        .iter()
+        .map(|_| Mutex::new(spare_q8.pop().unwrap_or_default()))
+        .collect();
+    REUSE.with_borrow_mut(|r| *r = (spare_acts, spare_q8));
+    let down_done: Vec<AtomicBool> = mlps.iter().map(|_| AtomicBool::new(false)).collect();
     pool.run(tasks.len(), &|t| {
         let (i, r0, len) = tasks[t];
         let m = &mlps[i];
@@ -186,16 +242,30 @@ fn gate_up_job(
         // The last of this MLP's tasks: every row of its activation was
         // written under the lock before the other tasks' decrements.
         if left[i].fetch_sub(1, Ordering::AcqRel) == 1 && Input::quantizes(k, m.down) {
-            let q = Q8Activation::quantize(&lock(&acts[i]));
             // Only the last task reaches here, once per MLP.
-            let _ = down_q8[i].set(q);
+            lock(&down_q8[i]).quantize_from(&lock(&acts[i]));
+            down_done[i].store(true, Ordering::Release);
         }
     });
 
-    let acts: Vec<Vec<f32>> = acts
+    let acts: Vec<Vec<f32>> = acts.into_iter().map(into_inner).collect();
+    let mut unused = quantized_inputs(quantized.into_iter().collect());
+    let down_q8 = down_q8
         .into_iter()
-        .map(|a| a.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .zip(&down_done)
+        .map(|(q, done)| {
+            let q = into_inner(q);
+            if done.load(Ordering::Acquire) {
+                Some(q)
+            } else {
+                unused.push(q);
+                None
+            }
+        })
         .collect();
+    REUSE.with_borrow_mut(|(_, q)| {
+        q.extend(unused.into_iter().take(REUSE_MAX.saturating_sub(q.len())))
+    });
     (acts, down_q8)
 }
 
@@ -204,14 +274,14 @@ fn gate_up_job(
 fn down_inputs<'a>(
     mlps: &[Gated<'_>],
     acts: &'a [Vec<f32>],
-    down_q8: Vec<OnceLock<Q8Activation>>,
+    down_q8: Vec<Option<Q8Activation>>,
 ) -> Vec<Input<'a>> {
     let k = kernels();
     down_q8
         .into_iter()
         .zip(acts)
         .zip(mlps)
-        .map(|((q, a), m)| match q.into_inner() {
+        .map(|((q, a), m)| match q {
             Some(q) => Input::Q8(q),
             // Not quantized by the job: the down matrix takes f32 inputs
             // (or the MLP had no rows).
@@ -220,8 +290,14 @@ fn down_inputs<'a>(
         .collect()
 }
 
-/// The activation's lock; poisoned only if a task panicked while holding
-/// it, and plain floats stay valid either way.
-fn lock(m: &Mutex<Vec<f32>>) -> MutexGuard<'_, Vec<f32>> {
+/// An activation's (or a down input's) lock; poisoned only if a task
+/// panicked while holding it, and the pool then resumes that panic on the
+/// calling thread before anything reads the value.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// [`lock`]'s value, taken out.
+fn into_inner<T>(m: Mutex<T>) -> T {
+    m.into_inner().unwrap_or_else(|p| p.into_inner())
 }
