@@ -3,11 +3,7 @@
 
 /// RMSNorm as transformers computes it: `w * (x * rsqrt(mean(x²) + eps))`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mut ss = 0.0f64;
-    for &v in x {
-        ss += (v as f64) * (v as f64);
-    }
-    let var = (ss / x.len() as f64) as f32;
+    let var = mean_square(x);
     let r = 1.0 / (var + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = g * (v * r);
@@ -16,15 +12,71 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// In-place RMSNorm.
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
-    let mut ss = 0.0f64;
-    for &v in x.iter() {
-        ss += (v as f64) * (v as f64);
-    }
-    let var = (ss / x.len() as f64) as f32;
+    let var = mean_square(x);
     let r = 1.0 / (var + eps).sqrt();
     for (v, &g) in x.iter_mut().zip(w) {
         *v = g * (*v * r);
     }
+}
+
+/// RMSNorm's `mean(x²)`, defined as the sum of the squares in f64, one
+/// after the other in order ([`mean_square_in_order`]), divided by the
+/// length and rounded to f32: the CPU tier's bits since its first day.
+///
+/// That sum is a chain of dependent additions (2,048 of them, ~2.7 µs, for
+/// a hidden row of Qwen3-30B-A3B: time a decode's other threads wait for).
+/// So it is first summed in eight chains ([`sum_squares_8`]). Every square
+/// of an f32 is exact in f64, so both sums lie within `(n − 1)·2⁻⁵³` of the
+/// exact sum relatively (recursive summation of non-negative terms); if
+/// every value within twice that, with margin, of the fast sum rounds to
+/// the same f32 mean, the in-order sum's mean is that f32 too (division
+/// and rounding are monotonic). Otherwise (a mean within ~1e-12 of an f32
+/// rounding boundary, or a non-finite sum) the chain runs in order. Either
+/// way the result is [`mean_square_in_order`]'s, bit for bit.
+pub fn mean_square(x: &[f32]) -> f32 {
+    mean_square_checked(x).0
+}
+
+/// [`mean_square`], and whether it took the in-order chain.
+fn mean_square_checked(x: &[f32]) -> (f32, bool) {
+    let n = x.len() as f64;
+    let fast = sum_squares_8(x);
+    // (n − 1)·2⁻⁵³ for each sum, twice for the two, twice again for the
+    // rounding of the bound's own arithmetic, plus a few ulp.
+    let rel = (4.0 * n + 8.0) * f64::EPSILON / 2.0;
+    let (lo, hi) = (fast * (1.0 - rel), fast * (1.0 + rel));
+    let (a, b) = ((lo / n) as f32, (hi / n) as f32);
+    if fast.is_finite() && a.to_bits() == b.to_bits() {
+        (a, false)
+    } else {
+        (mean_square_in_order(x), true)
+    }
+}
+
+/// The definition of RMSNorm's mean of squares (see [`mean_square`]).
+pub fn mean_square_in_order(x: &[f32]) -> f32 {
+    let mut ss = 0.0f64;
+    for &v in x {
+        ss += (v as f64) * (v as f64);
+    }
+    (ss / x.len() as f64) as f32
+}
+
+/// `Σ x²` in f64 over eight chains (element `i` in chain `i mod 8`),
+/// joined as `((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))`: eight
+/// additions in flight instead of one.
+fn sum_squares_8(x: &[f32]) -> f64 {
+    let mut c = [0.0f64; 8];
+    let mut blocks = x.chunks_exact(8);
+    for b in &mut blocks {
+        for (ci, &v) in c.iter_mut().zip(b) {
+            *ci += (v as f64) * (v as f64);
+        }
+    }
+    for (ci, &v) in c.iter_mut().zip(blocks.remainder()) {
+        *ci += (v as f64) * (v as f64);
+    }
+    ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7]))
 }
 
 #[inline]
@@ -250,6 +302,55 @@ pub fn accumulator(n: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The eight-chain mean of squares is the in-order one, bit for bit:
+    /// on random rows of awkward lengths and scales (including subnormal
+    /// squares' neighbourhood and huge values), on non-finite rows, and on
+    /// a row built so that the two sums round differently at a tie of the
+    /// f32 mean, where it must take the in-order chain.
+    #[test]
+    fn mean_square_is_the_in_order_sum() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let mut fell_back = 0;
+        for n in [1usize, 2, 7, 8, 9, 31, 128, 777, 2048, 3000] {
+            for scale in [1e-25f32, 1e-3, 1.0, 7.5, 1e18] {
+                for _ in 0..20 {
+                    let x: Vec<f32> = (0..n)
+                        .map(|_| scale * rng.random_range(-1.0f32..1.0))
+                        .collect();
+                    let (got, slow) = mean_square_checked(&x);
+                    assert_eq!(got.to_bits(), mean_square_in_order(&x).to_bits(), "n {n}");
+                    fell_back += slow as usize;
+                }
+            }
+        }
+        // Random rows almost never come near a rounding boundary.
+        assert!(fell_back < 5, "{fell_back} rows took the in-order chain");
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = vec![0.5f32; 100];
+            x[37] = special;
+            let (got, slow) = mean_square_checked(&x);
+            let want = mean_square_in_order(&x);
+            assert!(slow && (got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan()));
+        }
+        // 1 + 2⁻²⁴ (from 1 and 2⁻¹²) then fourteen squares of 2⁻⁵⁴: in
+        // order each is a quarter ulp and vanishes; in eight chains they
+        // meet first and add 3·2⁻⁵², so the mean over 16, an exact f32 tie
+        // (rounded to even) in order, rounds up from the fast sum.
+        let mut x = vec![1.0f32, 2f32.powi(-12)];
+        x.resize(16, 2f32.powi(-27));
+        let fast = (sum_squares_8(&x) / 16.0) as f32;
+        let want = mean_square_in_order(&x);
+        assert_ne!(
+            fast.to_bits(),
+            want.to_bits(),
+            "the row no longer splits the sums"
+        );
+        let (got, slow) = mean_square_checked(&x);
+        assert!(slow);
+        assert_eq!(got.to_bits(), want.to_bits());
+    }
 
     #[test]
     fn top_k_orders_by_value_then_index() {
