@@ -615,8 +615,11 @@ fn worker(sh: &Shared) {
                 continue;
             }
             let mut l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
-            sh.sleepers.fetch_add(1, Ordering::SeqCst);
+            // Counted before the worker shows as parked: whoever sees it
+            // in `sleepers` (a SeqCst read of this SeqCst add) sees this
+            // park counted too.
             sh.parks.fetch_add(1, Ordering::Relaxed);
+            sh.sleepers.fetch_add(1, Ordering::SeqCst);
             while sh.epoch.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
                 l = sh.wake.wait(l).unwrap_or_else(|p| p.into_inner());
             }
